@@ -1,0 +1,84 @@
+"""The experts half of MegaMoE: what every provider (torch reference, Triton, aiter) computes.
+
+Contract: given the rows a rank received (in the A operand's format, or bf16), and a list of
+(row, local expert slot, route weight) pairs, return one route-weighted fp32 output row per pair:
+
+    out[p] = w[p] * GEMM2_e( requant_A( SwiGLU_limit( GEMM1_e( A[row[p]] ) ) ) )
+
+GEMM1 uses the gate/up layout of the weights; SwiGLU is silu(min(g, L)) * clamp(u, -L, L) when a
+limit L is set (DeepSeek V4 uses 10.0), plain silu(g) * u otherwise. A2 (the SwiGLU output) is
+re-quantised to the A format before GEMM2, as upstream MegaMoE does (bf16 scheme: bf16 rounding).
+Pairs are independent: a NaN row only poisons its own pairs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import MXTensor
+from .weights import ExpertWeights
+
+# quant scheme -> MX format of the A operand (None: bf16 activations)
+A_OPERAND = {"bf16": None, "fp8_block": None, "a8w4": "fp8", "a4w4": "fp4"}
+
+
+@dataclass(frozen=True)
+class ExpertMath:
+    """What the expert GEMMs compute, independent of who computes it."""
+
+    quant: str  # "bf16" | "fp8_block" | "a8w4" | "a4w4"
+    swiglu_limit: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.quant not in A_OPERAND:
+            raise ValueError(f"quant={self.quant!r}; expected one of {tuple(A_OPERAND)}")
+
+    @property
+    def a_format(self) -> str | None:
+        """MX format of the A operand of both GEMMs ("fp8" | "fp4"), or None for bf16."""
+        return A_OPERAND[self.quant]
+
+
+@dataclass(frozen=True)
+class ExpertPairs:
+    """(received row, local expert slot, route weight) triples, one per routed contribution."""
+
+    row: torch.Tensor  # int64 [P]
+    slot: torch.Tensor  # int64 [P]
+    weight: torch.Tensor  # fp32 [P]
+
+    def __len__(self) -> int:
+        return int(self.row.shape[0])
+
+
+Activations = torch.Tensor | MXTensor
+
+
+class ExpertsProvider(ABC):
+    """Runs the local experts. Implementations differ in speed, never in the math above."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath) -> torch.Tensor:
+        """Return fp32 [len(pairs), H] route-weighted expert outputs."""
+
+    @classmethod
+    def supports(cls, device: torch.device, math: ExpertMath, weights_fmt: str) -> bool:
+        """Capability predicate used by provider selection; overridden by hardware providers."""
+        return True
+
+
+def swiglu(h: torch.Tensor, layout: str, limit: float | None) -> torch.Tensor:
+    """GEMM1 output [..., 2I] -> SwiGLU activation [..., I] in fp32."""
+    if layout == "interleaved":
+        gate, up = h[..., 0::2], h[..., 1::2]
+    else:
+        gate, up = h.chunk(2, dim=-1)
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return torch.nn.functional.silu(gate) * up

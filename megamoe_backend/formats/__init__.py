@@ -1,0 +1,35 @@
+"""Number formats: E8M0 scales, MXFP8 / MXFP4 block quantisation, and wire row layouts."""
+
+from .e8m0 import decode_e8m0, encode_e8m0, scale_exponent_for_amax
+from .mx import (
+    FP4_MAX,
+    FP8_MAX,
+    MX_BLOCK,
+    MXTensor,
+    dequantize_mx,
+    fake_quantize,
+    pack_fp4,
+    quantize_mx,
+    unpack_fp4,
+)
+from .wire import COMBINE_WIRES, DISPATCH_WIRES, WireFormat, combine_wire, dispatch_wire
+
+__all__ = [
+    "COMBINE_WIRES",
+    "DISPATCH_WIRES",
+    "FP4_MAX",
+    "FP8_MAX",
+    "MX_BLOCK",
+    "MXTensor",
+    "WireFormat",
+    "combine_wire",
+    "decode_e8m0",
+    "dequantize_mx",
+    "dispatch_wire",
+    "encode_e8m0",
+    "fake_quantize",
+    "pack_fp4",
+    "quantize_mx",
+    "scale_exponent_for_amax",
+    "unpack_fp4",
+]

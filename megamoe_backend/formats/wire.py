@@ -1,0 +1,87 @@
+"""Wire row layouts: how one token's activation (dispatch) or one expert output (combine) travels.
+
+A wire row is a flat uint8 row: the payload, then (for MX wires) the E8M0 scales. Transports move
+rows as opaque bytes, so every transport (all_to_all, NVLink P2P, mori) carries the same layout and
+the sender quantises exactly once per token, whatever the number of destination ranks.
+
+Bytes per token at hidden 7168: bf16 14336; fp8 7168 + 224; fp4 3584 + 224. No padding is added:
+hidden % 32 == 0 already keeps every row a multiple of 4 bytes for quantised wires (224 = 7168/32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .mx import MX_BLOCK, MXTensor, dequantize_mx, quantize_mx
+
+DISPATCH_WIRES = ("bf16", "fp8", "fp4")
+COMBINE_WIRES = ("bf16", "fp8_blockwise_1x32")
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """One row format: ``mx`` is None for bf16, else the MX element format ("fp8" / "fp4")."""
+
+    name: str
+    mx: str | None
+
+    def payload_bytes(self, hidden: int) -> int:
+        if self.mx is None:
+            return 2 * hidden
+        return hidden if self.mx == "fp8" else hidden // 2
+
+    def scale_bytes(self, hidden: int) -> int:
+        return 0 if self.mx is None else hidden // MX_BLOCK
+
+    def row_bytes(self, hidden: int) -> int:
+        return self.payload_bytes(hidden) + self.scale_bytes(hidden)
+
+    def check_hidden(self, hidden: int, knob: str) -> None:
+        if self.mx is not None and hidden % MX_BLOCK != 0:
+            raise ValueError(
+                f"{knob}={self.name} needs hidden % {MX_BLOCK} == 0 (one E8M0 scale per 1x32 block), "
+                f"got hidden={hidden}; use the bf16 wire for this model"
+            )
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, H] activations -> [N, row_bytes] uint8 rows (quantised once, here)."""
+        if self.mx is None:
+            return x.to(torch.bfloat16).contiguous().view(torch.uint8)
+        return encode_mx_rows(quantize_mx(x, self.mx, name="wire rows"))
+
+    def decode(self, rows: torch.Tensor, hidden: int) -> torch.Tensor | MXTensor:
+        """[N, row_bytes] uint8 -> bf16 [N, H] or the MXTensor the expert GEMM consumes directly."""
+        if rows.shape[-1] != self.row_bytes(hidden):
+            raise ValueError(
+                f"wire rows have {rows.shape[-1]} bytes, the {self.name} wire at hidden={hidden} "
+                f"needs {self.row_bytes(hidden)}"
+            )
+        if self.mx is None:
+            return rows.contiguous().view(torch.bfloat16)
+        payload = self.payload_bytes(hidden)
+        return MXTensor(data=rows[:, :payload].contiguous(), scales=rows[:, payload:].contiguous(), fmt=self.mx)
+
+    def decode_fp32(self, rows: torch.Tensor, hidden: int) -> torch.Tensor:
+        decoded = self.decode(rows, hidden)
+        if isinstance(decoded, MXTensor):
+            return dequantize_mx(decoded)
+        return decoded.to(torch.float32)
+
+
+def encode_mx_rows(t: MXTensor) -> torch.Tensor:
+    """MXTensor [N, ...] -> rows [N, payload + scales] (payload first)."""
+    return torch.cat((t.data, t.scales), dim=-1).contiguous()
+
+
+def dispatch_wire(name: str) -> WireFormat:
+    if name not in DISPATCH_WIRES:
+        raise ValueError(f"unknown dispatch wire {name!r}; allowed: {', '.join(DISPATCH_WIRES)}")
+    return WireFormat(name=name, mx=None if name == "bf16" else name)
+
+
+def combine_wire(name: str) -> WireFormat:
+    if name not in COMBINE_WIRES:
+        raise ValueError(f"unknown combine wire {name!r}; allowed: {', '.join(COMBINE_WIRES)}")
+    return WireFormat(name=name, mx=None if name == "bf16" else "fp8")

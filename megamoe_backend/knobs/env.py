@@ -1,0 +1,108 @@
+"""MEGA_* environment knobs, read once and validated.
+
+Why strict: a silently ignored or mistyped variable serves the wrong wire while the operator
+believes otherwise. Every value is checked against its allowed set and an error names the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Mapping
+
+DISPATCH_WIRE_VALUES = ("bf16", "fp8", "fp4")
+COMBINE_WIRE_VALUES = ("bf16", "fp8_blockwise_1x32")
+TRANSPORT_VALUES = ("auto", "nccl", "symm", "mori")
+DEFAULT_MAX_TOKENS_PER_RANK = 8192
+
+KNOB_NAMES = (
+    "MEGA_DISPATCH_WIRE",
+    "MEGA_WIRE",
+    "MEGA_COMBINE_WIRE",
+    "MEGA_DISPATCH",
+    "MEGA_MAX_TOKENS_PER_RANK",
+    "AITER_FORCE_A8W4",
+)
+
+
+class KnobError(ValueError):
+    """A MEGA_* / AITER_* environment variable holds a value MegaMoE cannot serve."""
+
+
+def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...], default: str) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in allowed:
+        raise KnobError(f"{name}={raw!r} is not valid; allowed values: {' | '.join(allowed)}")
+    return value
+
+
+def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise KnobError(f"{name}={raw!r} is not an integer; expected a positive token count") from None
+    if value <= 0:
+        raise KnobError(f"{name}={raw!r} must be a positive token count")
+    return value
+
+
+def _optional_bool(env: Mapping[str, str], name: str) -> bool | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise KnobError(f"{name}={raw!r} is not valid; allowed values: 1 | 0 (or true | false)")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The operator's choices. Defaults: bf16 wires, automatic transport, 8192 tokens per rank."""
+
+    dispatch_wire: str = "bf16"
+    combine_wire: str = "bf16"
+    transport: str = "auto"
+    max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
+    aiter_force_a8w4: bool | None = None
+
+    def __post_init__(self) -> None:
+        for field, allowed, knob in (
+            ("dispatch_wire", DISPATCH_WIRE_VALUES, "MEGA_DISPATCH_WIRE"),
+            ("combine_wire", COMBINE_WIRE_VALUES, "MEGA_COMBINE_WIRE"),
+            ("transport", TRANSPORT_VALUES, "MEGA_DISPATCH"),
+        ):
+            if getattr(self, field) not in allowed:
+                raise KnobError(f"{knob}={getattr(self, field)!r} is not valid; allowed values: {' | '.join(allowed)}")
+        if self.max_tokens_per_rank <= 0:
+            raise KnobError(f"MEGA_MAX_TOKENS_PER_RANK={self.max_tokens_per_rank} must be a positive token count")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Knobs":
+        env = os.environ if env is None else env
+        wire = _choice(env, "MEGA_DISPATCH_WIRE", DISPATCH_WIRE_VALUES, "bf16")
+        old = env.get("MEGA_WIRE")
+        if old is not None and old.strip() != "" and old.strip().lower() != wire:
+            raise KnobError(
+                f"MEGA_WIRE={old!r} is the old name of MEGA_DISPATCH_WIRE and disagrees with it "
+                f"(MEGA_DISPATCH_WIRE resolves to {wire!r}); set MEGA_DISPATCH_WIRE={old.strip().lower()} "
+                "and remove MEGA_WIRE, or make them equal"
+            )
+        return cls(
+            dispatch_wire=wire,
+            combine_wire=_choice(env, "MEGA_COMBINE_WIRE", COMBINE_WIRE_VALUES, "bf16"),
+            transport=_choice(env, "MEGA_DISPATCH", TRANSPORT_VALUES, "auto"),
+            max_tokens_per_rank=_positive_int(env, "MEGA_MAX_TOKENS_PER_RANK", DEFAULT_MAX_TOKENS_PER_RANK),
+            aiter_force_a8w4=_optional_bool(env, "AITER_FORCE_A8W4"),
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)

@@ -1,0 +1,17 @@
+"""Plan: spec x knobs x EP position -> a frozen LayerPlan (placement, wires, backends)."""
+
+from .layer_plan import META_BYTES_PER_TOPK, LayerPlan, WireBytes, build_plan, check_wire_matches_quant
+from .placement import ExpertPlacement, PlacementError
+from .selection import BackendChoice, select_backends
+
+__all__ = [
+    "META_BYTES_PER_TOPK",
+    "BackendChoice",
+    "ExpertPlacement",
+    "LayerPlan",
+    "PlacementError",
+    "WireBytes",
+    "build_plan",
+    "check_wire_matches_quant",
+    "select_backends",
+]

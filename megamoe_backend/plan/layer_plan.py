@@ -1,0 +1,163 @@
+"""LayerPlan: everything resolved for one MegaMoE layer runtime, before any buffer exists.
+
+Why a plan: spec (model), knobs (operator) and the rank's place in the EP group interact —
+a quantised wire must match the GEMM's A operand, hidden must split into 1x32 blocks, experts must
+split over ranks, the transport must exist on this machine. Resolving them once, into a frozen
+object, makes every mismatch a startup error and gives one line to log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..experts.base import ExpertMath
+from ..formats import MX_BLOCK, WireFormat, combine_wire, dispatch_wire
+from ..knobs import KnobError, Knobs
+from ..spec import MoESpec
+from .placement import ExpertPlacement
+from .selection import BackendChoice, select_backends
+
+# Routing metadata sent with each dispatched row: int32 local slot + fp32 weight per top-k entry.
+META_BYTES_PER_TOPK = 8
+
+
+@dataclass(frozen=True)
+class WireBytes:
+    """Bytes on the wire. Dispatch: per token per destination rank. Combine: per (token, expert) pair."""
+
+    dispatch_payload: int
+    dispatch_scales: int
+    dispatch_meta: int
+    combine_payload: int
+    combine_scales: int
+
+    @property
+    def dispatch_row(self) -> int:
+        return self.dispatch_payload + self.dispatch_scales
+
+    @property
+    def combine_row(self) -> int:
+        return self.combine_payload + self.combine_scales
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    spec: MoESpec
+    knobs: Knobs
+    ep_rank: int
+    ep_size: int
+    placement: ExpertPlacement
+    math: ExpertMath
+    dispatch: WireFormat
+    combine: WireFormat
+    backends: BackendChoice
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def hidden(self) -> int:
+        return self.spec.hidden_size
+
+    @property
+    def topk(self) -> int:
+        return self.spec.num_experts_per_tok
+
+    @property
+    def mtpr(self) -> int:
+        return self.knobs.max_tokens_per_rank
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.placement.num_local(self.ep_rank)
+
+    def wire_bytes(self) -> WireBytes:
+        h = self.hidden
+        return WireBytes(
+            dispatch_payload=self.dispatch.payload_bytes(h),
+            dispatch_scales=self.dispatch.scale_bytes(h),
+            dispatch_meta=META_BYTES_PER_TOPK * self.topk,
+            combine_payload=self.combine.payload_bytes(h),
+            combine_scales=self.combine.scale_bytes(h),
+        )
+
+    def layout_key(self) -> tuple:
+        """Everything that changes a transport's buffer layout (the transport cache key, less the group)."""
+        return (
+            self.backends.transport,
+            self.ep_size,
+            self.hidden,
+            self.topk,
+            self.mtpr,
+            self.dispatch.name,
+            self.combine.name,
+            self.placement.num_physical,
+        )
+
+    def startup_line(self, transport_name: str | None = None) -> str:
+        """The one log line per created runtime; ``transport_name`` reports what was actually built."""
+        s = self.spec
+        limit = "none" if s.swiglu_limit is None else f"{s.swiglu_limit}"
+        return (
+            f"[megamoe] Created MegaMoE: ep_rank={self.ep_rank} ep_size={self.ep_size} hidden={s.hidden_size} "
+            f"inter={s.moe_intermediate_size} experts={self.placement.num_physical} topk={s.num_experts_per_tok} "
+            f"mtpr={self.mtpr} quant={self.math.quant} experts_provider={self.backends.provider} "
+            f"transport={transport_name or self.backends.transport} wire={self.dispatch.name} combine={self.combine.name} "
+            f"swiglu_limit={limit}"
+        )
+
+
+def check_wire_matches_quant(wire: str, quant: str) -> None:
+    """A quantised dispatch wire must be the expert GEMM's A operand; bf16 is always legal."""
+    a_format = ExpertMath(quant).a_format
+    if wire == "bf16" or wire == a_format:
+        return
+    need = a_format or "bf16"
+    legal = "bf16" if a_format is None else f"bf16 or {a_format}"
+    raise KnobError(
+        f"MEGA_DISPATCH_WIRE={wire} does not match the expert GEMM's A operand for quant={quant} "
+        f"(A operand {need}); allowed for this model: {legal}. No silent fallback: fix the knob."
+    )
+
+
+def build_plan(
+    spec: MoESpec,
+    knobs: Knobs,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    placement: ExpertPlacement | None = None,
+    device_type: str = "cpu",
+    quant: str | None = None,
+    backends: BackendChoice | None = None,
+) -> LayerPlan:
+    """Resolve spec x knobs x EP position into a LayerPlan, raising on every mismatch.
+
+    ``quant`` overrides the spec's scheme (benchmarks, demo); ``backends`` overrides selection
+    (tests, plugins that already know their transport).
+    """
+    quant = quant or spec.quant
+    math = ExpertMath(quant=quant, swiglu_limit=spec.swiglu_limit)
+    check_wire_matches_quant(knobs.dispatch_wire, quant)
+    dwire = dispatch_wire(knobs.dispatch_wire)
+    cwire = combine_wire(knobs.combine_wire)
+    dwire.check_hidden(spec.hidden_size, "MEGA_DISPATCH_WIRE")
+    cwire.check_hidden(spec.hidden_size, "MEGA_COMBINE_WIRE")
+    if math.a_format is not None and spec.moe_intermediate_size % MX_BLOCK:
+        raise ValueError(
+            f"quant={quant} needs moe_intermediate_size % {MX_BLOCK} == 0, got {spec.moe_intermediate_size}"
+        )
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank={ep_rank} must be in 0..ep_size-1 (ep_size={ep_size})")
+    placement = placement or ExpertPlacement.linear(spec.n_routed_experts, ep_size)
+    if placement.ep_size != ep_size:
+        raise ValueError(f"placement is for ep_size={placement.ep_size}, plan for ep_size={ep_size}")
+    choice = backends or select_backends(knobs, math, device_type)
+    return LayerPlan(
+        spec=spec,
+        knobs=knobs,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        placement=placement,
+        math=math,
+        dispatch=dwire,
+        combine=cwire,
+        backends=choice,
+    )

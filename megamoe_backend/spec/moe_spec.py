@@ -1,0 +1,149 @@
+"""MoE model shapes and quant scheme, read from a Hugging Face ``config.json``.
+
+Why a spec object: every later layer (knobs validation, plan, wire sizes, plugins) needs the same
+dozen numbers, and reading them in one place means a missing key fails once, at startup, with the
+key's name, rather than as a shape error deep inside a kernel.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+QUANT_SCHEMES = ("bf16", "fp8_block", "a8w4", "a4w4")
+
+# Keys without which the MoE layer cannot be built. Everything else has a documented default.
+REQUIRED_KEYS = ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")
+
+
+class ConfigError(ValueError):
+    """config.json cannot describe a MegaMoE layer (missing key, unsupported value)."""
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The routed-experts shape of one DeepSeek-style model, plus its routing and quant scheme."""
+
+    hidden_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    num_hidden_layers: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    swiglu_limit: float | None = None
+    quant: str = "bf16"
+    model_type: str = ""
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ConfigError(f"scoring_func={self.scoring_func!r} is not supported; expected one of {SCORING_FUNCS}")
+        if self.quant not in QUANT_SCHEMES:
+            raise ConfigError(f"quant scheme {self.quant!r}; expected one of {QUANT_SCHEMES}")
+        if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..n_routed_experts={self.n_routed_experts}"
+            )
+        if self.n_group < 1 or self.n_routed_experts % self.n_group:
+            raise ConfigError(f"n_group={self.n_group} must divide n_routed_experts={self.n_routed_experts}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"topk_group={self.topk_group} must be in 1..n_group={self.n_group}")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return max(0, self.num_hidden_layers - self.first_k_dense_replace)
+
+    def scaled(self, **overrides: Any) -> "MoESpec":
+        """A copy with some fields replaced (demo and tests shrink the real shapes)."""
+        return replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | str | Path, name: str = "") -> "MoESpec":
+        """Build from a config.json mapping or path (a nested ``text_config`` is used when present)."""
+        if isinstance(config, (str, Path)):
+            path = Path(config)
+            try:
+                config = json.loads(path.read_text())
+            except FileNotFoundError as exc:
+                raise ConfigError(f"config file not found: {path}") from exc
+            name = name or path.parent.name or path.stem
+        cfg = dict(config)
+        quant_cfg = cfg.get("quantization_config")
+        if isinstance(cfg.get("text_config"), Mapping):
+            text = dict(cfg["text_config"])
+            quant_cfg = text.get("quantization_config", quant_cfg)
+            cfg = text
+        missing = [k for k in REQUIRED_KEYS if k not in cfg]
+        if missing:
+            raise ConfigError(f"config.json is missing required MoE key(s): {', '.join(missing)}")
+        n_group = cfg.get("n_group") or 1
+        topk_group = cfg.get("topk_group") or 1
+        limit = cfg.get("swiglu_limit")
+        return cls(
+            hidden_size=int(cfg["hidden_size"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            n_routed_experts=int(cfg["n_routed_experts"]),
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+            num_hidden_layers=int(cfg.get("num_hidden_layers") or 1),
+            n_group=int(n_group),
+            topk_group=int(topk_group),
+            scoring_func=str(cfg.get("scoring_func") or "softmax"),
+            topk_method=str(cfg.get("topk_method") or "greedy"),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            swiglu_limit=float(limit) if limit else None,
+            quant=quant_scheme_from_config(quant_cfg),
+            model_type=str(cfg.get("model_type") or ""),
+            name=name,
+        )
+
+
+def quant_scheme_from_config(quant_cfg: Mapping[str, Any] | None) -> str:
+    """``quantization_config`` -> "bf16" | "fp8_block" | "a8w4" | "a4w4".
+
+    Quark MXFP4: quant_method "quark", weights fp4 in groups of 32 with e8m0 scales; the input
+    tensors' dtype picks the A operand (fp4 -> a4w4, fp8 -> a8w4). DeepSeek block FP8:
+    quant_method "fp8" with weight_block_size. Anything else is refused by name, never guessed.
+    """
+    if not quant_cfg:
+        return "bf16"
+    method = str(quant_cfg.get("quant_method", "")).lower()
+    if method == "fp8":
+        return "fp8_block"
+    if method == "mxfp4":
+        return "a4w4"
+    if method == "quark":
+        layer_cfg = quant_cfg.get("global_quant_config") or {}
+        weight = layer_cfg.get("weight") or {}
+        inputs = layer_cfg.get("input_tensors") or {}
+        wdtype = str(weight.get("dtype", "")).lower()
+        if "fp4" not in wdtype:
+            raise ConfigError(f"Quark config with weight dtype {wdtype!r}: only fp4 (MXFP4) weights are supported")
+        group = weight.get("group_size")
+        if group not in (None, 32):
+            raise ConfigError(f"Quark MXFP4 weight group_size={group}; MegaMoE needs 32")
+        scale = str(weight.get("scale_format", "e8m0")).lower()
+        if scale != "e8m0":
+            raise ConfigError(f"Quark MXFP4 weight scale_format={scale!r}; MegaMoE needs e8m0")
+        idtype = str(inputs.get("dtype", "")).lower() if inputs else ""
+        if "fp4" in idtype:
+            return "a4w4"
+        if "fp8" in idtype:
+            return "a8w4"
+        raise ConfigError(f"Quark MXFP4 input_tensors dtype {idtype!r}: expected fp4 (A4W4) or fp8 (A8W4)")
+    raise ConfigError(f"quantization_config quant_method={method!r} is not supported (bf16, fp8 block, Quark MXFP4)")

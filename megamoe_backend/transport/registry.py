@@ -1,0 +1,33 @@
+"""Transports by name, imported lazily (symmetric memory needs CUDA, mori needs ROCm)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from ..plan import LayerPlan
+from .base import Transport
+from .torch_dist import LocalTransport, TorchDistTransport
+
+TRANSPORTS = {
+    "symm": "megamoe_backend.transport.symm_mem:SymmMemTransport",
+    "mori": "megamoe_backend.transport.mori:MoriTransport",
+}
+
+
+def make_transport(plan: LayerPlan, group: Any, device: torch.device) -> Transport:
+    name = plan.backends.transport
+    if group is None:
+        if plan.ep_size != 1:
+            raise ValueError(f"ep_size={plan.ep_size} needs a process group (group=None given)")
+        return LocalTransport()
+    if name in ("gloo", "nccl"):
+        return TorchDistTransport(group, device)
+    try:
+        target = TRANSPORTS[name]
+    except KeyError:
+        raise ValueError(f"unknown transport {name!r}; available: gloo, nccl, {', '.join(TRANSPORTS)}") from None
+    module_name, cls_name = target.split(":")
+    return getattr(importlib.import_module(module_name), cls_name)(plan, group, device)
