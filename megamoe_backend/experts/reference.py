@@ -44,7 +44,8 @@ class TorchReferenceExperts(ExpertsProvider):
         hit = self._dequant_cache.get(id(weights))
         if hit is None or hit[0]() is not weights:
             w1, w2 = weights.dequantized()
-            hit = (weakref.ref(weights), w1.double(), w2.double())
+            # stored transposed ([E, K, N]) so each expert GEMM is a plain contiguous x @ w
+            hit = (weakref.ref(weights), w1.double().transpose(1, 2).contiguous(), w2.double().transpose(1, 2).contiguous())
             self._dequant_cache[id(weights)] = hit
         return hit[1], hit[2]
 
@@ -58,9 +59,9 @@ class TorchReferenceExperts(ExpertsProvider):
         for slot in torch.unique(pairs.slot).tolist():
             sel = torch.nonzero(pairs.slot == slot).squeeze(1)
             rows = x[pairs.row[sel]].double()
-            h = (rows @ w1[slot].T).float()
+            h = (rows @ w1[slot]).float()
             act = swiglu(h, weights.gate_up_layout, math.swiglu_limit)
             act = fake_quantize(act, math.a_format).double()
-            y = (act @ w2[slot].T).float()
+            y = (act @ w2[slot]).float()
             out[sel] = y * pairs.weight[sel].unsqueeze(1)
         return out

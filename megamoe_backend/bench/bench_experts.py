@@ -1,0 +1,482 @@
+"""`megamoe bench experts`: the Triton experts against torch._grouped_mm and the physical floor.
+
+One GPU. DeepSeek-V4-Pro expert shapes by default (hidden 7168, intermediate 3072, top-k 6), local
+expert counts 192 (EP2) and 48 (EP8 share), uniform random routing, token buckets of T tokens per
+rank (P = T x top-k pairs). Per case: median µs of a CUDA-graph replay of one full experts forward,
+effective HBM TB/s, TFLOP/s, relL2 against an fp32 computation (dequantised weights, unquantised
+activations), relL2 against the exact-math torch reference (same quantisation, fp64), and the
+floor max(weight bytes / HBM BW, FLOPs / bf16 MMA peak) with the weights of the experts actually hit.
+
+Baseline ("torch_grouped_mm"): sort + gather, torch._grouped_mm on the DEQUANTISED bf16 weights,
+SwiGLU in torch, torch._grouped_mm, route weight, scatter; timed the same way.
+
+Under TRITON_INTERPRET=1 on CPU this runs tiny shapes eagerly (no graph, no baseline): a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math as _math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..experts import ExpertMath, ExpertPairs, ExpertWeights, swiglu
+from ..experts.triton.config import BUCKETS, TileConfig, default_config, interpreting
+from ..formats import MX_BLOCK, MXTensor, dequantize_mx, fake_quantize
+
+# Datasheet ceilings of an H200 SXM (dense); the run also measures a copy and a bf16 GEMM.
+HBM_TBS = 4.8
+BF16_TFLOPS = 989.4
+FP8_TFLOPS = 1978.9
+
+SCHEMES = {  # name -> (ExpertMath.quant, weight format)
+    "a8w4": ("a8w4", "mxfp4"),
+    "a4w4": ("a4w4", "mxfp4"),
+    "a16w4": ("bf16", "mxfp4"),
+    "bf16": ("bf16", "bf16"),
+}
+
+# Extra tile configs tried with --variants (scheme a8w4, first expert count), per bucket class.
+VARIANTS = {
+    "decode": [
+        TileConfig(block_m=16, block_n1=64, block_n2=64, block_k=256, num_warps=4, num_stages=4),
+        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=512, num_warps=4, num_stages=3),
+        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=256, num_warps=8, num_stages=4),
+    ],
+    "mid": [
+        TileConfig(block_m=32, block_n1=128, block_n2=128, block_k=256, num_warps=4, num_stages=3),
+        TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=4),
+        TileConfig(block_m=64, block_n1=64, block_n2=64, block_k=256, num_warps=4, num_stages=4),
+    ],
+    "prefill": [
+        TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=64, num_warps=8, num_stages=4),
+        TileConfig(block_m=128, block_n1=256, block_n2=256, block_k=64, num_warps=8, num_stages=3),
+        TileConfig(block_m=256, block_n1=128, block_n2=128, block_k=64, num_warps=8, num_stages=3),
+    ],
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--experts", type=int, nargs="+", default=[192, 48], help="local experts per rank")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8, 128, 1024, 8192], help="tokens per rank")
+    parser.add_argument("--topk", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--intermediate", type=int, default=3072)
+    parser.add_argument("--schemes", nargs="+", default=["a8w4", "a4w4", "a16w4", "bf16"], choices=sorted(SCHEMES))
+    parser.add_argument("--swiglu-limit", type=float, default=10.0, help="SwiGLU clamp (DeepSeek V4: 10); <= 0 disables")
+    parser.add_argument("--decoder", default="auto", choices=["auto", "dot_scaled", "manual"])
+    parser.add_argument("--variants", action="store_true", help="also time alternative tile configs / decoders (a8w4)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip torch._grouped_mm")
+    parser.add_argument("--check-pairs", type=int, default=192, help="pairs sampled for the relL2 checks")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write results JSON here")
+    parser.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+
+
+@dataclass
+class Case:
+    experts: int
+    tokens: int
+    pairs: int
+    scheme: str
+    provider: str
+    decoder: str = ""
+    config: str = ""
+    us: float = float("nan")
+    graph: bool = False
+    active_experts: int = 0
+    weight_bytes: int = 0
+    hbm_bytes: int = 0
+    flops: int = 0
+    floor_us: float = float("nan")
+    floor_fp8_us: float = float("nan")
+    mma_floor_us: float = float("nan")
+    x_floor: float = float("nan")
+    hbm_tbs: float = float("nan")
+    tflops: float = float("nan")
+    rel_l2_fp32: float = float("nan")
+    rel_l2_ref: float = float("nan")
+    error: str = ""
+
+
+# ----------------------------------------------------------------------------------------- data
+def make_weights(n_exp: int, hidden: int, inter: int, device: torch.device, seed: int):
+    """Random bf16 weights -> MXFP4 (Triton quantiser, per expert) and their exact bf16 dequantisation."""
+    from ..experts.triton.quant import quantize_rows
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    w1q = torch.empty(n_exp, 2 * inter, hidden // 2, dtype=torch.uint8, device=device)
+    w1s = torch.empty(n_exp, 2 * inter, hidden // MX_BLOCK, dtype=torch.uint8, device=device)
+    w2q = torch.empty(n_exp, hidden, inter // 2, dtype=torch.uint8, device=device)
+    w2s = torch.empty(n_exp, hidden, inter // MX_BLOCK, dtype=torch.uint8, device=device)
+    w1d = torch.empty(n_exp, 2 * inter, hidden, dtype=torch.bfloat16, device=device)
+    w2d = torch.empty(n_exp, hidden, inter, dtype=torch.bfloat16, device=device)
+    for e in range(n_exp):
+        w1 = (torch.randn(2 * inter, hidden, generator=g, device=device) / _math.sqrt(hidden)).to(torch.bfloat16)
+        w2 = (torch.randn(hidden, inter, generator=g, device=device) / _math.sqrt(inter)).to(torch.bfloat16)
+        for src, q, s, d in ((w1, w1q, w1s, w1d), (w2, w2q, w2s, w2d)):
+            t = quantize_rows(src, "fp4", name="bench weights")
+            q[e].copy_(t.data)
+            s[e].copy_(t.scales)
+            d[e].copy_(dequantize_mx(t).to(torch.bfloat16))
+    fp4 = ExpertWeights(w1q, w2q, "mxfp4", "interleaved", w1s, w2s)
+    bf16 = ExpertWeights(w1d, w2d, "bf16", "interleaved")
+    return fp4, bf16
+
+
+def make_routing(tokens: int, n_exp: int, topk: int, hidden: int, device: torch.device, seed: int):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16)
+    ids = torch.rand(tokens, n_exp, generator=g, device=device).topk(topk, dim=1).indices
+    w = torch.rand(tokens, topk, generator=g, device=device)
+    w = w / w.sum(1, keepdim=True)
+    pairs = ExpertPairs(
+        row=torch.arange(tokens, device=device).repeat_interleave(topk),
+        slot=ids.reshape(-1).contiguous(),
+        weight=w.reshape(-1).float().contiguous(),
+    )
+    return x, pairs
+
+
+def weight_bytes_per_expert(hidden: int, inter: int, fmt: str) -> int:
+    elems = 3 * hidden * inter
+    return elems * 2 if fmt == "bf16" else elems // 2 + elems // MX_BLOCK
+
+
+def act_bytes(hidden: int, fmt: str | None) -> float:
+    return {None: 2.0 * hidden, "fp8": hidden * (1 + 1 / 32), "fp4": hidden * (0.5 + 1 / 32)}[fmt]
+
+
+# ------------------------------------------------------------------------------------ references
+def subset_reference(x, pairs: ExpertPairs, sel: torch.Tensor, wd: ExpertWeights, math: ExpertMath, exact: bool) -> torch.Tensor:
+    """Outputs of the pairs ``sel``. exact=True: the kernels' math (A / A2 quantised, fp64 GEMMs);
+    exact=False: fp32 math on the same (dequantised) weights with unquantised activations."""
+    dtype = torch.float64 if exact else torch.float32
+    rows = x[pairs.row[sel]].float()
+    if exact:
+        rows = fake_quantize(rows, math.a_format)
+    out = torch.empty(sel.numel(), wd.hidden, dtype=torch.float32, device=x.device)
+    slots = pairs.slot[sel]
+    for e in torch.unique(slots).tolist():
+        idx = torch.nonzero(slots == e).squeeze(1)
+        h = (rows[idx].to(dtype) @ wd.w1[e].to(dtype).T).float()
+        act = swiglu(h, wd.gate_up_layout, math.swiglu_limit)
+        if exact:
+            act = fake_quantize(act, math.a_format)
+        out[idx] = (act.to(dtype) @ wd.w2[e].to(dtype).T).float() * pairs.weight[sel][idx, None]
+    return out
+
+
+def rel_l2(y: torch.Tensor, r: torch.Tensor) -> float:
+    return float((y.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30))
+
+
+# -------------------------------------------------------------------------------------- baseline
+def grouped_mm_forward(x: torch.Tensor, pairs: ExpertPairs, wd: ExpertWeights, limit: float | None) -> torch.Tensor:
+    """Naive torch experts: sort, gather, two torch._grouped_mm on bf16 weights, SwiGLU, scatter."""
+    n_exp = wd.num_experts
+    order = torch.sort(pairs.slot, stable=True).indices
+    counts = torch.zeros(n_exp, dtype=torch.int64, device=x.device).index_add_(0, pairs.slot, torch.ones_like(pairs.slot))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x[pairs.row[order]]
+    h = torch._grouped_mm(xs, wd.w1.transpose(1, 2), offs=offs)
+    act = swiglu(h.float(), wd.gate_up_layout, limit).to(torch.bfloat16)
+    y = torch._grouped_mm(act, wd.w2.transpose(1, 2), offs=offs)
+    out = torch.empty(len(pairs), wd.hidden, dtype=torch.float32, device=x.device)
+    out[order] = y.float() * pairs.weight[order, None]
+    return out
+
+
+# ---------------------------------------------------------------------------------------- timing
+def time_fn(fn, use_graph: bool) -> tuple[float, bool]:
+    """Median µs per call; CUDA-graph replays when possible (that also proves capture works)."""
+    if not torch.cuda.is_available() or interpreting():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6, False
+    fn()
+    torch.cuda.synchronize()
+    call = fn
+    graphed = False
+    if use_graph:
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            call, graphed = g.replay, True
+        except Exception as exc:  # noqa: BLE001 - fall back to eager timing, recorded in the case
+            print(f"  graph capture failed ({type(exc).__name__}: {exc}); timing eagerly", file=sys.stderr)
+            torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    torch.cuda.synchronize()
+    one = max(start.elapsed_time(end), 1e-3)
+    reps = int(min(200, max(3, 60.0 / one)))
+    samples = []
+    for _ in range(5):
+        start.record()
+        for _ in range(reps):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / reps)
+    samples.sort()
+    return samples[len(samples) // 2], graphed
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    if device.type != "cuda" or interpreting():
+        return {}
+    out = {}
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    us, _ = time_fn(lambda: a @ b, use_graph=False)
+    out["measured_bf16_gemm_tflops"] = 2 * 8192**3 / us / 1e6
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us, _ = time_fn(lambda: dst.copy_(src), use_graph=False)
+    out["measured_copy_tbs"] = 2 * src.numel() / us / 1e6
+    del a, b, src, dst
+    torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------------------------------- run
+def bucket_class(pairs: int, n_exp: int) -> str:
+    avg = pairs / n_exp
+    return "decode" if avg <= BUCKETS[0][0] else ("mid" if avg <= BUCKETS[1][0] else "prefill")
+
+
+def describe(cfg: TileConfig | None) -> str:
+    if cfg is None:
+        return ""
+    return f"m{cfg.block_m} n{cfg.block_n1}/{cfg.block_n2} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def fill_metrics(c: Case, hidden: int, inter: int, wfmt: str, a_fmt: str | None) -> None:
+    c.weight_bytes = c.active_experts * weight_bytes_per_expert(hidden, inter, wfmt)
+    a2 = act_bytes(inter, a_fmt)  # bytes per A2 row (payload + scales)
+    c.hbm_bytes = int(c.weight_bytes + c.pairs * (act_bytes(hidden, a_fmt) + 2 * a2 + 4 * hidden))
+    c.flops = 6 * c.pairs * hidden * inter
+    c.mma_floor_us = c.flops / (BF16_TFLOPS * 1e12) * 1e6
+    c.floor_us = max(c.weight_bytes / (HBM_TBS * 1e12) * 1e6, c.mma_floor_us)
+    c.floor_fp8_us = max(c.weight_bytes / (HBM_TBS * 1e12) * 1e6, c.flops / (FP8_TFLOPS * 1e12) * 1e6)
+    if c.us == c.us:
+        c.x_floor = c.us / c.floor_us
+        c.hbm_tbs = c.hbm_bytes / c.us / 1e6
+        c.tflops = c.flops / c.us / 1e6
+
+
+def run_case(c: Case, fn, check) -> Case:
+    try:
+        y = fn()
+        c.rel_l2_fp32, c.rel_l2_ref = check(y)
+        del y
+        c.us, c.graph = time_fn(fn, use_graph=True)
+    except Exception as exc:  # noqa: BLE001 - one failing variant must not sink the whole sweep
+        c.error = f"{type(exc).__name__}: {str(exc)[:400]}"
+        print(f"  FAILED {c.provider} {c.scheme} E{c.experts} T{c.tokens} {c.config}: {c.error}", file=sys.stderr)
+    return c
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..experts.triton.provider import TritonExperts
+    from ..experts.triton.quant import quantize_rows
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not interpreting():
+        print("bench experts needs a CUDA GPU (or TRITON_INTERPRET=1 for a CPU smoke run)", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    limit = args.swiglu_limit if args.swiglu_limit and args.swiglu_limit > 0 else None
+    hidden, inter, topk = args.hidden, args.intermediate, args.topk
+    t_start = time.time()
+    meta = environment(args)
+    meta["ceilings"] = {"hbm_tbs": HBM_TBS, "bf16_tflops": BF16_TFLOPS, "fp8_tflops": FP8_TFLOPS, **measure_ceilings(device)}
+    print(json.dumps(meta["ceilings"]))
+    cases: list[Case] = []
+    variants: list[Case] = []
+    max_e = max(args.experts)
+    fp4_all, bf16_all = make_weights(max_e, hidden, inter, device, args.seed)
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    print(f"weights ready ({time.time() - t_start:.1f}s)")
+    for n_exp in args.experts:
+        fp4 = slice_weights(fp4_all, n_exp)
+        bf16 = slice_weights(bf16_all, n_exp)
+        for tokens in args.tokens:
+            x, pairs = make_routing(tokens, n_exp, topk, hidden, device, args.seed + tokens)
+            p = len(pairs)
+            active = int(torch.unique(pairs.slot).numel())
+            gsel = torch.Generator().manual_seed(args.seed)
+            sel = torch.randperm(p, generator=gsel)[: min(p, args.check_pairs)].to(device)
+            refs = {}
+
+            def checker(math: ExpertMath, a_fmt):
+                def check(y):
+                    key = (math.quant,)
+                    if key not in refs:
+                        refs[key] = (subset_reference(x, pairs, sel, bf16, math, exact=False),
+                                     subset_reference(x, pairs, sel, bf16, math, exact=True))
+                    r32, rex = refs[key]
+                    ys = y[sel].float()
+                    return rel_l2(ys, r32), rel_l2(ys, rex)
+                return check
+
+            for scheme in args.schemes:
+                quant, wfmt = SCHEMES[scheme]
+                math = ExpertMath(quant, limit)
+                a_fmt = math.a_format
+                a = x if a_fmt is None else quantize_rows(x, a_fmt, name="bench tokens")
+                weights = fp4 if wfmt == "mxfp4" else bf16
+                configs = [(args.decoder, None)]
+                if args.variants and scheme == "a8w4" and n_exp == args.experts[0]:
+                    configs += [(args.decoder, v) for v in VARIANTS[bucket_class(p, n_exp)]]
+                    configs += [("manual", None)]
+                for i, (decoder, cfg) in enumerate(configs):
+                    prov = TritonExperts(capacity=p, decoder=decoder, config=cfg)
+                    used = cfg or default_config(p, n_exp)
+                    c = Case(n_exp, tokens, p, scheme, "triton", decoder, describe(used), active_experts=active)
+                    run_case(c, lambda: prov.forward(a, pairs, weights, math), checker(math, a_fmt))
+                    fill_metrics(c, hidden, inter, wfmt, a_fmt)
+                    (cases if i == 0 else variants).append(c)
+                    print_case(c)
+            if not args.no_baseline and device.type == "cuda" and hasattr(torch, "_grouped_mm"):
+                math = ExpertMath("bf16", limit)
+                c = Case(n_exp, tokens, p, "bf16", "torch_grouped_mm", active_experts=active)
+                run_case(c, lambda: grouped_mm_forward(x, pairs, bf16, limit), checker(math, None))
+                fill_metrics(c, hidden, inter, "bf16", None)
+                cases.append(c)
+                print_case(c)
+            del x, pairs
+    meta["wall_s"] = round(time.time() - t_start, 1)
+    result = {"meta": meta, "results": [asdict(c) for c in cases], "variants": [asdict(c) for c in variants]}
+    print_table(cases, variants)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=float)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(cases, args.plot)
+    return 0
+
+
+def slice_weights(w: ExpertWeights, n: int) -> ExpertWeights:
+    if w.num_experts == n:
+        return w
+    cut = lambda t: None if t is None else t[:n]  # noqa: E731 - leading-dim slices stay contiguous
+    return ExpertWeights(cut(w.w1), cut(w.w2), w.fmt, w.gate_up_layout, cut(w.w1_scale), cut(w.w2_scale))
+
+
+def environment(args: argparse.Namespace) -> dict:
+    import triton
+
+    meta = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m megamoe_backend.bench.bench_experts " + " ".join(sys.argv[1:]),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "host": platform.node(),
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "shape": {"hidden": args.hidden, "intermediate": args.intermediate, "topk": args.topk},
+    }
+    try:
+        meta["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except Exception:  # noqa: BLE001
+        meta["git_commit"] = ""
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        meta["gpu"] = {"name": p.name, "sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 2**30, 1),
+                       "capability": f"{p.major}.{p.minor}"}
+        try:
+            meta["gpu"]["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                                   capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:  # noqa: BLE001
+            pass
+    return meta
+
+
+def print_case(c: Case) -> None:
+    print(f"  {c.provider:16s} {c.scheme:5s} E{c.experts:<4d} T{c.tokens:<5d} {c.decoder:10s} {c.config:28s} "
+          f"{c.us:10.1f}us x{c.x_floor:5.2f} {c.hbm_tbs:5.2f}TB/s {c.tflops:6.1f}TF relL2 {c.rel_l2_fp32:.4f}/{c.rel_l2_ref:.2e}"
+          + (f" ERR {c.error[:80]}" if c.error else ""), flush=True)
+
+
+def print_table(cases: list[Case], variants: list[Case]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # rich is a core dependency; keep the bench usable without it anyway
+        for c in cases + variants:
+            print_case(c)
+        return
+    for title, rows in (("experts forward (1 GPU)", cases), ("variants", variants)):
+        if not rows:
+            continue
+        t = Table(title=title)
+        for col in ("E", "T", "scheme", "provider", "config", "µs", "floor µs", "x floor", "TB/s", "TFLOP/s",
+                    "relL2 fp32", "relL2 ref", "graph"):
+            t.add_column(col, justify="right")
+        for c in rows:
+            t.add_row(str(c.experts), str(c.tokens), c.scheme, c.provider + (f"/{c.decoder}" if c.decoder else ""),
+                      c.config, f"{c.us:.1f}", f"{c.floor_us:.1f}", f"{c.x_floor:.2f}", f"{c.hbm_tbs:.2f}",
+                      f"{c.tflops:.1f}", f"{c.rel_l2_fp32:.4f}", f"{c.rel_l2_ref:.1e}", "y" if c.graph else "n")
+        Console(width=200).print(t)
+
+
+def plot(cases: list[Case], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no plot")
+        return
+    exps = sorted({c.experts for c in cases}, reverse=True)
+    fig, axes = plt.subplots(1, len(exps), figsize=(6 * len(exps), 4.5), squeeze=False)
+    for ax, e in zip(axes[0], exps):
+        rows = [c for c in cases if c.experts == e and not c.error]
+        for key in sorted({(c.provider, c.scheme) for c in rows}):
+            pts = sorted((c.tokens, c.us) for c in rows if (c.provider, c.scheme) == key)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[1]} ({key[0]})")
+        fl = sorted({(c.tokens, c.floor_us) for c in rows if c.scheme == "a8w4" and c.provider == "triton"})
+        if fl:
+            ax.plot([p[0] for p in fl], [p[1] for p in fl], "k--", label="floor (MXFP4 bytes / bf16 MMA)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per rank (x top-k pairs)")
+        ax.set_ylabel("µs per experts forward")
+        ax.set_title(f"{e} local experts")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megamoe bench experts", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Tile shapes per token bucket (data, not branches inside the kernels).
+
+The choice depends on the average rows per local expert (P / E): decode-sized buckets are
+weight-streaming (small token tile, wide weight tile, deep K), prefill-sized ones are MMA-bound
+(large square tiles). Defaults come from the H200 sweep recorded in docs/triton.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # token rows per tile (MMA N side, swap-AB)
+    block_n1: int  # GEMM1 output rows (gate/up interleaved) per tile; >= 64 (two 32-blocks of A2)
+    block_n2: int  # GEMM2 output columns per tile
+    block_k: int  # reduction step (upper bound; shrunk to divide K)
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n1", "block_n2", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name}={v} must be a power of two >= 16")
+        if self.block_n1 < 64:
+            raise ValueError(f"TileConfig.block_n1={self.block_n1} must be >= 64 (A2 is quantised in 1x32 blocks)")
+        if self.block_k < 32:
+            raise ValueError(f"TileConfig.block_k={self.block_k} must be >= 32 (one E8M0 block)")
+
+    def with_(self, **kw) -> "TileConfig":
+        return replace(self, **kw)
+
+
+def reduction_block(k: int, want: int) -> int:
+    """Largest power of two <= want that divides k (k % 32 == 0, so at least 32)."""
+    bk = want
+    while bk > 32 and k % bk:
+        bk //= 2
+    return bk
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# (max average rows per expert, config); first match wins.
+BUCKETS: tuple[tuple[float, TileConfig], ...] = (
+    (12.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=256, num_warps=4, num_stages=4)),
+    (48.0, TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=256, num_warps=4, num_stages=3)),
+    (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=3)),
+)
+INTERPRETER_CONFIG = TileConfig(block_m=16, block_n1=64, block_n2=32, block_k=64, num_warps=4, num_stages=1, group_m=2)
+
+
+def default_config(num_pairs: int, num_experts: int) -> TileConfig:
+    if interpreting():
+        return INTERPRETER_CONFIG
+    avg = num_pairs / max(1, num_experts)
+    for limit, cfg in BUCKETS:
+        if avg <= limit:
+            return cfg
+    return BUCKETS[-1][1]

@@ -1,0 +1,74 @@
+"""GEMM1 + SwiGLU (+ clamp limit) + re-quantisation of A2 to the A format, per expert tile.
+
+Reads A rows straight from the received buffer (gathered through the sorted layout, no permuted
+copy), W1 [E, 2I, H] as MXFP4 (packed, never expanded in memory) or bf16. Each program owns BN
+consecutive GEMM1 output rows in gate/up INTERLEAVED order; for the plain layout the weight rows are
+gathered into that order on load, so the epilogue is the same for both. Output A2 is written in
+expert-sorted row order: bf16, or MX data + E8M0 scales bit-identical to formats.quantize_mx.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .mainloop import mx_mainloop, tile_coords
+from .mxjit import round_bf16
+from .quant import quantize_blocks
+
+
+@triton.jit
+def gemm1_swiglu_kernel(
+    tile_expert_ptr, sorted_pair_ptr, pair_row_ptr, num_m_tiles,
+    a_ptr, stride_am, as_ptr, stride_asm,
+    w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn,
+    o_ptr, stride_om, os_ptr, stride_osm,
+    K, I, limit,
+    W_FMT: tl.constexpr, A_FMT: tl.constexpr, PLAIN: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    DOT_SCALED: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    num_n_tiles = tl.cdiv(2 * I, BN)
+    pid_m, pid_n = tile_coords(tl.program_id(0), num_m_tiles, num_n_tiles, GROUP_M)
+    expert = tl.load(tile_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_pair_ptr + rows)
+    valid = pair >= 0
+    a_rows = tl.load(pair_row_ptr + pair, mask=valid, other=0)
+
+    n = pid_n * BN + tl.arange(0, BN)  # interleaved GEMM1 output index: 2 * i + (0 gate | 1 up)
+    if PLAIN:
+        w_rows = n // 2 + (n % 2) * I
+    else:
+        w_rows = n
+    e64 = expert.to(tl.int64)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc = mx_mainloop(
+        acc,
+        w_ptr + e64 * stride_we, w_rows, n < 2 * I, stride_wn, ws_ptr + e64 * stride_wse, stride_wsn,
+        a_ptr, a_rows, valid, stride_am, as_ptr, stride_asm,
+        K, W_FMT, A_FMT, DOT_SCALED, BN, BM, BK, F32_DOT,
+    )
+
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [BN // 2, 2, BM]), (0, 2, 1)))
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    act = tl.trans(gate / (1.0 + tl.exp(-gate)) * up)  # [BM, BN // 2]
+
+    r64 = rows.to(tl.int64)[:, None]
+    cols = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+    cmask = (cols < I)[None, :]
+    if A_FMT == "bf16":
+        tl.store(o_ptr + r64 * stride_om + cols[None, :], round_bf16(act).to(tl.bfloat16), mask=cmask)
+    else:
+        payload, scales = quantize_blocks(tl.reshape(act, [BM * (BN // 64), 32]), A_FMT)
+        sc = pid_n * (BN // 64) + tl.arange(0, BN // 64)
+        tl.store(os_ptr + r64 * stride_osm + sc[None, :], tl.reshape(scales, [BM, BN // 64]), mask=(sc < I // 32)[None, :])
+        if A_FMT == "fp8":
+            tl.store(o_ptr + r64 * stride_om + cols[None, :], tl.reshape(payload, [BM, BN // 2]), mask=cmask)
+        else:
+            c4 = pid_n * (BN // 4) + tl.arange(0, BN // 4)
+            tl.store(o_ptr + r64 * stride_om + c4[None, :], tl.reshape(payload, [BM, BN // 4]), mask=(c4 < I // 2)[None, :])

@@ -1,0 +1,48 @@
+"""GEMM2 x route weight, scattered straight back to pair order (fp32 [P, H]).
+
+A2 comes from GEMM1 in expert-sorted order (bf16 or MX); W2 [E, H, I] is MXFP4 or bf16. The
+epilogue multiplies each token column by its pair's route weight and stores the fp32 row at the
+pair's index, so no unpermute pass and no padded output rows exist.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .mainloop import mx_mainloop, tile_coords
+
+
+@triton.jit
+def gemm2_weighted_kernel(
+    tile_expert_ptr, sorted_pair_ptr, route_w_ptr, num_m_tiles,
+    a_ptr, stride_am, as_ptr, stride_asm,
+    w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn,
+    out_ptr, stride_om,
+    K, N,
+    W_FMT: tl.constexpr, A_FMT: tl.constexpr,
+    DOT_SCALED: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    num_n_tiles = tl.cdiv(N, BN)
+    pid_m, pid_n = tile_coords(tl.program_id(0), num_m_tiles, num_n_tiles, GROUP_M)
+    expert = tl.load(tile_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BM + tl.arange(0, BM)
+    n = pid_n * BN + tl.arange(0, BN)
+    nmask = n < N
+    e64 = expert.to(tl.int64)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc = mx_mainloop(
+        acc,
+        w_ptr + e64 * stride_we, n, nmask, stride_wn, ws_ptr + e64 * stride_wse, stride_wsn,
+        a_ptr, rows, rows >= 0, stride_am, as_ptr, stride_asm,
+        K, W_FMT, A_FMT, DOT_SCALED, BN, BM, BK, F32_DOT,
+    )
+    pair = tl.load(sorted_pair_ptr + rows)
+    valid = pair >= 0
+    wt = tl.load(route_w_ptr + pair, mask=valid, other=0.0)
+    out = acc * wt[None, :]
+    p64 = pair.to(tl.int64)[None, :]
+    tl.store(out_ptr + p64 * stride_om + n[:, None], out, mask=valid[None, :] & nmask[:, None])

@@ -1,0 +1,72 @@
+"""Expert-sorted, tile-padded row layout, built on the device with no host synchronisation.
+
+Why: the grouped GEMMs walk rows expert by expert in tiles of BLOCK_M rows; each tile belongs to
+exactly one expert. Every size here is static (derived from the pair count P, the number of local
+experts E and BLOCK_M), never from the routing values, so building the layout and running both GEMMs
+can be captured in a CUDA graph. Tiles beyond the routed ones carry expert -1 and exit at once.
+
+Sizes: a non-empty tile holds >= 1 pair and each expert wastes < 1 tile, so the number of tiles is
+at most min(P, ceil(P / BLOCK_M) + E); rows = tiles * BLOCK_M.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Routing metadata for the grouped GEMMs (all int32 device tensors)."""
+
+    block_m: int
+    num_tiles: int  # static upper bound on non-empty tiles (grid size along M)
+    tile_expert: torch.Tensor  # [num_tiles] local expert of each tile, -1 for unused tiles
+    sorted_pair: torch.Tensor  # [num_tiles * block_m] pair index of each sorted row, -1 for padding
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tiles * self.block_m
+
+
+def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    return max(1, min(num_pairs, -(-num_pairs // block_m) + num_experts))
+
+
+def build_layout(slot: torch.Tensor, num_experts: int, block_m: int, capacity: int | None = None) -> ExpertLayout:
+    """Sort pairs by local expert, padding each expert's rows to a multiple of ``block_m``.
+
+    ``capacity`` is the most pairs this layout may ever hold (MTPR-derived); more pairs raise
+    instead of being dropped. Slots must lie in [0, num_experts) (checked only on CPU tensors, where
+    the check costs no device synchronisation).
+    """
+    if slot.dim() != 1:
+        raise ValueError(f"pairs.slot must be 1-D [P], got shape {tuple(slot.shape)}")
+    p = slot.shape[0]
+    if capacity is not None and p > capacity:
+        raise ValueError(
+            f"{p} routed pairs exceed the experts capacity of {capacity} pairs "
+            "(MEGA_MAX_TOKENS_PER_RANK x top-k x ep_size); raise MEGA_MAX_TOKENS_PER_RANK, rows are never dropped"
+        )
+    if slot.device.type == "cpu" and p and (int(slot.min()) < 0 or int(slot.max()) >= num_experts):
+        raise ValueError(f"pairs.slot out of range [0, {num_experts}): min {int(slot.min())}, max {int(slot.max())}")
+    dev = slot.device
+    n_tiles = max_tiles(p, num_experts, block_m)
+    slot = slot.to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).index_add_(0, slot, torch.ones_like(slot))
+    tiles_per_expert = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles_per_expert, 0)
+    tile_start = tile_end - tiles_per_expert
+    tile_ids = torch.arange(n_tiles, dtype=torch.int64, device=dev)
+    tile_expert = torch.searchsorted(tile_end, tile_ids, right=True)
+    tile_expert = torch.where(tile_expert >= num_experts, -1, tile_expert)
+
+    order = torch.sort(slot, stable=True).indices
+    sorted_slot = slot[order]
+    row_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(p, dtype=torch.int64, device=dev) - row_start[sorted_slot]
+    dest = tile_start[sorted_slot] * block_m + rank
+    sorted_pair = torch.full((n_tiles * block_m,), -1, dtype=torch.int32, device=dev)
+    sorted_pair.index_copy_(0, dest, order.to(torch.int32))
+    return ExpertLayout(block_m=block_m, num_tiles=n_tiles, tile_expert=tile_expert.to(torch.int32), sorted_pair=sorted_pair)

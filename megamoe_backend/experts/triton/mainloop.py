@@ -1,0 +1,122 @@
+"""The K loop shared by GEMM1 and GEMM2: acc[BN, BM] += W[BN, K] @ A[BM, K]^T, one expert.
+
+Swap-AB orientation: the weight rows fill the MMA's M side (>= 64 rows per tile) and the few tokens
+an expert gets at decode fill its N side (>= 16), so small token tiles waste no tensor-core rows;
+the weight operand is the one that is decoded in registers.
+
+Two decoders, chosen by the constexpr DOT_SCALED:
+- True: ``tl.dot_scaled`` (Triton lowers MX operands to its own LUT upcast on Hopper, native MX MMA on
+  Blackwell). Not available in the Triton interpreter.
+- False: explicit decode (mxjit.py) to bf16 and two ``tl.dot`` over the even / odd K elements, which
+  matches fp4's nibble order without any register shuffles. Runs everywhere, interpreter included.
+Both are exact: e2m1 / e4m3 values times a power-of-two scale are representable in bf16.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .mxjit import decode_e2m1, decode_e4m3, decode_e8m0
+
+
+@triton.jit
+def _decode_w_half(packed, s, HIGH: tl.constexpr):
+    codes = (packed >> 4) if HIGH else packed
+    return (decode_e2m1(codes) * s).to(tl.bfloat16)
+
+
+@triton.jit
+def _mma(w, a, acc, F32_DOT: tl.constexpr):
+    """bf16 MMA with fp32 accumulation; F32_DOT widens first (the interpreter's dot cannot do bf16)."""
+    if F32_DOT:
+        return tl.dot(w.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(w, a, acc)
+
+
+@triton.jit
+def mx_mainloop(
+    acc,
+    w_ptr, w_rows, w_mask, stride_wn, ws_ptr, stride_wsn,
+    a_ptr, a_rows, a_mask, stride_am, as_ptr, stride_asm,
+    K,
+    W_FMT: tl.constexpr, A_FMT: tl.constexpr, DOT_SCALED: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """w_ptr / ws_ptr point at this expert's [N, K(/2)] weights / [N, K/32] scales; a_rows are rows of A."""
+    wr = w_rows.to(tl.int64)[:, None]
+    ar = a_rows.to(tl.int64)[None, :]
+    wm = w_mask[:, None]
+    am = a_mask[None, :]
+    if DOT_SCALED:
+        kk = tl.arange(0, BK)
+        k2 = tl.arange(0, BK // 2)
+        ks = tl.arange(0, BK // 32)
+        for k0 in range(0, K, BK):
+            if W_FMT == "mxfp4":
+                w = tl.load(w_ptr + wr * stride_wn + (k0 // 2 + k2)[None, :], mask=wm, other=0)
+                ws = tl.load(ws_ptr + wr * stride_wsn + (k0 // 32 + ks)[None, :], mask=wm, other=127)
+            else:
+                w = tl.load(w_ptr + wr * stride_wn + (k0 + kk)[None, :], mask=wm, other=0.0)
+            if A_FMT == "fp4":
+                a = tl.load(a_ptr + ar * stride_am + (k0 // 2 + k2)[:, None], mask=am, other=0)
+            else:
+                a = tl.load(a_ptr + ar * stride_am + (k0 + kk)[:, None], mask=am, other=0.0)
+            if A_FMT != "bf16":
+                a_s = tl.load(as_ptr + a_rows.to(tl.int64)[:, None] * stride_asm + (k0 // 32 + ks)[None, :],
+                              mask=a_mask[:, None], other=127)
+            if W_FMT == "mxfp4":
+                if A_FMT == "bf16":
+                    acc = tl.dot_scaled(w, ws, "e2m1", a, None, "bf16", acc)
+                elif A_FMT == "fp8":
+                    acc = tl.dot_scaled(w, ws, "e2m1", a, a_s, "e4m3", acc)
+                else:
+                    acc = tl.dot_scaled(w, ws, "e2m1", a, a_s, "e2m1", acc)
+            else:
+                if A_FMT == "bf16":
+                    acc = tl.dot(w, a, acc)
+                elif A_FMT == "fp8":
+                    acc = tl.dot_scaled(w, None, "bf16", a, a_s, "e4m3", acc)
+                else:
+                    acc = tl.dot_scaled(w, None, "bf16", a, a_s, "e2m1", acc)
+    else:
+        j = tl.arange(0, BK // 2)
+        for k0 in range(0, K, BK):
+            kev = k0 + 2 * j  # even K element of each pair
+            if W_FMT == "mxfp4":
+                packed = tl.load(w_ptr + wr * stride_wn + (k0 // 2 + j)[None, :], mask=wm, other=0)
+                s = decode_e8m0(tl.load(ws_ptr + wr * stride_wsn + (kev // 32)[None, :], mask=wm, other=127))
+                w_lo = _decode_w_half(packed, s, False)
+                w_hi = _decode_w_half(packed, s, True)
+            else:
+                w_lo = tl.load(w_ptr + wr * stride_wn + kev[None, :], mask=wm, other=0.0)
+                w_hi = tl.load(w_ptr + wr * stride_wn + (kev + 1)[None, :], mask=wm, other=0.0)
+            if A_FMT == "bf16":
+                a_lo = tl.load(a_ptr + ar * stride_am + kev[:, None], mask=am, other=0.0).to(tl.bfloat16)
+                a_hi = tl.load(a_ptr + ar * stride_am + (kev + 1)[:, None], mask=am, other=0.0).to(tl.bfloat16)
+            else:
+                sa = decode_e8m0(tl.load(as_ptr + ar * stride_asm + (kev // 32)[:, None], mask=am, other=127))
+                if A_FMT == "fp8":
+                    b_lo = tl.load(a_ptr + ar * stride_am + kev[:, None], mask=am, other=0)
+                    b_hi = tl.load(a_ptr + ar * stride_am + (kev + 1)[:, None], mask=am, other=0)
+                    a_lo = (decode_e4m3(b_lo) * sa).to(tl.bfloat16)
+                    a_hi = (decode_e4m3(b_hi) * sa).to(tl.bfloat16)
+                else:
+                    b = tl.load(a_ptr + ar * stride_am + (k0 // 2 + j)[:, None], mask=am, other=0)
+                    a_lo = (decode_e2m1(b) * sa).to(tl.bfloat16)
+                    a_hi = (decode_e2m1(b >> 4) * sa).to(tl.bfloat16)
+            acc = _mma(w_lo, a_lo, acc, F32_DOT)
+            acc = _mma(w_hi, a_hi, acc, F32_DOT)
+    return acc
+
+
+@triton.jit
+def tile_coords(pid, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M consecutive M tiles (usually one expert) share each weight tile in L2."""
+    per_group = GROUP_M * num_n_tiles
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size
+    pid_n = (pid % per_group) // size
+    return pid_m, pid_n

@@ -1,0 +1,210 @@
+"""TritonExperts: the ``triton`` experts provider (NVIDIA; portable Triton).
+
+Same contract as TorchReferenceExperts (experts/base.py): received rows (bf16, or the MXTensor the
+dispatch wire delivered), (row, slot, weight) pairs -> fp32 [P, H] route-weighted outputs per pair.
+A forward is three launches plus a few sync-free torch ops (layout), so it can be CUDA-graph captured
+for a fixed pair count.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ...formats import MX_BLOCK, MXTensor
+from ..base import Activations, ExpertMath, ExpertPairs, ExpertsProvider
+from ..weights import ExpertWeights
+from . import triton_available
+from .config import TileConfig, default_config, interpreting, reduction_block
+
+DECODERS = ("auto", "dot_scaled", "manual")
+
+
+class TritonExperts(ExpertsProvider):
+    """Grouped MX GEMMs in Triton.
+
+    capacity: most (row, expert) pairs one forward may carry (e.g. MTPR x top-k x ep_size); a larger
+        batch raises instead of dropping rows. None: no limit (eager use).
+    decoder: "dot_scaled" (tl.dot_scaled; GPU only), "manual" (explicit bit decode + bf16 MMA; also
+        the interpreter path), "auto" (dot_scaled on GPU, manual under TRITON_INTERPRET=1).
+    config: fixed TileConfig, else chosen per bucket by config.default_config.
+    """
+
+    name = "triton"
+
+    def __init__(self, capacity: int | None = None, decoder: str = "auto", config: TileConfig | None = None) -> None:
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder={decoder!r}; expected one of {DECODERS}")
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity={capacity} must be >= 0")
+        self.capacity = capacity
+        self.decoder = decoder
+        self.config = config
+
+    @classmethod
+    def supports(cls, device: torch.device, math: ExpertMath, weights_fmt: str) -> bool:
+        device = torch.device(device)
+        if weights_fmt not in ("bf16", "mxfp4") or not triton_available():
+            return False
+        if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
+            return False
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+
+    def _dot_scaled(self, device: torch.device) -> bool:
+        if self.decoder == "auto":
+            return device.type == "cuda" and not interpreting()
+        if self.decoder == "dot_scaled" and interpreting():
+            raise ValueError("decoder='dot_scaled' cannot run under TRITON_INTERPRET=1 (the interpreter lacks tl.dot_scaled)")
+        return self.decoder == "dot_scaled"
+
+    def forward(
+        self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """See ExpertsProvider.forward; ``out`` optionally supplies the fp32 [P, H] result buffer."""
+        from .gemm1 import gemm1_swiglu_kernel
+        from .gemm2 import gemm2_weighted_kernel
+        from .layout import build_layout
+        from .quant import quantize_rows
+
+        hidden, inter, n_exp = weights.hidden, weights.intermediate, weights.num_experts
+        device = pairs.weight.device
+        _check_weights(weights, device)
+        _check_pairs(pairs)
+        p = len(pairs)
+        if self.capacity is not None and p > self.capacity:
+            raise ValueError(
+                f"{p} routed pairs exceed TritonExperts capacity {self.capacity} "
+                "(MEGA_MAX_TOKENS_PER_RANK x top-k x ep_size); rows are never dropped: raise the capacity"
+            )
+        a_fmt = math.a_format or "bf16"
+        x = _received_rows(a, math, hidden, device)
+        if a_fmt != "bf16" and not isinstance(x, MXTensor):
+            x = quantize_rows(x, a_fmt, name="received rows")  # bf16 wire: the receiver quantises
+        if out is None:
+            out = torch.empty(p, hidden, dtype=torch.float32, device=device)
+        elif out.shape != (p, hidden) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != device:
+            raise ValueError(f"out: expected contiguous fp32 [{p}, {hidden}] on {device}, got {tuple(out.shape)} {out.dtype}")
+        if p == 0:
+            return out
+
+        cfg = self.config or default_config(p, n_exp)
+        dot_scaled = self._dot_scaled(device)
+        layout = build_layout(pairs.slot, n_exp, cfg.block_m, self.capacity)
+        rows = layout.num_rows
+
+        a_data, a_scale = _operand(x, a_fmt, dot_scaled)
+        if a_fmt == "bf16":
+            a2 = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
+            a2_scale = a2
+        else:
+            a2 = torch.empty(rows, inter if a_fmt == "fp8" else inter // 2, dtype=torch.uint8, device=device)
+            a2_scale = torch.empty(rows, inter // MX_BLOCK, dtype=torch.uint8, device=device)
+        w1s = weights.w1_scale if weights.fmt == "mxfp4" else weights.w1
+        w2s = weights.w2_scale if weights.fmt == "mxfp4" else weights.w2
+        pair_row = pairs.row.to(torch.int32)
+        limit = math.swiglu_limit
+
+        n1 = triton.cdiv(2 * inter, cfg.block_n1)
+        gemm1_swiglu_kernel[(layout.num_tiles * n1,)](
+            layout.tile_expert, layout.sorted_pair, pair_row, layout.num_tiles,
+            a_data, a_data.stride(0), a_scale, a_scale.stride(0),
+            weights.w1, weights.w1.stride(0), weights.w1.stride(1), w1s, w1s.stride(0), w1s.stride(1),
+            a2, a2.stride(0), a2_scale, a2_scale.stride(0),
+            hidden, inter, float(limit) if limit is not None else 0.0,
+            W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
+            DOT_SCALED=dot_scaled, BN=cfg.block_n1, BM=cfg.block_m, BK=reduction_block(hidden, cfg.block_k),
+            GROUP_M=cfg.group_m, F32_DOT=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        a2_data, a2_s = _operand(MXTensor(a2, a2_scale, a_fmt) if a_fmt != "bf16" else a2, a_fmt, dot_scaled)
+        n2 = triton.cdiv(hidden, cfg.block_n2)
+        gemm2_weighted_kernel[(layout.num_tiles * n2,)](
+            layout.tile_expert, layout.sorted_pair, pairs.weight, layout.num_tiles,
+            a2_data, a2_data.stride(0), a2_s, a2_s.stride(0),
+            weights.w2, weights.w2.stride(0), weights.w2.stride(1), w2s, w2s.stride(0), w2s.stride(1),
+            out, out.stride(0),
+            inter, hidden,
+            W_FMT=weights.fmt, A_FMT=a_fmt,
+            DOT_SCALED=dot_scaled, BN=cfg.block_n2, BM=cfg.block_m, BK=reduction_block(inter, cfg.block_k),
+            GROUP_M=cfg.group_m, F32_DOT=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
+
+
+def _operand(x, a_fmt: str, dot_scaled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data, scales) pointers for the kernels; fp8 data is viewed as float8 for tl.dot_scaled."""
+    if a_fmt == "bf16":
+        return x, x
+    data = x.data.view(torch.float8_e4m3fn) if (a_fmt == "fp8" and dot_scaled) else x.data
+    return data, x.scales
+
+
+def _received_rows(a: Activations, math: ExpertMath, hidden: int, device: torch.device):
+    if isinstance(a, MXTensor):
+        if a.fmt != math.a_format:
+            raise ValueError(
+                f"received {a.fmt} rows but quant={math.quant} needs A operand {math.a_format or 'bf16'} "
+                "(MEGA_DISPATCH_WIRE must match the expert GEMM's A operand)"
+            )
+        payload = hidden if a.fmt == "fp8" else hidden // 2
+        for name, t, cols in (("received rows (data)", a.data, payload), ("received rows (scales)", a.scales, hidden // MX_BLOCK)):
+            if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != cols:
+                raise ValueError(f"{name}: expected uint8 [N, {cols}] for hidden={hidden}, got {tuple(t.shape)} {t.dtype}")
+            if t.stride(1) != 1:
+                raise ValueError(f"{name}: must be contiguous along the hidden dim, got strides {t.stride()}")
+            if t.device != device:
+                raise ValueError(f"{name}: on {t.device}, pairs on {device}")
+        if a.data.shape[0] != a.scales.shape[0]:
+            raise ValueError(f"received rows: data has {a.data.shape[0]} rows, scales {a.scales.shape[0]}")
+        return a
+    if a.dim() != 2 or a.shape[1] != hidden:
+        raise ValueError(f"received rows: expected [N, {hidden}], got {tuple(a.shape)}")
+    if a.dtype != torch.bfloat16:
+        raise ValueError(f"received rows: expected bfloat16 (the bf16 wire), got {a.dtype}")
+    if not a.is_contiguous():
+        raise ValueError(f"received rows: must be contiguous, got strides {a.stride()} for shape {tuple(a.shape)}")
+    if a.device != device:
+        raise ValueError(f"received rows: on {a.device}, pairs on {device}")
+    return a
+
+
+def _check_pairs(pairs: ExpertPairs) -> None:
+    p = pairs.row.shape[0]
+    for name, t, dtype in (("pairs.row", pairs.row, torch.int64), ("pairs.slot", pairs.slot, torch.int64), ("pairs.weight", pairs.weight, torch.float32)):
+        if t.dim() != 1 or t.shape[0] != p:
+            raise ValueError(f"{name}: expected shape [{p}], got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise ValueError(f"{name}: expected {dtype}, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous")
+
+
+def _check_weights(w: ExpertWeights, device: torch.device) -> None:
+    """ExpertWeights validates shapes at construction; this re-checks what the kernels rely on."""
+    e, two_i = w.w1.shape[0], w.w1.shape[1]
+    h, i = w.hidden, w.intermediate
+    if h % MX_BLOCK or i % MX_BLOCK:
+        raise ValueError(f"hidden={h} and intermediate={i} must be multiples of {MX_BLOCK} for the Triton experts")
+    if w.fmt == "mxfp4":
+        expect = (("w1", w.w1, (e, two_i, h // 2)), ("w1_scale", w.w1_scale, (e, two_i, h // MX_BLOCK)),
+                  ("w2", w.w2, (e, h, i // 2)), ("w2_scale", w.w2_scale, (e, h, i // MX_BLOCK)))
+        dtype = torch.uint8
+    else:
+        expect = (("w1", w.w1, (e, two_i, h)), ("w2", w.w2, (e, h, i)))
+        dtype = torch.bfloat16
+    for name, t, shape in expect:
+        if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+            got = None if t is None else (tuple(t.shape), t.dtype)
+            raise ValueError(f"weights.{name}: expected {dtype} of shape {shape}, got {got}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"weights.{name}: must be contiguous along K (stride(-1) == 1), got strides {t.stride()}")
+        if t.device != device:
+            raise ValueError(f"weights.{name}: on {t.device}, pairs on {device}")
+
+
+def select_experts_provider(device: torch.device | str, math: ExpertMath, weights_fmt: str, capacity: int | None = None) -> ExpertsProvider:
+    """TritonExperts where it is supported (CUDA + Triton), else the torch reference (CPU)."""
+    if TritonExperts.supports(torch.device(device), math, weights_fmt):
+        return TritonExperts(capacity=capacity)
+    from ..reference import TorchReferenceExperts
+
+    return TorchReferenceExperts()

@@ -1,0 +1,120 @@
+"""Triton MX quantisation: bf16/fp32 rows -> MXFP8 / MXFP4 with one E8M0 scale per 1x32 block.
+
+Bit-identical to ``megamoe_backend.formats.quantize_mx`` (same scale rule, same rounding, same
+NaN-block handling). ``encode_wire_rows`` quantises once and writes the dispatch wire row directly
+(payload, then scales, in one uint8 buffer), so the sender never materialises a second copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...formats import MX_BLOCK, MXTensor
+from .mxjit import (
+    FP4_MANT_LIMIT,
+    FP4_MAX_EXP,
+    FP8_MANT_LIMIT,
+    FP8_MAX_EXP,
+    encode_e2m1,
+    encode_e4m3,
+    nonfinite,
+    pow2,
+    scale_exponent,
+)
+
+BLOCKS_PER_PROGRAM = 8  # 8 x 32 elements per program: one 16-byte store per thread for fp8
+
+
+@triton.jit
+def quantize_blocks(x, FMT: tl.constexpr):
+    """x [B, 32] fp32 -> (payload [B, 32] uint8 (fp8) or [B, 16] uint8 (fp4), scales [B] uint8)."""
+    bad = tl.max(nonfinite(x), axis=1)
+    amax = tl.max(tl.abs(x), axis=1)
+    amax = tl.where(bad != 0, 0.0, amax)
+    if FMT == "fp8":
+        e = scale_exponent(amax, FP8_MANT_LIMIT, FP8_MAX_EXP)
+    else:
+        e = scale_exponent(amax, FP4_MANT_LIMIT, FP4_MAX_EXP)
+    scaled = x * pow2(-e)[:, None]
+    scales = tl.where(bad != 0, 255, e + 127).to(tl.uint8)
+    if FMT == "fp8":
+        payload = encode_e4m3(scaled)
+    else:
+        codes = encode_e2m1(scaled)
+        lo, hi = tl.split(tl.reshape(codes, [codes.shape[0], codes.shape[1] // 2, 2]))
+        payload = (lo | (hi << 4)).to(tl.uint8)
+    return payload, scales
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, stride_x, data_ptr, stride_data, scale_ptr, stride_scale, K,
+    FMT: tl.constexpr, BLOCKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    col = tl.arange(0, 32)
+    nblk = K // 32
+    bmask = blk < nblk
+    x = tl.load(x_ptr + row * stride_x + blk[:, None] * 32 + col[None, :], mask=bmask[:, None], other=0.0)
+    payload, scales = quantize_blocks(x.to(tl.float32), FMT)
+    if FMT == "fp8":
+        tl.store(data_ptr + row * stride_data + blk[:, None] * 32 + col[None, :], payload, mask=bmask[:, None])
+    else:
+        half = tl.arange(0, 16)
+        tl.store(data_ptr + row * stride_data + blk[:, None] * 16 + half[None, :], payload, mask=bmask[:, None])
+    tl.store(scale_ptr + row * stride_scale + blk, scales, mask=bmask)
+
+
+def _check_rows(x: torch.Tensor, fmt: str, name: str) -> None:
+    if fmt not in ("fp8", "fp4"):
+        raise ValueError(f"{name}: unknown MX format {fmt!r}; expected 'fp8' or 'fp4'")
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D [rows, K] tensor, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{name}: expected bf16/fp16/fp32 rows, got {x.dtype}")
+    if x.shape[1] % MX_BLOCK:
+        raise ValueError(f"{name}: K={x.shape[1]} is not a multiple of the MX block ({MX_BLOCK})")
+    if x.stride(1) != 1:
+        raise ValueError(f"{name}: rows must be contiguous along K (stride(1) == 1), got strides {x.stride()}")
+
+
+def _launch(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch.Tensor) -> None:
+    n, k = x.shape
+    if n == 0:
+        return
+    grid = (n, triton.cdiv(k // MX_BLOCK, BLOCKS_PER_PROGRAM))
+    _quantize_rows_kernel[grid](
+        x, x.stride(0), data, data.stride(0), scales, scales.stride(0), k,
+        FMT=fmt, BLOCKS=BLOCKS_PER_PROGRAM,
+    )
+
+
+def quantize_rows(x: torch.Tensor, fmt: str, name: str = "x") -> MXTensor:
+    """[N, K] -> MXTensor(data [N, K] or [N, K // 2], scales [N, K // 32]); equals formats.quantize_mx."""
+    _check_rows(x, fmt, name)
+    n, k = x.shape
+    data = torch.empty(n, k if fmt == "fp8" else k // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(n, k // MX_BLOCK, dtype=torch.uint8, device=x.device)
+    _launch(x, fmt, data, scales)
+    return MXTensor(data=data, scales=scales, fmt=fmt)
+
+
+def encode_wire_rows(x: torch.Tensor, fmt: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, K] -> wire rows [N, payload + K // 32] uint8 (payload then scales), quantised once.
+
+    ``out`` may be a preallocated (e.g. symmetric-memory) buffer with at least that many columns;
+    only the first row_bytes of each row are written.
+    """
+    _check_rows(x, fmt, "wire rows")
+    n, k = x.shape
+    payload = k if fmt == "fp8" else k // 2
+    row_bytes = payload + k // MX_BLOCK
+    if out is None:
+        out = torch.empty(n, row_bytes, dtype=torch.uint8, device=x.device)
+    elif out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] < n or out.shape[1] < row_bytes or out.stride(1) != 1:
+        raise ValueError(f"wire out buffer must be uint8 [>= {n}, >= {row_bytes}] with stride(1) == 1, got {tuple(out.shape)} {out.dtype}")
+    _launch(x, fmt, out[:, :payload], out[:, payload:row_bytes])
+    return out

@@ -1,0 +1,24 @@
+"""Platform capability detection and backend selection (CUDA / ROCm / CPU).
+
+``detect_facts()`` gathers what the machine offers; ``select_backends(facts, knobs, math)`` is the
+pure decision; ``rocm_selection(knobs, math)`` is what plan.selection calls on ROCm.
+The AMD path follows aiter's and mori's published APIs and has not been run on AMD hardware.
+"""
+
+from .facts import AiterCaps, PackageInfo, PlatformFacts, detect_facts, probe_aiter_caps
+from .rocm_rules import PlatformError, aiter_reads_force_a8w4, next_power_of_two
+from .select import Selection, rocm_selection, select_backends
+
+__all__ = [
+    "AiterCaps",
+    "PackageInfo",
+    "PlatformError",
+    "PlatformFacts",
+    "Selection",
+    "aiter_reads_force_a8w4",
+    "detect_facts",
+    "next_power_of_two",
+    "probe_aiter_caps",
+    "rocm_selection",
+    "select_backends",
+]

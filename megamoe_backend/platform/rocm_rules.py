@@ -1,0 +1,128 @@
+"""AMD-specific rules: which aiter runtime serves which arch, and what each one can honour.
+
+Each rule restates a fact of the published aiter / mori code (sources in docs/rocm.md), so the
+knob combinations those runtimes would reject or silently reinterpret are caught at startup with
+a message naming the knob. Not run on AMD hardware.
+"""
+
+from __future__ import annotations
+
+from ..knobs import KnobError
+
+# gfx arch -> fused MegaMoE runtime class in aiter.
+RUNTIME_BY_ARCH = {"gfx950": "MegaMoEV2", "gfx1250": "MegaMoEGfx1250"}
+
+# aiter/ops/flydsl/kernels/mega_moe/mega_moe_config.py (ROCm/aiter e4048607)
+V2_FIXED_SLOT_MAX_MTPR = 255  # FIXED_SLOT_MAX_MTPR: mtpr <= this runs the fixed-slot path
+V2_FIXED_SLOT_MAX_EXPERTS_PER_RANK = 64  # select_mega_moe_config: "fixed-slot supports at most 64"
+V2_P2P_FP8_MIN_MTPR = 1024  # above this, the MAX_MTPR_CLASS config picks p2p_quant fp8_blockwise_1x32
+V2_FIRST_NON_FIXED_MTPR = 256  # smallest power of two above V2_FIXED_SLOT_MAX_MTPR
+
+# aiter/ops/flydsl/kernels/mega_moe_gfx1250/mega_moe.py (ROCm/aiter e4048607)
+GFX1250_MAX_WORLD_SIZE = 72
+GFX1250_MAX_EXPERTS_PER_RANK = 512
+GFX1250_WAVE_SIZE = 32  # topk must be in [1, wave size]
+
+# Our combine wire name -> MegaMoEGfx1250's combine_quant name ("mxfp8 is what the mega_moe v2
+# path calls fp8_blockwise_1x32", yhl-amd/aiter 22f2e2dc).
+GFX1250_COMBINE_QUANT = {"bf16": "none", "fp8_blockwise_1x32": "mxfp8"}
+
+
+class PlatformError(KnobError):
+    """The knobs ask for something this machine (build, GPU, packages) cannot provide."""
+
+
+def next_power_of_two(n: int) -> int:
+    if n <= 0:
+        raise ValueError(f"token count must be positive, got {n}")
+    return 1 << (n - 1).bit_length()
+
+
+def aiter_reads_force_a8w4(raw: str | None) -> bool:
+    """How aiter's fused_moe reads AITER_FORCE_A8W4 on gfx1250.
+
+    aiter/fused_moe.py: ``os.environ.get("AITER_FORCE_A8W4", "0") in ("1")`` -- ``("1")`` is the
+    string "1", so this is substring containment: "1" and the empty string are True, "true"/"yes"
+    are False. We model it exactly so a value our knob reader accepts differently is caught.
+    """
+    value = "0" if raw is None else raw
+    return value in "1"
+
+
+def gfx1250_a_operand(raw_force_a8w4: str | None) -> str:
+    """The A operand aiter's grouped GEMM uses on gfx1250: fp8 when AITER_FORCE_A8W4 reads as 1."""
+    return "fp8" if aiter_reads_force_a8w4(raw_force_a8w4) else "fp4"
+
+
+def check_force_a8w4_agrees(knob_value: bool | None, raw: str | None) -> None:
+    """Our Knobs and aiter must read AITER_FORCE_A8W4 the same way, or the wire check is moot."""
+    aiter_fp8 = aiter_reads_force_a8w4(raw)
+    ours_fp8 = bool(knob_value)
+    if aiter_fp8 != ours_fp8:
+        raise KnobError(
+            f"AITER_FORCE_A8W4={raw!r}: MegaMoE reads this as {'1 (fp8 activations)' if ours_fp8 else 'unset/0 (fp4 activations)'} "
+            f"but aiter's fused_moe (`in (\"1\")`, a substring test) reads it as {'1 (fp8)' if aiter_fp8 else 'not 1 (fp4)'}; "
+            "set AITER_FORCE_A8W4=1 or AITER_FORCE_A8W4=0 (or unset it)"
+        )
+
+
+def check_gfx1250_wire(dispatch_wire: str, a_operand: str, raw_force_a8w4: str | None) -> None:
+    """A quantised dispatch wire is the GEMM's A operand; on gfx1250 AITER_FORCE_A8W4 decides it."""
+    if dispatch_wire != "bf16" and dispatch_wire != a_operand:
+        raise KnobError(
+            f"MEGA_DISPATCH_WIRE={dispatch_wire} contradicts AITER_FORCE_A8W4={raw_force_a8w4!r}: on gfx1250 "
+            f"aiter's grouped GEMM takes {a_operand} activations, and a quantised wire must carry exactly "
+            f"the A operand; use MEGA_DISPATCH_WIRE={a_operand} (or bf16), or set AITER_FORCE_A8W4="
+            f"{'1' if dispatch_wire == 'fp8' else '0'}"
+        )
+
+
+def check_gfx1250_quant(math_a_format: str | None, quant: str, a_operand: str, raw_force_a8w4: str | None) -> None:
+    """The model's scheme (a8w4 / a4w4) must be what aiter will compute on gfx1250."""
+    if math_a_format is not None and math_a_format != a_operand:
+        raise KnobError(
+            f"the model's quant scheme is {quant} (A operand {math_a_format}) but AITER_FORCE_A8W4="
+            f"{raw_force_a8w4!r} makes aiter compute {a_operand} activations on gfx1250; set AITER_FORCE_A8W4="
+            f"{'1' if math_a_format == 'fp8' else '0'}"
+        )
+
+
+def v2_combine_wire(mtpr: int) -> str:
+    """MegaMoEV2 picks its combine (P2P) wire from max_tok_per_rank, not from a caller argument."""
+    return "fp8_blockwise_1x32" if mtpr > V2_P2P_FP8_MIN_MTPR else "bf16"
+
+
+def resolve_v2_mtpr(requested: int, experts_per_rank: int | None) -> tuple[int, list[str]]:
+    """MegaMoEV2 needs a power-of-two max_tok_per_rank; round up (never down) and say so."""
+    notes: list[str] = []
+    mtpr = next_power_of_two(requested)
+    if mtpr != requested:
+        notes.append(
+            f"MEGA_MAX_TOKENS_PER_RANK={requested} rounded up to {mtpr}: aiter MegaMoEV2 needs a power of two"
+        )
+    if (
+        experts_per_rank is not None
+        and experts_per_rank > V2_FIXED_SLOT_MAX_EXPERTS_PER_RANK
+        and mtpr <= V2_FIXED_SLOT_MAX_MTPR
+    ):
+        notes.append(
+            f"max_tok_per_rank raised {mtpr} -> {V2_FIRST_NON_FIXED_MTPR}: MegaMoEV2's fixed-slot path "
+            f"(mtpr <= {V2_FIXED_SLOT_MAX_MTPR}) supports at most {V2_FIXED_SLOT_MAX_EXPERTS_PER_RANK} experts "
+            f"per rank, this layer has {experts_per_rank}"
+        )
+        mtpr = V2_FIRST_NON_FIXED_MTPR
+    return mtpr, notes
+
+
+def check_experts_divisible(num_experts: int | None, ep_size: int | None) -> int | None:
+    """Both aiter runtimes and mori's config need the same expert count on every rank."""
+    if num_experts is None or ep_size is None:
+        return None
+    if ep_size <= 0:
+        raise KnobError(f"EP size must be positive, got {ep_size}")
+    if num_experts % ep_size:
+        raise KnobError(
+            f"{num_experts} routed experts do not divide over EP size {ep_size}: mori's "
+            "num_experts_per_rank and aiter's MegaMoE runtimes need an equal count on every rank"
+        )
+    return num_experts // ep_size

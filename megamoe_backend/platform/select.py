@@ -1,0 +1,241 @@
+"""Backend selection from platform facts and knobs: CUDA -> triton + nccl/symm; ROCm with aiter and
+mori -> aiter's fused MegaMoE over mori; CPU -> torch + gloo.
+
+Why pure: it is the one place that decides what runs, so it must be testable on CPU CI with
+injected facts, and ``megamoe info`` must be able to print the same answer with its reasons.
+The fused aiter runtime is chosen only when it can honour every knob; when it cannot, the
+reason names the knob to change and the unfused path (mori transport + triton/torch experts)
+runs instead. Contradictory knobs are errors, never silent reinterpretations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..knobs import KnobError
+from .facts import PlatformFacts
+from .rocm_rules import (
+    GFX1250_COMBINE_QUANT,
+    GFX1250_MAX_EXPERTS_PER_RANK,
+    GFX1250_MAX_WORLD_SIZE,
+    RUNTIME_BY_ARCH,
+    PlatformError,
+    check_experts_divisible,
+    check_force_a8w4_agrees,
+    check_gfx1250_quant,
+    check_gfx1250_wire,
+    gfx1250_a_operand,
+    resolve_v2_mtpr,
+    v2_combine_wire,
+)
+
+MXFP4_SCHEMES = ("a8w4", "a4w4")
+
+
+@dataclass(frozen=True)
+class Selection:
+    provider: str  # "torch" | "triton" | "aiter"
+    transport: str  # "gloo" | "nccl" | "symm" | "mori"
+    dispatch_wire: str
+    combine_wire: str
+    mtpr: int
+    runtime: str | None = None  # aiter class: "MegaMoEV2" | "MegaMoEGfx1250"
+    dispatch_kernel: str | None = None  # fused runtime's dispatch: "mori" | "flydsl"
+    a_operand: str | None = None  # what the expert GEMM consumes, when the platform decides it
+    combine_quant: str | None = None  # MegaMoEGfx1250's combine_quant argument
+    reasons: tuple[str, ...] = field(default=())
+
+    @property
+    def fused(self) -> bool:
+        return self.runtime is not None
+
+    def describe(self) -> str:
+        """One line for the startup log and ``megamoe info``."""
+        provider = f"aiter:{self.runtime}" if self.runtime else self.provider
+        dispatch = self.dispatch_kernel or self.transport
+        parts = [
+            f"provider={provider}",
+            f"transport={self.transport}",
+            f"dispatch={dispatch}",
+            f"wire={self.dispatch_wire}",
+            f"combine={self.combine_wire}",
+            f"mtpr={self.mtpr}",
+        ]
+        if self.a_operand:
+            parts.append(f"a_operand={self.a_operand}")
+        return " ".join(parts)
+
+    def to_backend_choice(self):
+        """The lead's plan.selection.BackendChoice (provider, transport, reasons)."""
+        from ..plan.selection import BackendChoice
+
+        return BackendChoice(self.provider, self.transport, self.reasons + (self.describe(),))
+
+
+def missing_for_mori(facts: PlatformFacts) -> list[str]:
+    missing = []
+    if facts.torch_build != "rocm":
+        missing.append(f"a ROCm build of torch (this is a {facts.torch_build} build, torch {facts.torch_version})")
+    elif facts.device != "rocm":
+        missing.append("a visible AMD GPU (torch.cuda.is_available() is False)")
+    if not facts.has("mori"):
+        missing.append("the amd-mori package (pip install amd-mori==1.2.4; `import mori` fails here)")
+    return missing
+
+
+def _local_provider(facts: PlatformFacts) -> str:
+    return "triton" if facts.has("triton") else "torch"
+
+
+def select_backends(facts: PlatformFacts, knobs, math, *, ep_size: int | None = None, num_experts: int | None = None) -> Selection:
+    """knobs: megamoe_backend.knobs.Knobs (or anything with its fields); math: ExpertMath."""
+    experts_per_rank = check_experts_divisible(num_experts, ep_size)
+    if knobs.transport in ("mori", "flydsl"):
+        missing = missing_for_mori(facts)
+        if missing:
+            raise PlatformError(f"MEGA_DISPATCH={knobs.transport} needs " + " and ".join(missing))
+    base = dict(dispatch_wire=knobs.dispatch_wire, combine_wire=knobs.combine_wire, mtpr=knobs.max_tokens_per_rank)
+    if facts.device == "cpu":
+        if knobs.transport == "symm":
+            raise PlatformError("MEGA_DISPATCH=symm needs CUDA GPUs with NVLink (torch symmetric memory); this process runs on CPU")
+        return Selection("torch", "gloo", reasons=("cpu: torch reference experts; all_to_all over gloo",), **base)
+    if facts.device == "cuda":
+        provider = _local_provider(facts)
+        transport = "symm" if knobs.transport == "symm" else "nccl"
+        reasons = (f"cuda: {provider} experts", f"transport {transport} (MEGA_DISPATCH={knobs.transport})")
+        return Selection(provider, transport, reasons=reasons, **base)
+    return _select_rocm(facts, knobs, math, ep_size, experts_per_rank)
+
+
+def _select_rocm(facts, knobs, math, ep_size, experts_per_rank) -> Selection:
+    if knobs.transport == "symm":
+        raise PlatformError("MEGA_DISPATCH=symm is the CUDA NVLink path; on ROCm use auto, nccl (RCCL) or mori")
+    head = f"rocm: {facts.gfx_arch or 'unknown arch'}"
+    base = dict(dispatch_wire=knobs.dispatch_wire, combine_wire=knobs.combine_wire, mtpr=knobs.max_tokens_per_rank)
+    if knobs.transport == "nccl":
+        provider = _local_provider(facts)
+        why = "MEGA_DISPATCH=nccl: all_to_all over RCCL; aiter's fused runtimes own their dispatch, so they are not used"
+        return Selection(provider, "nccl", reasons=(head, why, f"{provider} experts"), **base)
+    fused, why_not = _fused_selection(facts, knobs, math, ep_size, experts_per_rank, head)
+    if fused is not None:
+        return fused
+    return _unfused_rocm(facts, knobs, head, why_not)
+
+
+def _unfused_rocm(facts, knobs, head, why_not) -> Selection:
+    provider = _local_provider(facts)
+    reasons = [head, f"aiter fused MegaMoE not used: {why_not}"]
+    base = dict(dispatch_wire=knobs.dispatch_wire, combine_wire=knobs.combine_wire, mtpr=knobs.max_tokens_per_rank)
+    if knobs.transport == "flydsl":
+        raise PlatformError(f"MEGA_DISPATCH=flydsl names aiter's fused dispatch, which cannot run here: {why_not}")
+    if facts.has("mori"):
+        if knobs.combine_wire != "bf16" and knobs.dispatch_wire != "bf16":
+            msg = (
+                f"MEGA_COMBINE_WIRE={knobs.combine_wire} with MEGA_DISPATCH_WIRE={knobs.dispatch_wire}: mori's blockwise "
+                "combine quantisation requires bf16 dispatch and combine dtypes (amd-mori 1.2.4 test matrix)"
+            )
+            if knobs.transport == "mori":
+                raise KnobError(msg + "; use MEGA_DISPATCH_WIRE=bf16 or MEGA_COMBINE_WIRE=bf16")
+            reasons.append(msg + "; using RCCL all_to_all instead")
+            return Selection(provider, "nccl", reasons=tuple(reasons + [f"{provider} experts"]), **base)
+        reasons.append(f"mori EpDispatchCombineOp transport (MEGA_DISPATCH={knobs.transport}); {provider} experts")
+        return Selection(provider, "mori", reasons=tuple(reasons), **base)
+    reasons.append(f"amd-mori not importable: all_to_all over RCCL; {provider} experts")
+    return Selection(provider, "nccl", reasons=tuple(reasons), **base)
+
+
+def _fused_selection(facts, knobs, math, ep_size, experts_per_rank, head):
+    """(Selection, None) when aiter's fused runtime can honour every knob, else (None, why not)."""
+    runtime = RUNTIME_BY_ARCH.get(facts.gfx_arch or "")
+    if runtime is None:
+        return None, f"no fused aiter MegaMoE runtime for {facts.gfx_arch} (MegaMoEV2: gfx950, MegaMoEGfx1250: gfx1250)"
+    for pkg, why in (("aiter", "amd-aiter"), ("mori", "amd-mori (aiter's MegaMoE runs on mori shmem / cco)")):
+        if not facts.has(pkg):
+            return None, f"{why} not importable"
+    if math.quant not in MXFP4_SCHEMES:
+        return None, f"aiter MegaMoE runtimes take MXFP4 weights (a8w4 / a4w4); this model is {math.quant}"
+    if runtime == "MegaMoEV2":
+        return _v2_selection(facts, knobs, math, experts_per_rank, head)
+    return _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head)
+
+
+def _v2_selection(facts, knobs, math, experts_per_rank, head):
+    caps = facts.aiter_caps
+    if not caps.has_v2:
+        return None, "the installed aiter has no aiter.ops.flydsl.kernels.mega_moe.MegaMoEV2 (added in ROCm/aiter 97d0c6e)"
+    if math.quant == "a4w4" and not caps.v2_accepts_a4w4:
+        return None, "the installed aiter's MegaMoEV2 accepts quant='a8w4' only"
+    if knobs.dispatch_wire != math.a_format:
+        return None, (
+            f"MegaMoEV2 quantises activations to {math.a_format} on the sender (its wire is {math.a_format}); "
+            f"MEGA_DISPATCH_WIRE={knobs.dispatch_wire} -> set MEGA_DISPATCH_WIRE={math.a_format} to run it"
+        )
+    mtpr, notes = resolve_v2_mtpr(knobs.max_tokens_per_rank, experts_per_rank)
+    combine = v2_combine_wire(mtpr)
+    if combine != knobs.combine_wire:
+        side = "<= 1024" if combine == "fp8_blockwise_1x32" else "> 1024"
+        return None, (
+            f"MegaMoEV2 picks its combine wire from max_tok_per_rank: {combine} at {mtpr}; "
+            f"MEGA_COMBINE_WIRE={knobs.combine_wire} -> set MEGA_COMBINE_WIRE={combine} or MEGA_MAX_TOKENS_PER_RANK {side}"
+        )
+    reasons = (head, "aiter MegaMoEV2 (fused dispatch + GEMM1 + GEMM2 + combine) on mori shmem", *notes)
+    sel = Selection(
+        "aiter", "mori", dispatch_wire=knobs.dispatch_wire, combine_wire=combine, mtpr=mtpr,
+        runtime="MegaMoEV2", dispatch_kernel="flydsl", a_operand=math.a_format, reasons=reasons,
+    )
+    return sel, None
+
+
+def _gfx1250_dispatch_kernel(knobs, reasons: list[str]) -> str:
+    requested = knobs.transport  # "auto" | "mori" | "flydsl"
+    if knobs.dispatch_wire == "bf16":
+        kernel = "mori" if requested == "mori" else "flydsl"
+        reasons.append(f"bf16 wire: {kernel} dispatch (MEGA_DISPATCH={requested})")
+        return kernel
+    if requested == "flydsl":
+        reasons.append(
+            f"MEGA_DISPATCH=flydsl with MEGA_DISPATCH_WIRE={knobs.dispatch_wire}: switched to the mori dispatch, the one "
+            "that carries the per-token scale row; an unquantised row is never shipped"
+        )
+    else:
+        reasons.append(f"quantised wire ({knobs.dispatch_wire}) forces the mori dispatch, as upstream MegaMoE does")
+    return "mori"
+
+
+def _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head):
+    caps = facts.aiter_caps
+    raw = facts.aiter_force_a8w4_raw
+    check_force_a8w4_agrees(knobs.aiter_force_a8w4, raw)
+    a_operand = gfx1250_a_operand(raw)
+    check_gfx1250_wire(knobs.dispatch_wire, a_operand, raw)
+    check_gfx1250_quant(math.a_format, math.quant, a_operand, raw)
+    if not caps.has_gfx1250:
+        return None, "the installed aiter has no MegaMoEGfx1250 (added in ROCm/aiter ba59a37)"
+    init = set(caps.gfx1250_init or ())
+    if knobs.dispatch_wire != "bf16" and "dispatch_wire" not in init:
+        return None, f"the installed aiter's MegaMoEGfx1250 has no dispatch_wire argument (bf16 wire only); MEGA_DISPATCH_WIRE={knobs.dispatch_wire}"
+    combine_quant = GFX1250_COMBINE_QUANT[knobs.combine_wire]
+    if combine_quant != "none" and "combine_quant" not in init:
+        return None, f"the installed aiter's MegaMoEGfx1250 has no combine_quant argument; MEGA_COMBINE_WIRE={knobs.combine_wire}"
+    if ep_size is not None and ep_size > GFX1250_MAX_WORLD_SIZE:
+        return None, f"MegaMoEGfx1250 supports world_size <= {GFX1250_MAX_WORLD_SIZE}, EP size is {ep_size}"
+    if experts_per_rank is not None and experts_per_rank > GFX1250_MAX_EXPERTS_PER_RANK:
+        return None, f"MegaMoEGfx1250 supports <= {GFX1250_MAX_EXPERTS_PER_RANK} experts per rank, got {experts_per_rank}"
+    reasons = [head, "aiter MegaMoEGfx1250 (dispatch + grouped GEMM + fused combine) on a mori cco arena"]
+    kernel = _gfx1250_dispatch_kernel(knobs, reasons)
+    reasons.append(f"A operand {a_operand} (AITER_FORCE_A8W4={raw!r})")
+    sel = Selection(
+        "aiter", "mori", dispatch_wire=knobs.dispatch_wire, combine_wire=knobs.combine_wire,
+        mtpr=knobs.max_tokens_per_rank, runtime="MegaMoEGfx1250", dispatch_kernel=kernel,
+        a_operand=a_operand, combine_quant=combine_quant, reasons=tuple(reasons),
+    )
+    return sel, None
+
+
+def rocm_selection(knobs, math, facts: PlatformFacts | None = None, *, ep_size: int | None = None, num_experts: int | None = None):
+    """Entry point the lead's plan.selection calls on ROCm; returns plan.selection.BackendChoice."""
+    if facts is None:
+        from .facts import detect_facts
+
+        facts = detect_facts()
+    return select_backends(facts, knobs, math, ep_size=ep_size, num_experts=num_experts).to_backend_choice()
