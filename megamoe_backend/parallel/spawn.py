@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import queue as queue_module
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -64,8 +66,13 @@ def spawn_ranks(
     backend: str = "gloo",
     timeout_s: float = 300.0,
     pg_timeout_s: float = 60.0,
+    tolerate_exit: bool = False,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
+
+    A rank that exits without reporting is an error, unless ``tolerate_exit`` (tests that kill a
+    peer on purpose), in which case its result is None.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -77,16 +84,27 @@ def spawn_ranks(
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    exited: set[int] = set()
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
-            rank, kind, payload = queue.get(timeout=timeout_s)
+        while len(results) + len(errors) + len(exited) < world_size:
+            try:
+                rank, kind, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results) - exited)
+                    errors.append(f"ranks {missing} produced no result within {timeout_s:.0f}s")
+                    break
+                for r, p in enumerate(procs):
+                    if p.exitcode is not None and r not in results and r not in exited and queue.empty():
+                        exited.add(r)
+                        if not tolerate_exit:
+                            errors.append(f"--- rank {r} --- exited with code {p.exitcode} before reporting")
+                continue
             if kind == "ok":
                 results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
-    except Exception as exc:  # queue.Empty: some rank hung past timeout_s
-        missing = sorted(set(range(world_size)) - set(results))
-        errors.append(f"ranks {missing} produced no result within {timeout_s:.0f}s ({type(exc).__name__})")
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -94,4 +112,4 @@ def spawn_ranks(
                 p.kill()
     if errors:
         raise WorkerError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return [results.get(r) for r in range(world_size)]

@@ -7,7 +7,7 @@ The AMD path follows aiter's and mori's published APIs and has not been run on A
 
 from .facts import AiterCaps, PackageInfo, PlatformFacts, detect_facts, probe_aiter_caps
 from .rocm_rules import PlatformError, aiter_reads_force_a8w4, next_power_of_two
-from .select import Selection, rocm_selection, select_backends
+from .select import Selection, rocm_selection, select_backends, selection_report
 
 __all__ = [
     "AiterCaps",
@@ -21,4 +21,5 @@ __all__ = [
     "probe_aiter_caps",
     "rocm_selection",
     "select_backends",
+    "selection_report",
 ]

@@ -141,7 +141,7 @@ def probe_aiter_caps(import_module: Callable[[str], object] = importlib.import_m
     v2_init = v2_forward = g_init = g_forward = None
     has_set_weights = accepts_a4w4 = False
     try:
-        cls = getattr(import_module(AITER_V2_MODULE), "MegaMoEV2")
+        cls = import_module(AITER_V2_MODULE).MegaMoEV2
         v2_init, v2_forward = _param_names(cls.__init__), _param_names(cls.forward)
         has_set_weights = callable(getattr(cls, "set_weights", None))
         try:  # heuristic: the published class rejects anything but "a8w4" in its first line
@@ -151,7 +151,7 @@ def probe_aiter_caps(import_module: Callable[[str], object] = importlib.import_m
     except (ImportError, AttributeError, OSError, RuntimeError):
         pass
     try:
-        cls = getattr(import_module(AITER_GFX1250_MODULE), "MegaMoEGfx1250")
+        cls = import_module(AITER_GFX1250_MODULE).MegaMoEGfx1250
         g_init, g_forward = _param_names(cls.__init__), _param_names(cls.forward)
     except (ImportError, AttributeError, OSError, RuntimeError):
         pass

@@ -6,6 +6,7 @@ injected facts, and ``megamoe info`` must be able to print the same answer with 
 The fused aiter runtime is chosen only when it can honour every knob; when it cannot, the
 reason names the knob to change and the unfused path (mori transport + triton/torch experts)
 runs instead. Contradictory knobs are errors, never silent reinterpretations.
+The ROCm branches restate aiter's / mori's published APIs and have not been run on AMD hardware.
 """
 
 from __future__ import annotations
@@ -239,3 +240,26 @@ def rocm_selection(knobs, math, facts: PlatformFacts | None = None, *, ep_size: 
 
         facts = detect_facts()
     return select_backends(facts, knobs, math, ep_size=ep_size, num_experts=num_experts).to_backend_choice()
+
+
+def selection_report(knobs, math, facts: PlatformFacts | None = None, *, ep_size: int | None = None, num_experts: int | None = None) -> dict:
+    """What ``megamoe info`` prints for the platform: facts, the choice, its one line and its reasons.
+
+    Errors (contradictory knobs, MEGA_DISPATCH=mori without mori) are reported, not raised, so the
+    command can show them next to the facts that caused them.
+    """
+    if facts is None:
+        from .facts import detect_facts
+
+        facts = detect_facts()
+    out: dict = {"platform": facts.describe()}
+    try:
+        sel = select_backends(facts, knobs, math, ep_size=ep_size, num_experts=num_experts)
+    except KnobError as exc:
+        out["error"] = str(exc)
+        return out
+    out.update(
+        provider=sel.provider, transport=sel.transport, runtime=sel.runtime, dispatch=sel.dispatch_kernel or sel.transport,
+        mtpr=sel.mtpr, line=sel.describe(), reasons=list(sel.reasons),
+    )
+    return out

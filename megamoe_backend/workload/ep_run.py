@@ -24,6 +24,7 @@ class EPCase:
     placement_logical: tuple[int, ...] | None = None  # physical -> logical (EPLB replicas)
     device: str = "cpu"
     iters: int = 1
+    idle_ranks: tuple[int, ...] = ()  # these ranks bring 0 tokens (idle DP ranks) but join every collective
 
 
 def run_ep_rank(
@@ -53,9 +54,10 @@ def run_ep_rank(
     weights = local_weights(all_weights, plan.placement, rank).to(device)
     layer = MegaMoELayer(plan, weights, group=dist.group.WORLD if dist.is_initialized() else None, device=device)
     t = cfg.tokens_per_rank
-    x = problem.x[rank * t : (rank + 1) * t].to(device)
-    ids = problem_ids[rank * t : (rank + 1) * t].to(device)
-    w = problem.topk_weights[rank * t : (rank + 1) * t].to(device)
+    end = rank * t if rank in case.idle_ranks else (rank + 1) * t
+    x = problem.x[rank * t : end].to(device)
+    ids = problem_ids[rank * t : end].to(device)
+    w = problem.topk_weights[rank * t : end].to(device)
     out = layer(x, ids, w)
     timings = []
     for _ in range(max(0, case.iters - 1)):

@@ -1,0 +1,116 @@
+"""MegaMoELayer in one process (ep_size 1): accuracy gates, wires, masking, NaN isolation, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megamoe_backend.experts import TorchReferenceExperts, ExpertMath, ExpertPairs, deinterleave_gate_up, quantize_expert_weights
+from megamoe_backend.formats import quantize_mx
+from megamoe_backend.knobs import Knobs
+from megamoe_backend.layer import MegaMoELayer, fp32_reference_moe, rel_l2
+from megamoe_backend.plan import build_plan
+from megamoe_backend.spec import preset
+from megamoe_backend.transport import PeerInputError
+from megamoe_backend.workload import ProblemConfig, make_problem
+
+SPEC = preset("dsv4-pro").scaled(hidden_size=256, moe_intermediate_size=128, n_routed_experts=16)
+GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28}
+
+
+def layer_for(quant, wire="bf16", combine="bf16", mtpr=8192, problem=None):
+    problem = problem or make_problem(ProblemConfig(SPEC, 48, 1, seed=3))
+    plan = build_plan(SPEC, Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr), quant=quant)
+    return MegaMoELayer(plan, problem.expert_weights(quant)), problem
+
+
+@pytest.mark.parametrize("quant", ["bf16", "a8w4", "a4w4"])
+def test_accuracy_gates_vs_fp32_reference(quant) -> None:
+    layer, p = layer_for(quant)
+    w1, w2 = layer.weights.dequantized()
+    ref = fp32_reference_moe(p.x, p.topk_ids, p.topk_weights, w1, w2, "interleaved", SPEC.swiglu_limit)
+    err = rel_l2(layer(p.x, p.topk_ids, p.topk_weights).float(), ref)
+    assert err < GATES[quant], f"{quant}: relL2 {err:.4f}"
+
+
+@pytest.mark.parametrize("quant, wire", [("a8w4", "fp8"), ("a4w4", "fp4")])
+def test_sender_side_quantisation_equals_receiver_side(quant, wire) -> None:
+    """Quantised wire (sender quantises) == bf16 wire (receiver quantises), bit for bit."""
+    sender, p = layer_for(quant, wire)
+    receiver, _ = layer_for(quant, "bf16", problem=p)
+    assert torch.equal(sender(p.x, p.topk_ids, p.topk_weights), receiver(p.x, p.topk_ids, p.topk_weights))
+    # and the bytes on the wire are exactly the receiver's quantisation of the bf16 row
+    rows = sender.plan.dispatch.encode(p.x)
+    q = quantize_mx(p.x.float(), wire)
+    assert torch.equal(rows, torch.cat((q.data, q.scales), 1))
+
+
+def test_plain_and_interleaved_gate_up_agree() -> None:
+    p = make_problem(ProblemConfig(SPEC, 8, 1, seed=5))
+    inter = quantize_expert_weights(p.w1, p.w2, "bf16", "interleaved")
+    plain = quantize_expert_weights(deinterleave_gate_up(p.w1), p.w2, "bf16", "plain")
+    pairs = ExpertPairs(torch.arange(8), torch.arange(8) % 16, torch.ones(8))
+    math = ExpertMath("bf16", 10.0)
+    prov = TorchReferenceExperts()
+    assert torch.equal(prov.forward(p.x, pairs, inter, math), prov.forward(p.x, pairs, plain, math))
+
+
+def test_masked_route_contributes_nothing() -> None:
+    layer, p = layer_for("bf16")
+    ids = p.topk_ids.clone()
+    ids[:, 3:] = -1
+    ids[0] = -1
+    out = layer(p.x, ids, p.topk_weights)
+    assert (out[0] == 0).all()
+    w1, w2 = layer.weights.dequantized()
+    ref = fp32_reference_moe(p.x, ids, p.topk_weights, w1, w2, "interleaved", SPEC.swiglu_limit)
+    assert rel_l2(out.float(), ref) < 0.01
+
+
+@pytest.mark.parametrize("quant, wire, combine", [("bf16", "bf16", "bf16"), ("a4w4", "fp4", "fp8_blockwise_1x32"), ("a8w4", "fp8", "bf16")])
+def test_nan_and_inf_rows_stay_in_their_token(quant, wire, combine) -> None:
+    layer, p = layer_for(quant, wire, combine)
+    clean = layer(p.x, p.topk_ids, p.topk_weights)
+    x = p.x.clone()
+    x[4, 7] = float("nan")
+    x[9, :] = float("inf")
+    out = layer(x, p.topk_ids, p.topk_weights)
+    assert not torch.isfinite(out[4]).all() and not torch.isfinite(out[9]).all()
+    others = [i for i in range(x.shape[0]) if i not in (4, 9)]
+    assert torch.equal(out[others], clean[others])
+
+
+def test_capacity_exceeded_is_an_error_not_a_drop() -> None:
+    layer, p = layer_for("bf16", mtpr=32)
+    with pytest.raises(PeerInputError, match="MEGA_MAX_TOKENS_PER_RANK=32"):
+        layer(p.x, p.topk_ids, p.topk_weights)  # 48 tokens > 32
+
+
+@pytest.mark.parametrize("bad", [16, 99, -2])
+def test_expert_id_out_of_range(bad) -> None:
+    layer, p = layer_for("bf16")
+    ids = p.topk_ids.clone()
+    ids[2, 1] = bad
+    with pytest.raises(PeerInputError, match="topk_ids"):
+        layer(p.x, ids, p.topk_weights)
+
+
+def test_wrong_shapes_name_the_tensor() -> None:
+    layer, p = layer_for("bf16")
+    with pytest.raises(PeerInputError, match="hidden_states"):
+        layer(p.x[:, :128], p.topk_ids, p.topk_weights)
+    with pytest.raises(PeerInputError, match="topk_ids"):
+        layer(p.x, p.topk_ids[:, :2], p.topk_weights)
+
+
+def test_zero_tokens() -> None:
+    layer, p = layer_for("a4w4", "fp4")
+    out = layer(p.x[:0], p.topk_ids[:0], p.topk_weights[:0])
+    assert out.shape == (0, SPEC.hidden_size)
+
+
+def test_weights_must_match_plan() -> None:
+    p = make_problem(ProblemConfig(SPEC, 4, 1))
+    plan = build_plan(SPEC, Knobs(), 0, 2)
+    with pytest.raises(ValueError, match="ep_rank 0 owns 8"):
+        MegaMoELayer(plan, p.expert_weights("bf16"))

@@ -1,0 +1,141 @@
+"""Fake aiter.ops.flydsl.kernels.mega_moe_gfx1250.MegaMoEGfx1250, in two published shapes:
+
+- ``MegaMoEGfx1250_e4048607``: ROCm/aiter e4048607 (2026-08-22). dispatch_backend only (None ->
+  $MEGA_DISPATCH, default "flydsl"); bf16 dispatch wire.
+- ``MegaMoEGfx1250_22f2e2dc``: yhl-amd/aiter 22f2e2dc. Adds dispatch_wire (None ->
+  $MEGA_DISPATCH_WIRE), stage1_fused, combine_quant (None -> $MEGA_COMBINE_QUANT) to __init__ and
+  next_topk_ids / next_recv_token_bound / combine_quant to forward.
+``MegaMoEGfx1250`` names the first; tests rebind it. Checks are restated from those files.
+"""
+
+import os
+
+import torch
+from aiter import CALL_LOG, ActivationType, QuantType, dtypes
+from aiter.jit.utils.chip_info import get_gfx
+from aiter.ops.flydsl.moe_common import GateMode
+
+_DISPATCH_BACKENDS = ("flydsl", "mori")
+_DISPATCH_WIRES = ("bf16", "fp8", "fp4")
+_COMBINE_QUANT_MODES = ("none", "mxfp8", "mxfp4")
+
+
+class _Base:
+    def _check(self, *, communicator, rank, world_size, model_dim, inter_dim, experts, topk, max_tokens_per_rank,
+               activation, gate_mode, quant_type, swiglu_limit, dispatch_backend):
+        if get_gfx() != "gfx1250":
+            raise RuntimeError(f"MegaMoEGfx1250 requires gfx1250, got {get_gfx()}")
+        if experts % world_size:
+            raise ValueError(f"experts={experts} must be divisible by world_size={world_size}")
+        if topk > experts:
+            raise ValueError(f"topk={topk} cannot exceed experts={experts}")
+        if swiglu_limit < 0:
+            raise ValueError(f"swiglu_limit must be non-negative, got {swiglu_limit}")
+        if GateMode(gate_mode) != GateMode.INTERLEAVE:
+            raise ValueError("MegaMoE fused stage2 scatter requires gate_mode=INTERLEAVE")
+        if QuantType(quant_type) != QuantType.per_1x32:
+            raise ValueError("MegaMoE fused stage2 scatter requires quant_type=per_1x32")
+        if ActivationType(activation) not in (ActivationType.Silu, ActivationType.Swiglu, ActivationType.Situv2):
+            raise ValueError(f"unsupported activation={activation}")
+        if communicator is None:
+            raise ValueError("communicator (mori.cco.Communicator) is required")
+        backend = dispatch_backend if dispatch_backend is not None else os.environ.get("MEGA_DISPATCH", "flydsl")
+        if backend not in _DISPATCH_BACKENDS:
+            raise ValueError(f"dispatch_backend must be one of {_DISPATCH_BACKENDS}, got {backend!r}")
+        self.experts_per_rank = experts // world_size
+        self.model_dim, self.inter_dim, self.topk, self.mtpr = model_dim, inter_dim, topk, max_tokens_per_rank
+        self.forward_calls: list = []
+        return backend
+
+    def _check_forward(self, hidden_states, topk_weights, topk_ids, w1, w2, w1_scale, w2_scale):
+        if hidden_states.dtype != torch.bfloat16 or not hidden_states.is_contiguous():
+            raise ValueError("hidden_states must be contiguous bfloat16")
+        if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
+            raise ValueError("topk_weights must be contiguous float32")
+        if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
+            raise ValueError("topk_ids must be contiguous int32")
+        if w1_scale is None or w2_scale is None:
+            raise ValueError("MegaMoE fused stage2 scatter requires both w1_scale and w2_scale")
+        if w1.dtype not in (torch.uint8, dtypes.fp4x2) or w2.dtype not in (torch.uint8, dtypes.fp4x2):
+            raise ValueError("MegaMoE fused stage2 scatter requires MXFP4 w1/w2 weights")
+        e, h, i = self.experts_per_rank, self.model_dim, self.inter_dim
+        if tuple(w1.shape) != (e, 2 * i, h // 2):
+            raise ValueError(f"requires interleaved G1U1 w1 with shape {(e, 2 * i, h // 2)}, got {tuple(w1.shape)}")
+        if tuple(w2.shape) != (e, h, i // 2):
+            raise ValueError(f"requires w2 shape {(e, h, i // 2)}, got {tuple(w2.shape)}")
+        t = int(hidden_states.shape[0])
+        if t > self.mtpr:
+            raise ValueError(f"tokens={t} exceeds max_tokens_per_rank={self.mtpr}")
+        if tuple(topk_ids.shape) != (t, self.topk) or tuple(topk_weights.shape) != (t, self.topk):
+            raise ValueError("topk shapes")
+        return t
+
+
+class MegaMoEGfx1250_e4048607(_Base):
+    def __init__(self, *, communicator, rank: int, world_size: int, model_dim: int, inter_dim: int, experts: int,
+                 topk: int, max_tokens_per_rank: int, activation=ActivationType.Silu,
+                 gate_mode: int = GateMode.INTERLEAVE.value, quant_type=QuantType.per_1x32, hidden_pad: int = 0,
+                 intermediate_pad: int = 0, swiglu_limit: float = 0.0, situ_beta=None, situ_linear_beta=None,
+                 dispatch_backend: str | None = None):
+        backend = self._check(communicator=communicator, rank=rank, world_size=world_size, model_dim=model_dim,
+                              inter_dim=inter_dim, experts=experts, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
+                              activation=activation, gate_mode=gate_mode, quant_type=quant_type,
+                              swiglu_limit=swiglu_limit, dispatch_backend=dispatch_backend)
+        self.config = dict(dispatch_backend=backend, dispatch_wire="bf16", combine_quant="none")
+        CALL_LOG.append(("MegaMoEGfx1250", dict(rank=rank, world_size=world_size, model_dim=model_dim,
+                         inter_dim=inter_dim, experts=experts, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
+                         activation=activation, gate_mode=gate_mode, quant_type=quant_type,
+                         swiglu_limit=swiglu_limit, **self.config)))
+
+    def forward(self, hidden_states, topk_weights, topk_ids, *, w1, w2, w1_scale, w2_scale, bias1=None, bias2=None,
+                a1_scale=None, a2_scale=None, recv_token_bound=None):
+        t = self._check_forward(hidden_states, topk_weights, topk_ids, w1, w2, w1_scale, w2_scale)
+        self.forward_calls.append(dict(x=hidden_states, wts=topk_weights, ids=topk_ids, w1=w1, w2=w2,
+                                       w1_scale=w1_scale, w2_scale=w2_scale))
+        return torch.zeros(t, self.model_dim, dtype=torch.bfloat16)
+
+    __call__ = forward
+
+
+class MegaMoEGfx1250_22f2e2dc(_Base):
+    def __init__(self, *, communicator, rank: int, world_size: int, model_dim: int, inter_dim: int, experts: int,
+                 topk: int, max_tokens_per_rank: int, activation=ActivationType.Silu,
+                 gate_mode: int = GateMode.INTERLEAVE.value, quant_type=QuantType.per_1x32, hidden_pad: int = 0,
+                 intermediate_pad: int = 0, swiglu_limit: float = 0.0, situ_beta=None, situ_linear_beta=None,
+                 dispatch_backend: str | None = None, dispatch_wire: str | None = None, stage1_fused: bool = False,
+                 combine_quant: str | None = None):
+        backend = self._check(communicator=communicator, rank=rank, world_size=world_size, model_dim=model_dim,
+                              inter_dim=inter_dim, experts=experts, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
+                              activation=activation, gate_mode=gate_mode, quant_type=quant_type,
+                              swiglu_limit=swiglu_limit, dispatch_backend=dispatch_backend)
+        wire = dispatch_wire if dispatch_wire is not None else (os.environ.get("MEGA_DISPATCH_WIRE") or "bf16")
+        cq = combine_quant if combine_quant is not None else os.environ.get("MEGA_COMBINE_QUANT", "none")
+        if wire not in _DISPATCH_WIRES:
+            raise ValueError(f"dispatch_wire must be one of {_DISPATCH_WIRES}, got {wire!r}")
+        if wire != "bf16" and model_dim % 32:
+            raise ValueError("a quantizing dispatch wire needs hidden_dim % 32 == 0")
+        if cq not in _COMBINE_QUANT_MODES:
+            raise ValueError(f"combine_quant must be one of {_COMBINE_QUANT_MODES}, got {cq!r}")
+        if stage1_fused and (backend != "flydsl" or wire == "bf16"):
+            raise ValueError("stage1_fused requires dispatch_backend='flydsl' and an fp8 or fp4 dispatch wire")
+        self.config = dict(dispatch_backend=backend, dispatch_wire=wire, combine_quant=cq)
+        CALL_LOG.append(("MegaMoEGfx1250", dict(rank=rank, world_size=world_size, model_dim=model_dim,
+                         inter_dim=inter_dim, experts=experts, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
+                         activation=activation, gate_mode=gate_mode, quant_type=quant_type,
+                         swiglu_limit=swiglu_limit, stage1_fused=stage1_fused, **self.config)))
+
+    def forward(self, hidden_states, topk_weights, topk_ids, *, w1, w2, w1_scale, w2_scale, bias1=None, bias2=None,
+                a1_scale=None, a2_scale=None, recv_token_bound=None, next_topk_ids=None, next_recv_token_bound=None,
+                combine_quant=None):
+        t = self._check_forward(hidden_states, topk_weights, topk_ids, w1, w2, w1_scale, w2_scale)
+        step = combine_quant or "none"
+        if step != "none" and step != self.config["combine_quant"]:
+            raise ValueError(f"combine_quant={step!r} was not built at construction ({self.config['combine_quant']!r})")
+        self.forward_calls.append(dict(x=hidden_states, wts=topk_weights, ids=topk_ids, w1=w1, w2=w2,
+                                       w1_scale=w1_scale, w2_scale=w2_scale, combine_quant=step))
+        return torch.zeros(t, self.model_dim, dtype=torch.bfloat16)
+
+    __call__ = forward
+
+
+MegaMoEGfx1250 = MegaMoEGfx1250_e4048607

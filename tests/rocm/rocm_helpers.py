@@ -1,0 +1,58 @@
+"""Facts and knobs builders shared by the ROCm-path tests (importable: tests/rocm is on sys.path)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from megamoe_backend.knobs import Knobs
+from megamoe_backend.platform.facts import AiterCaps, PackageInfo, PlatformFacts
+
+
+def packages(**importable) -> dict:
+    names = ("mori", "aiter", "flydsl", "triton")
+    versions = {"mori": "1.2.4", "aiter": "0.1.10.dev", "flydsl": "0.1", "triton": "3.6.0"}
+    return {n: PackageInfo(n, bool(importable.get(n, False)), versions[n] if importable.get(n) else None) for n in names}
+
+
+V2_CAPS = AiterCaps(
+    v2_init=("rank", "world_size", "model_dim", "inter_dim", "experts", "topk", "quant", "w1", "w1_scale", "w2",
+             "w2_scale", "max_tok_per_rank", "mega_scheme", "swiglu_limit"),
+    v2_forward=("x_bf16", "wts", "topk_ids", "stream", "slice_output"),
+)
+GFX1250_INIT_OLD = ("communicator", "rank", "world_size", "model_dim", "inter_dim", "experts", "topk",
+                    "max_tokens_per_rank", "activation", "gate_mode", "quant_type", "hidden_pad", "intermediate_pad",
+                    "swiglu_limit", "situ_beta", "situ_linear_beta", "dispatch_backend")
+GFX1250_INIT_NEW = GFX1250_INIT_OLD + ("dispatch_wire", "stage1_fused", "combine_quant")
+GFX1250_CAPS_OLD = AiterCaps(gfx1250_init=GFX1250_INIT_OLD, gfx1250_forward=("hidden_states", "topk_weights", "topk_ids"))
+GFX1250_CAPS_NEW = AiterCaps(gfx1250_init=GFX1250_INIT_NEW, gfx1250_forward=("hidden_states", "topk_weights", "topk_ids", "combine_quant"))
+
+
+def rocm_facts(arch="gfx950", caps=None, force_a8w4=None, **pkgs) -> PlatformFacts:
+    pk = dict(mori=True, aiter=True, flydsl=True, triton=True)
+    pk.update(pkgs)
+    if caps is None:
+        caps = V2_CAPS if arch == "gfx950" else GFX1250_CAPS_NEW
+    return PlatformFacts(
+        device="rocm", torch_build="rocm", torch_version="2.9.0+rocm7.0", hip_version="7.0.0", gfx_arch=arch,
+        gpu_count=8, packages=packages(**pk), aiter_caps=caps, aiter_force_a8w4_raw=force_a8w4,
+    )
+
+
+def cuda_facts(triton=True) -> PlatformFacts:
+    return PlatformFacts(device="cuda", torch_build="cuda", torch_version="2.9.0+cu128", cuda_version="12.8",
+                         gpu_count=8, packages=packages(triton=triton))
+
+
+def cpu_facts(**pkgs) -> PlatformFacts:
+    return PlatformFacts(device="cpu", torch_build="cpu", torch_version="2.13.0+cpu", packages=packages(**pkgs))
+
+
+def knobs(**kw) -> Knobs:
+    return Knobs(**kw)
+
+
+def loose_knobs(**kw):
+    """Knobs with a value the core reader does not accept yet (e.g. MEGA_DISPATCH=flydsl)."""
+    base = dict(dispatch_wire="bf16", combine_wire="bf16", transport="auto", max_tokens_per_rank=8192, aiter_force_a8w4=None)
+    base.update(kw)
+    return SimpleNamespace(**base)

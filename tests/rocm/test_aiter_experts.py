@@ -1,0 +1,267 @@
+"""aiter fused MegaMoE contract: weight shuffles, runtime constructor arguments, shmem / cco order,
+one runtime per shape (wire in the key), each layer's weights passed explicitly, log line."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rocm_helpers import GFX1250_CAPS_OLD, knobs, rocm_facts
+
+from megamoe_backend.experts import quantize_expert_weights
+from megamoe_backend.experts.aiter import AiterFusedMoE, AiterRuntimeSpec, cached_runtime_keys, rank_major_ids
+from megamoe_backend.experts.weights import deinterleave_gate_up
+from megamoe_backend.knobs import KnobError, Knobs
+from megamoe_backend.plan import BackendChoice, build_plan
+from megamoe_backend.platform import select_backends
+from megamoe_backend.spec import MoESpec
+from megamoe_backend.transport.mori import init_mori_shmem
+
+H, I, E, K = 64, 32, 8, 2
+GROUP = object()
+
+
+class FakeDist:
+    """broadcast_object_list / get_global_rank, recorded (rank 0's object reaches everyone)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def get_global_rank(self, group, rank):
+        return 0
+
+    def broadcast_object_list(self, box, src, group):
+        self.log.append(("broadcast_object_list", type(box[0]).__name__, src, group))
+
+
+def make_plan(wire="fp8", combine="bf16", quant="a8w4", mtpr=512, ep=2, rank=0, limit=None, force=None):
+    spec = MoESpec(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K, quant=quant, swiglu_limit=limit)
+    k = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, aiter_force_a8w4=force)
+    return build_plan(spec, k, ep_rank=rank, ep_size=ep, backends=BackendChoice("aiter", "mori"))
+
+
+def fused(fakes, plan, facts, layer_id=0):
+    sel = select_backends(facts, plan.knobs, plan.math, ep_size=plan.ep_size, num_experts=E)
+    return AiterFusedMoE(
+        plan, GROUP, "cpu", selection=sel, layer_id=layer_id,
+        init_shmem=lambda g: init_mori_shmem(g, register=fakes.mori.fake_register_process_group),
+        dist=FakeDist(fakes.mori.CALL_LOG),
+    )
+
+
+def layer_weights(seed, ep=2):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(E // ep, 2 * I, H, generator=g)
+    w2 = torch.randn(E // ep, H, I, generator=g)
+    return quantize_expert_weights(w1, w2, "mxfp4", gate_up_layout="interleaved")
+
+
+def inputs(t=5):
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(t, H, generator=g), torch.randint(0, E, (t, K), generator=g), torch.rand(t, K, generator=g)
+
+
+def calls(log, name):
+    return [c for c in log if c[0] == name]
+
+
+# ---- gfx950 / MegaMoEV2 -----------------------------------------------------------------------
+
+def test_v2_weights_go_through_aiters_a16w4_shuffles_from_plain_gate_up_rows(fakes):
+    m = fused(fakes, make_plan(), rocm_facts("gfx950"))
+    w = layer_weights(0)
+    prepared = m.prepare_weights(w)
+    sw, ss = calls(fakes.aiter.CALL_LOG, "shuffle_weight_a16w4"), calls(fakes.aiter.CALL_LOG, "shuffle_scale_a16w4")
+    e = E // 2
+    assert [c[1] for c in sw] == [(e, 2 * I, H // 2), (e, H, I // 2)]
+    assert [c[3] for c in sw] == [dict(NLane=16, gate_up=True), dict(NLane=16, gate_up=False)]
+    assert torch.equal(sw[0][4], deinterleave_gate_up(w.w1))  # aiter interleaves gate/up itself
+    assert [c[1] for c in ss] == [(e * 2 * I, H // 32), (e * H, I // 32)]  # 2-D scales, as aiter's test passes
+    assert [c[3] for c in ss] == [dict(experts_cnt=e, gate_up=True), dict(experts_cnt=e, gate_up=False)]
+    assert torch.equal(ss[0][4], deinterleave_gate_up(w.w1_scale).reshape(e * 2 * I, H // 32))
+    assert prepared.runtime == "MegaMoEV2" and prepared.w1.dtype == torch.uint8
+
+
+def test_v2_is_built_after_shmem_with_a_power_of_two_mtpr(fakes, caplog):
+    plan = make_plan(mtpr=1000, limit=10.0)
+    m = fused(fakes, plan, rocm_facts("gfx950"))
+    x, ids, w = inputs()
+    with caplog.at_level(logging.INFO, logger="megamoe"):
+        out = m(x, ids, w, m.prepare_weights(layer_weights(0)))
+    assert out.shape == (5, H) and out.dtype == torch.bfloat16
+    (_, kwargs), = calls(fakes.aiter.CALL_LOG, "MegaMoEV2")
+    assert kwargs == dict(rank=0, world_size=2, model_dim=H, inter_dim=I, experts=E, topk=K, quant="a8w4",
+                          max_tok_per_rank=1024, mega_scheme="fixedslot", swiglu_limit=10.0)
+    assert [c[0] for c in fakes.mori.CALL_LOG] == ["_register_process_group", "shmem_torch_process_group_init", "shmem_barrier_all"]
+    call = m.runtime(None).forward_calls[0]
+    assert call["x"].dtype == torch.bfloat16 and call["wts"].dtype == torch.float32 and call["topk_ids"].dtype == torch.int32
+    assert "aiter MegaMoEV2" in caplog.text and "wire=fp8" in caplog.text and "mtpr=1024" in caplog.text
+
+
+def test_v2_published_api_gets_one_runtime_per_layer_and_no_private_rebinding(fakes):
+    facts = rocm_facts("gfx950")
+    layers = [fused(fakes, make_plan(), facts, layer_id=i) for i in range(2)]
+    weights = [m.prepare_weights(layer_weights(i)) for i, m in enumerate(layers)]
+    x, ids, w = inputs()
+    for m, lw in zip(layers, weights):
+        m(x, ids, w, lw)
+    assert {m.binding for m in layers} == {"per-layer-instance"}
+    runtimes = [m.runtime(None) for m in layers]
+    assert runtimes[0] is not runtimes[1] and len(cached_runtime_keys()) == 2
+    for rt, lw in zip(runtimes, weights):
+        assert rt.bound[0] is lw.w1 and rt.bound[2] is lw.w2
+        assert not hasattr(rt, "_s1_w1")
+
+
+def test_v2_with_a_public_setter_shares_one_runtime_and_sets_each_layers_weights(fakes, monkeypatch):
+    mod = fakes.aiter.ops.flydsl.kernels.mega_moe
+    monkeypatch.setattr(mod, "MegaMoEV2", mod.MegaMoEV2WithSetter)
+    facts = rocm_facts("gfx950")
+    layers = [fused(fakes, make_plan(), facts, layer_id=i) for i in range(2)]
+    weights = [m.prepare_weights(layer_weights(i)) for i, m in enumerate(layers)]
+    x, ids, w = inputs()
+    for m, lw in zip(layers, weights):
+        m(x, ids, w, lw)
+        assert m.runtime(None).forward_calls[-1]["weights"][0] is lw.w1
+    assert layers[0].runtime(None) is layers[1].runtime(None) and len(cached_runtime_keys()) == 1
+
+
+# ---- gfx1250 / MegaMoEGfx1250 -----------------------------------------------------------------
+
+@pytest.fixture
+def gfx1250(fakes, monkeypatch):
+    fakes.aiter.reset("gfx1250")
+    mod = fakes.aiter.ops.flydsl.kernels.mega_moe_gfx1250
+    monkeypatch.setattr(mod, "MegaMoEGfx1250", mod.MegaMoEGfx1250_22f2e2dc)
+    return fakes
+
+
+def test_gfx1250_weights_use_moe_shuffles_with_gate_up_interleave(gfx1250):
+    m = fused(gfx1250, make_plan(force=True), rocm_facts("gfx1250", force_a8w4="1"))
+    w = layer_weights(0)
+    m.prepare_weights(w)
+    sw, ss = calls(gfx1250.aiter.CALL_LOG, "moe_shuffle_weight"), calls(gfx1250.aiter.CALL_LOG, "moe_shuffle_scale")
+    e = E // 2
+    assert [c[3]["is_guinterleave"] for c in sw + ss] == [True, False, True, False]
+    assert [c[3]["gate_up"] for c in sw + ss] == [True, False, True, False]
+    assert {c[3]["experts_cnt"] for c in sw + ss} == {e}
+    assert [c[1] for c in ss] == [(e, 2 * I, H // 32), (e, H, I // 32)]
+    assert torch.equal(sw[0][4], deinterleave_gate_up(w.w1)) and torch.equal(ss[0][4], deinterleave_gate_up(w.w1_scale))
+
+
+def test_gfx1250_fp8_wire_runs_mori_dispatch_and_passes_everything_explicitly(gfx1250, monkeypatch, caplog):
+    # what aiter would read from the environment if we let it: all wrong on purpose
+    monkeypatch.setenv("MEGA_DISPATCH", "auto")
+    monkeypatch.setenv("MEGA_DISPATCH_WIRE", "fp4")
+    monkeypatch.setenv("MEGA_COMBINE_QUANT", "bogus")
+    m = fused(gfx1250, make_plan(wire="fp8", force=True), rocm_facts("gfx1250", force_a8w4="1"))
+    x, ids, w = inputs()
+    with caplog.at_level(logging.INFO, logger="megamoe"):
+        m(x, ids, w, m.prepare_weights(layer_weights(0)))
+    (_, kw), = calls(gfx1250.aiter.CALL_LOG, "MegaMoEGfx1250")
+    assert (kw["dispatch_backend"], kw["dispatch_wire"], kw["combine_quant"]) == ("mori", "fp8", "none")
+    A = gfx1250.aiter
+    assert (kw["activation"], kw["gate_mode"], kw["quant_type"]) == (A.ActivationType.Silu, "interleave", A.QuantType.per_1x32)
+    assert (kw["max_tokens_per_rank"], kw["experts"], kw["world_size"], kw["swiglu_limit"]) == (512, E, 2, 0.0)
+    cco = [c[0] for c in gfx1250.mori.CALL_LOG]
+    assert cco == ["cco.get_unique_id", "broadcast_object_list", "cco.init", "cco.barrier"]
+    assert gfx1250.mori.CALL_LOG[2][1:3] == (2, 0)  # Communicator.init(nranks, rank, uid, per_rank_vmm=)
+    assert "dispatch=mori" in caplog.text and "wire=fp8" in caplog.text and "a_operand=fp8" in caplog.text
+
+
+def test_gfx1250_one_runtime_serves_all_layers_with_their_own_weights(gfx1250):
+    facts = rocm_facts("gfx1250", force_a8w4="1")
+    layers = [fused(gfx1250, make_plan(force=True), facts, layer_id=i) for i in range(3)]
+    weights = [m.prepare_weights(layer_weights(i)) for i, m in enumerate(layers)]
+    x, ids, w = inputs()
+    for m, lw in zip(layers, weights):
+        m(x, ids, w, lw)
+    rt = layers[0].runtime(None)
+    assert all(m.runtime(None) is rt for m in layers) and len(cached_runtime_keys()) == 1
+    assert [c["w1"] for c in rt.forward_calls] == [lw.w1 for lw in weights]
+    assert all(c["w1"] is lw.w1 and c["w2_scale"] is lw.w2_scale for c, lw in zip(rt.forward_calls, weights))
+    assert {c["combine_quant"] for c in rt.forward_calls} == {"none"}
+    assert len(calls(gfx1250.mori.CALL_LOG, "cco.init")) == 1
+
+
+def test_gfx1250_runtime_cache_key_includes_the_wire(gfx1250):
+    facts = rocm_facts("gfx1250", force_a8w4="1")
+    x, ids, w = inputs()
+    for wire in ("bf16", "fp8"):
+        m = fused(gfx1250, make_plan(wire=wire, force=True), facts)
+        m(x, ids, w, m.prepare_weights(layer_weights(0)))
+    keys = cached_runtime_keys()
+    at = list(AiterRuntimeSpec.__dataclass_fields__).index("dispatch_wire")
+    assert len(keys) == 2 and {k[at] for k in keys} == {"bf16", "fp8"}
+
+
+def test_gfx1250_fp8_combine_is_built_and_asked_for_per_step(gfx1250):
+    m = fused(gfx1250, make_plan(wire="fp4", quant="a4w4", combine="fp8_blockwise_1x32"), rocm_facts("gfx1250"))
+    x, ids, w = inputs()
+    m(x, ids, w, m.prepare_weights(layer_weights(0)))
+    (_, kw), = calls(gfx1250.aiter.CALL_LOG, "MegaMoEGfx1250")
+    assert (kw["dispatch_wire"], kw["combine_quant"]) == ("fp4", "mxfp8")
+    assert m.runtime(None).forward_calls[0]["combine_quant"] == "mxfp8"
+
+
+def test_gfx1250_published_e4048607_api_with_bf16_wire(fakes):
+    fakes.aiter.reset("gfx1250")
+    m = fused(fakes, make_plan(wire="bf16", force=True), rocm_facts("gfx1250", caps=GFX1250_CAPS_OLD, force_a8w4="1"))
+    x, ids, w = inputs()
+    m(x, ids, w, m.prepare_weights(layer_weights(0)))
+    (_, kw), = calls(fakes.aiter.CALL_LOG, "MegaMoEGfx1250")
+    assert kw["dispatch_backend"] == "flydsl" and kw["dispatch_wire"] == "bf16"  # fake reports its fixed bf16 wire
+
+
+def test_a_quantised_wire_on_an_aiter_without_dispatch_wire_is_refused_not_shipped_as_bf16(fakes):
+    fakes.aiter.reset("gfx1250")
+    plan = make_plan(wire="fp8", force=True)
+    facts = rocm_facts("gfx1250", force_a8w4="1")  # claims the new API; the installed class is the old one
+    m = fused(fakes, plan, facts)
+    x, ids, w = inputs()
+    with pytest.raises(KnobError, match="no dispatch_wire argument"):
+        m(x, ids, w, m.prepare_weights(layer_weights(0)))
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def test_unfused_selection_is_refused(fakes):
+    plan = make_plan(wire="bf16")
+    sel = select_backends(rocm_facts("gfx950"), plan.knobs, plan.math)
+    with pytest.raises(KnobError, match="cannot run this plan"):
+        AiterFusedMoE(plan, GROUP, selection=sel)
+
+
+def test_too_many_tokens_and_wrong_weights_are_refused(fakes):
+    m = fused(fakes, make_plan(mtpr=4), rocm_facts("gfx950"))
+    lw = m.prepare_weights(layer_weights(0))
+    x, ids, w = inputs(5)
+    with pytest.raises(ValueError, match="exceed max_tok_per_rank=4"):
+        m(x, ids, w, lw)
+    with pytest.raises(ValueError, match="prepared for MegaMoEGfx1250"):
+        m(x[:2], ids[:2], w[:2], SimpleNamespace(**{**lw.__dict__, "runtime": "MegaMoEGfx1250"}))
+    bf16 = quantize_expert_weights(torch.randn(E // 2, 2 * I, H), torch.randn(E // 2, H, I), "bf16")
+    with pytest.raises(ValueError, match="MXFP4 expert weights"):
+        m.prepare_weights(bf16)
+
+
+def test_v2_rejecting_a_configuration_names_it(fakes, monkeypatch):
+    from rocm_helpers import V2_CAPS
+
+    from megamoe_backend.platform.facts import AiterCaps
+
+    caps = AiterCaps(V2_CAPS.v2_init, V2_CAPS.v2_forward, v2_accepts_a4w4=True)  # facts say yes, aiter says no
+    m = fused(fakes, make_plan(wire="fp4", quant="a4w4"), rocm_facts("gfx950", caps=caps))
+    x, ids, w = inputs()
+    with pytest.raises(KnobError, match="MegaMoEV2 rejected the configuration .*a8w4' only"):
+        m(x, ids, w, m.prepare_weights(layer_weights(0)))
+
+
+def test_rank_major_ids_follow_the_placement_and_fill_masked_entries():
+    owner = torch.tensor([1, 0, 1, 0]); slot = torch.tensor([0, 0, 1, 1])  # non-linear placement, 2 per rank
+    ids, w = rank_major_ids(torch.tensor([[0, 3], [2, -1], [-1, -1]]), torch.tensor([[0.5, 0.5], [1.0, 9.0], [1.0, 1.0]]), owner, slot, 2)
+    assert ids.dtype == torch.int32 and ids.is_contiguous()
+    assert ids.tolist() == [[2, 1], [3, 3], [0, 0]] and w.tolist() == [[0.5, 0.5], [1.0, 0.0], [0.0, 0.0]]
+    assert knobs().transport == "auto"

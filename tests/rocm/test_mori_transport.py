@@ -1,0 +1,244 @@
+"""mori transport contract: what MegaMoE hands to mori (config fields, dtypes, shapes, scale_dim,
+quant_type, kernel_type, shmem init order) and, through the fake fabric, that a MegaMoELayer over
+mori gives the same answer as the single-process layer."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from megamoe_backend.experts import quantize_expert_weights
+from megamoe_backend.experts.weights import ExpertWeights
+from megamoe_backend.knobs import KnobError, Knobs
+from megamoe_backend.layer.megamoe_layer import MegaMoELayer
+from megamoe_backend.layer.reference import rel_l2
+from megamoe_backend.plan import BackendChoice, build_plan
+from megamoe_backend.spec import MoESpec
+from megamoe_backend.transport import PeerInputError, TransportError
+from megamoe_backend.transport.layout import DispatchLayout
+from megamoe_backend.transport.mori import (
+    COMBINE_SCALE_DIM_ENV,
+    MoriTransport,
+    MoriWire,
+    apply_combine_scale_env,
+    init_mori_shmem,
+    local_slots,
+    mori_routing,
+    pick_kernel_type,
+)
+
+H, I, E, K = 64, 32, 8, 2
+GROUP = object()  # stands in for the EP process group
+
+
+def make_plan(rank=0, ep=2, wire="bf16", combine="bf16", quant="a8w4", mtpr=16, experts=E):
+    spec = MoESpec(hidden_size=H, moe_intermediate_size=I, n_routed_experts=experts, num_experts_per_tok=K, quant=quant)
+    knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr)
+    return build_plan(spec, knobs, ep_rank=rank, ep_size=ep, backends=BackendChoice("torch", "mori"))
+
+
+def make_transport(fakes, plan, **kw):
+    kw.setdefault("gpus_per_node", 8)
+    kw.setdefault("register", fakes.mori.fake_register_process_group)
+    kw.setdefault("all_reduce_max", lambda s: s)
+    return MoriTransport(plan, GROUP, torch.device("cpu"), **kw)
+
+
+# ---- pure mapping of the wire knobs --------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "wire, dtype, cols, scale_dim",
+    [("bf16", torch.bfloat16, 7168, 0), ("fp8", torch.float8_e4m3fn, 7168, 224), ("fp4", torch.float4_e2m1fn_x2, 3584, 224)],
+)
+def test_wire_sets_payload_dtype_and_scale_dim(wire, dtype, cols, scale_dim):
+    w = MoriWire.from_knobs(wire, "bf16", 7168)
+    assert (w.data_type, w.payload_cols, w.scale_dim, w.scale_type_size) == (dtype, cols, scale_dim, 1)
+    assert (w.max_token_type_size, w.config_hidden_dim, w.quant_type) == (2, 7168, "none")
+    assert w.row_bytes == {"bf16": 14336, "fp8": 7168 + 224, "fp4": 3584 + 224}[wire]
+
+
+def test_fp8_blockwise_combine_maps_to_moris_quant_type_with_1x32_blocks():
+    w = MoriWire.from_knobs("bf16", "fp8_blockwise_1x32", 7168)
+    assert (w.quant_type, w.combine_scale_dim) == ("fp8_blockwise", 224)
+    env = {}
+    apply_combine_scale_env(w, env)
+    assert env == {COMBINE_SCALE_DIM_ENV: "224"}
+
+
+def test_combine_scale_env_already_set_differently_is_an_error():
+    w = MoriWire.from_knobs("bf16", "fp8_blockwise_1x32", 7168)
+    with pytest.raises(KnobError, match="MORI_FP8_COMBINE_SCALE_DIM=224"):
+        apply_combine_scale_env(w, {COMBINE_SCALE_DIM_ENV: "56"})
+
+
+def test_blockwise_combine_with_quantised_dispatch_is_refused():
+    with pytest.raises(KnobError, match="bf16 dispatch and combine dtypes"):
+        MoriWire.from_knobs("fp4", "fp8_blockwise_1x32", 7168)
+
+
+def test_quantised_wire_needs_whole_1x32_blocks():
+    with pytest.raises(KnobError, match="multiple of 32"):
+        MoriWire.from_knobs("fp8", "bf16", 100)
+
+
+def test_kernel_type_and_gpu_per_node():
+    assert pick_kernel_type(8, 8) == ("IntraNode", 8)
+    assert pick_kernel_type(4, 8) == ("IntraNode", 4)
+    assert pick_kernel_type(16, 8) == ("InterNodeV1", 8)
+    with pytest.raises(TransportError, match="power-of-two"):
+        pick_kernel_type(12, 6)
+    with pytest.raises(TransportError, match="not a multiple"):
+        pick_kernel_type(12, 8)
+
+
+# ---- shmem initialisation -----------------------------------------------------------------
+
+def test_shmem_init_registers_the_group_before_initialising_and_only_once(fakes):
+    log = fakes.mori.CALL_LOG
+    name = init_mori_shmem(GROUP, register=fakes.mori.fake_register_process_group, shmem=fakes.mori.shmem)
+    assert init_mori_shmem(GROUP, register=fakes.mori.fake_register_process_group, shmem=fakes.mori.shmem) == name
+    assert [c[0] for c in log] == ["_register_process_group", "shmem_torch_process_group_init"]
+    assert log[0][1:] == (name, GROUP) and log[1][1] == name
+
+
+def test_shmem_init_on_a_second_group_is_an_error(fakes):
+    init_mori_shmem(GROUP, register=fakes.mori.fake_register_process_group, shmem=fakes.mori.shmem)
+    with pytest.raises(TransportError, match="another process group"):
+        init_mori_shmem(object(), register=fakes.mori.fake_register_process_group, shmem=fakes.mori.shmem)
+
+
+# ---- the config and the calls mori receives -----------------------------------------------
+
+def test_transport_builds_moris_config_field_by_field(fakes, caplog):
+    with caplog.at_level(logging.INFO, logger="megamoe"):
+        t = make_transport(fakes, make_plan(rank=1, ep=2, wire="fp8", mtpr=16))
+    cfg = t.config
+    assert type(cfg) is fakes.mori.ops.EpDispatchCombineConfig
+    assert (cfg.data_type, cfg.rank, cfg.world_size, cfg.hidden_dim) == (torch.float8_e4m3fn, 1, 2, H)
+    assert (cfg.scale_dim, cfg.scale_type_size, cfg.max_token_type_size) == (H // 32, 1, 2)
+    assert (cfg.max_num_inp_token_per_rank, cfg.num_experts_per_rank, cfg.num_experts_per_token) == (16, 4, K)
+    assert (cfg.kernel_type, cfg.gpu_per_node, cfg.quant_type) == (fakes.mori.ops.EpDispatchCombineKernelType.IntraNode, 2, "none")
+    order = [c[0] for c in fakes.mori.CALL_LOG]
+    assert order == ["_register_process_group", "shmem_torch_process_group_init", "EpDispatchCombineOp"]
+    assert "dispatch=mori" in caplog.text and "wire=fp8" in caplog.text
+
+
+def test_fp8_combine_sets_moris_env_before_the_op_reads_it(fakes, monkeypatch):
+    monkeypatch.delenv(COMBINE_SCALE_DIM_ENV, raising=False)
+    t = make_transport(fakes, make_plan(ep=1, combine="fp8_blockwise_1x32"))
+    assert t.config.quant_type == "fp8_blockwise" and t.op.combine_scale_dim == H // 32
+
+
+def test_unequal_expert_counts_are_refused(fakes):
+    from megamoe_backend.plan.placement import ExpertPlacement
+
+    spec = MoESpec(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K, quant="a8w4")
+    placement = ExpertPlacement.from_assignment([0, 0, 0, 0, 0, 1, 1, 1], 2)
+    plan = build_plan(spec, Knobs(), 0, 2, placement=placement, backends=BackendChoice("torch", "mori"))
+    with pytest.raises(KnobError, match="same expert count on every rank"):
+        make_transport(fakes, plan)
+
+
+def test_dispatch_passes_int32_ids_fp32_weights_and_split_scales(fakes):
+    plan = make_plan(ep=1, wire="fp4", quant="a4w4")
+    t = make_transport(fakes, plan)
+    x = torch.randn(5, H)
+    rows = plan.dispatch.encode(x)
+    ids = torch.tensor([[0, 3], [7, 1], [2, 2], [5, -1], [4, 6]])
+    owner, slot = plan.placement.tables()
+    layout = DispatchLayout.build(ids, torch.rand(5, K), owner, slot, 1)
+    res = t.dispatch(rows, layout)
+    call = t.op.calls[0][1]
+    assert call["input"].dtype == torch.float4_e2m1fn_x2 and tuple(call["input"].shape) == (5, H // 2)
+    assert call["scales"].dtype == torch.uint8 and tuple(call["scales"].shape) == (5, H // 32)
+    assert call["indices"].dtype == torch.int32 and call["weights"].dtype == torch.float32
+    assert torch.equal(res.rows, rows)  # received rows are the sent wire rows, payload then scales
+    assert res.slots[3].tolist() == [5, -1] and res.weights[3, 1] == 0  # masked entry: copy of id 5, dropped
+
+
+def test_more_tokens_than_mtpr_is_refused_before_mori(fakes):
+    plan = make_plan(ep=1, mtpr=4)
+    t = make_transport(fakes, plan)
+    owner, slot = plan.placement.tables()
+    layout = DispatchLayout.build(torch.zeros(5, K, dtype=torch.long), torch.ones(5, K), owner, slot, 1)
+    with pytest.raises(PeerInputError, match="MEGA_MAX_TOKENS_PER_RANK=4"):
+        t.dispatch(plan.dispatch.encode(torch.zeros(5, H)), layout)
+    assert t.op.calls == []
+
+
+def test_bad_input_on_a_peer_fails_every_rank(fakes):
+    plan = make_plan(ep=1)
+    t = make_transport(fakes, plan, all_reduce_max=lambda s: 2)  # a peer reported status 2
+    owner, slot = plan.placement.tables()
+    layout = DispatchLayout.build(torch.zeros(1, K, dtype=torch.long), torch.ones(1, K), owner, slot, 1)
+    with pytest.raises(PeerInputError, match="one rank reported bad input"):
+        t.dispatch(plan.dispatch.encode(torch.zeros(1, H)), layout)
+
+
+def test_routing_helpers_round_trip():
+    owner = torch.tensor([0, 0, 1, 1]); slot = torch.tensor([0, 1, 0, 1])
+    layout = DispatchLayout.build(torch.tensor([[3, 0], [-1, -1]]), torch.tensor([[0.25, 0.75], [0.5, 0.5]]), owner, slot, 2)
+    ids, w = mori_routing(layout, 2)
+    assert ids.tolist() == [[3, 0], [0, 0]] and w.tolist() == [[0.25, 0.75], [0.0, 0.0]]
+    slots, weights = local_slots(ids, w, rank=1, experts_per_rank=2)
+    assert slots.tolist() == [[1, -1], [-1, -1]] and weights[0].tolist() == [0.25, 0.0]
+
+
+# ---- numerics through the fake fabric (threads = ranks) -----------------------------------
+
+def _weights(quant, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(E, 2 * I, H, generator=g) * H ** -0.5
+    w2 = torch.randn(E, H, I, generator=g) * I ** -0.5
+    return quantize_expert_weights(w1, w2, "mxfp4" if quant != "bf16" else "bf16")
+
+
+def _local(w: ExpertWeights, lo, hi) -> ExpertWeights:
+    s = lambda t: None if t is None else t[lo:hi].contiguous()  # noqa: E731
+    return ExpertWeights(s(w.w1), s(w.w2), w.fmt, w.gate_up_layout, s(w.w1_scale), s(w.w2_scale))
+
+
+def _run_ranks(fn, ep):
+    out, errors = [None] * ep, []
+
+    def work(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(ep)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("wire, quant", [("bf16", "a8w4"), ("fp8", "a8w4"), ("fp4", "a4w4")])
+def test_layer_over_mori_matches_the_single_process_layer(fakes, wire, quant):
+    ep, t_per_rank = 2, 6
+    weights = _weights(quant)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(t_per_rank, H, generator=g).to(torch.bfloat16) for _ in range(ep)]
+    ids = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t_per_rank)]) for _ in range(ep)]
+    ids[1][2, 1] = -1  # one masked entry
+    tw = [torch.rand(t_per_rank, K, generator=g) for _ in range(ep)]
+    fakes.mori.ops.EpDispatchCombineOp.FABRIC_GENERATION = f"layer-{wire}"
+
+    def rank(r):
+        plan = make_plan(rank=r, ep=ep, wire=wire, quant=quant)
+        transport = make_transport(fakes, plan)
+        layer = MegaMoELayer(plan, _local(weights, r * E // ep, (r + 1) * E // ep), transport=transport)
+        return layer(xs[r], ids[r], tw[r])
+
+    got = torch.cat(_run_ranks(rank, ep))
+    ref_plan = make_plan(rank=0, ep=1, wire=wire, quant=quant)
+    want = MegaMoELayer(ref_plan, weights)(torch.cat(xs), torch.cat(ids), torch.cat(tw))
+    assert rel_l2(got.float(), want.float()) < 1e-2  # mori sums bf16 partials per rank
+    assert torch.isfinite(got).all()

@@ -1,0 +1,259 @@
+"""Backend selection: CUDA -> triton + nccl/symm, ROCm with aiter + mori -> aiter over mori, CPU -> torch;
+and every bad knob combination on the AMD path is an error that names the knob."""
+
+from __future__ import annotations
+
+import pytest
+from rocm_helpers import (
+    GFX1250_CAPS_NEW,
+    GFX1250_CAPS_OLD,
+    V2_CAPS,
+    cpu_facts,
+    cuda_facts,
+    knobs,
+    loose_knobs,
+    rocm_facts,
+)
+
+from megamoe_backend.experts.base import ExpertMath
+from megamoe_backend.knobs import KnobError
+from megamoe_backend.platform import PlatformError, rocm_selection, select_backends
+from megamoe_backend.platform.facts import AiterCaps
+
+A8W4 = ExpertMath("a8w4")
+A4W4 = ExpertMath("a4w4")
+BF16 = ExpertMath("bf16")
+
+
+# ---- the three platforms --------------------------------------------------------------------
+
+def test_cpu_selects_torch_over_gloo():
+    sel = select_backends(cpu_facts(triton=True), knobs(), A8W4)
+    assert (sel.provider, sel.transport, sel.fused) == ("torch", "gloo", False)
+
+
+def test_cuda_selects_triton_and_nccl_or_symm():
+    assert (select_backends(cuda_facts(), knobs(), A8W4).provider, select_backends(cuda_facts(), knobs(), A8W4).transport) == ("triton", "nccl")
+    assert select_backends(cuda_facts(), knobs(transport="symm"), A8W4).transport == "symm"
+    assert select_backends(cuda_facts(triton=False), knobs(), A8W4).provider == "torch"
+
+
+def test_gfx950_with_packages_selects_aiter_megamoe_v2_over_mori():
+    sel = select_backends(rocm_facts("gfx950"), knobs(dispatch_wire="fp8", combine_wire="fp8_blockwise_1x32"), A8W4, ep_size=8, num_experts=256)
+    assert (sel.provider, sel.transport, sel.runtime, sel.dispatch_kernel) == ("aiter", "mori", "MegaMoEV2", "flydsl")
+    assert sel.mtpr == 8192 and sel.a_operand == "fp8"
+    assert "provider=aiter:MegaMoEV2 transport=mori" in sel.describe() and "wire=fp8" in sel.describe()
+
+
+def test_gfx1250_with_packages_selects_aiter_megamoe_gfx1250_over_mori():
+    sel = select_backends(rocm_facts("gfx1250", force_a8w4="1"), knobs(dispatch_wire="fp8", aiter_force_a8w4=True), A8W4, ep_size=8, num_experts=256)
+    assert (sel.provider, sel.transport, sel.runtime, sel.dispatch_kernel) == ("aiter", "mori", "MegaMoEGfx1250", "mori")
+    assert sel.a_operand == "fp8" and sel.combine_quant == "none"
+    assert "dispatch=mori" in sel.describe() and "wire=fp8" in sel.describe()
+    assert any("forces the mori dispatch" in r for r in sel.reasons)
+
+
+def test_gfx1250_bf16_wire_keeps_aiters_default_flydsl_dispatch_unless_mori_asked():
+    sel = select_backends(rocm_facts("gfx1250", force_a8w4="1"), knobs(aiter_force_a8w4=True), A8W4)
+    assert (sel.runtime, sel.dispatch_kernel) == ("MegaMoEGfx1250", "flydsl")
+    sel = select_backends(rocm_facts("gfx1250", force_a8w4="1"), knobs(transport="mori", aiter_force_a8w4=True), A8W4)
+    assert sel.dispatch_kernel == "mori"
+
+
+def test_gfx1250_fp4_a_operand_when_force_unset():
+    sel = select_backends(rocm_facts("gfx1250"), knobs(dispatch_wire="fp4"), A4W4)
+    assert (sel.a_operand, sel.dispatch_wire, sel.dispatch_kernel) == ("fp4", "fp4", "mori")
+
+
+def test_gfx1250_combine_wire_maps_to_combine_quant_mxfp8():
+    sel = select_backends(rocm_facts("gfx1250"), knobs(combine_wire="fp8_blockwise_1x32"), A4W4)
+    assert sel.combine_quant == "mxfp8"
+
+
+def test_rocm_selection_returns_the_leads_backend_choice():
+    from megamoe_backend.plan.selection import BackendChoice
+
+    choice = rocm_selection(knobs(dispatch_wire="fp8", combine_wire="fp8_blockwise_1x32"), A8W4, rocm_facts("gfx950"))
+    assert isinstance(choice, BackendChoice)
+    assert (choice.provider, choice.transport) == ("aiter", "mori")
+    assert "dispatch=flydsl" in choice.reasons[-1]
+
+
+# ---- unfused fallbacks, each with the reason naming the knob ---------------------------------
+
+def test_v2_with_bf16_wire_runs_unfused_mori_and_says_which_knob():
+    sel = select_backends(rocm_facts("gfx950"), knobs(), A8W4)
+    assert (sel.provider, sel.transport, sel.fused) == ("triton", "mori", False)
+    assert any("MEGA_DISPATCH_WIRE=fp8" in r for r in sel.reasons)
+
+
+def test_v2_combine_wire_is_decided_by_mtpr_and_a_mismatch_is_named():
+    sel = select_backends(rocm_facts("gfx950"), knobs(dispatch_wire="fp8"), A8W4)  # mtpr 8192 -> fp8 combine
+    assert not sel.fused and any("MEGA_COMBINE_WIRE=fp8_blockwise_1x32" in r for r in sel.reasons)
+    sel = select_backends(rocm_facts("gfx950"), knobs(dispatch_wire="fp8", max_tokens_per_rank=512), A8W4)
+    assert sel.fused and sel.combine_wire == "bf16"
+
+
+def test_gfx942_has_no_fused_runtime_and_uses_mori_transport():
+    sel = select_backends(rocm_facts("gfx942"), knobs(), A8W4)
+    assert (sel.provider, sel.transport) == ("triton", "mori")
+    assert any("gfx942" in r for r in sel.reasons)
+
+
+def test_bf16_model_is_not_fused():
+    sel = select_backends(rocm_facts("gfx950"), knobs(), BF16)
+    assert not sel.fused and any("MXFP4" in r for r in sel.reasons)
+
+
+def test_rocm_without_aiter_uses_mori_with_local_experts():
+    sel = select_backends(rocm_facts("gfx950", aiter=False, triton=False), knobs(dispatch_wire="fp8"), A8W4)
+    assert (sel.provider, sel.transport) == ("torch", "mori")
+
+
+def test_rocm_without_mori_falls_back_to_rccl():
+    sel = select_backends(rocm_facts("gfx950", mori=False), knobs(), A8W4)
+    assert (sel.provider, sel.transport) == ("triton", "nccl")
+
+
+def test_old_gfx1250_without_dispatch_wire_argument_cannot_fuse_a_quantised_wire():
+    sel = select_backends(rocm_facts("gfx1250", caps=GFX1250_CAPS_OLD, force_a8w4="1"), knobs(dispatch_wire="fp8", aiter_force_a8w4=True), A8W4)
+    assert not sel.fused and any("no dispatch_wire argument" in r for r in sel.reasons)
+    assert sel.transport == "mori"
+
+
+def test_old_gfx1250_without_combine_quant_cannot_fuse_fp8_combine():
+    sel = select_backends(rocm_facts("gfx1250", caps=GFX1250_CAPS_OLD), knobs(combine_wire="fp8_blockwise_1x32"), A4W4)
+    assert not sel.fused and any("combine_quant" in r for r in sel.reasons)
+
+
+def test_aiter_without_megamoe_classes_is_not_fused():
+    sel = select_backends(rocm_facts("gfx950", caps=AiterCaps()), knobs(dispatch_wire="fp8", max_tokens_per_rank=512), A8W4)
+    assert not sel.fused and any("no aiter.ops.flydsl.kernels.mega_moe.MegaMoEV2" in r for r in sel.reasons)
+
+
+def test_v2_a4w4_only_where_installed_aiter_accepts_it():
+    sel = select_backends(rocm_facts("gfx950"), knobs(dispatch_wire="fp4", max_tokens_per_rank=512), A4W4)
+    assert not sel.fused and any("a8w4' only" in r for r in sel.reasons)
+    caps = AiterCaps(V2_CAPS.v2_init, V2_CAPS.v2_forward, v2_accepts_a4w4=True)
+    sel = select_backends(rocm_facts("gfx950", caps=caps), knobs(dispatch_wire="fp4", max_tokens_per_rank=512), A4W4)
+    assert sel.fused and sel.a_operand == "fp4"
+
+
+def test_explicit_nccl_on_rocm_skips_the_fused_runtime():
+    sel = select_backends(rocm_facts("gfx950"), knobs(transport="nccl", dispatch_wire="fp8", max_tokens_per_rank=512), A8W4)
+    assert (sel.transport, sel.fused) == ("nccl", False)
+
+
+def test_mori_blockwise_combine_with_quantised_dispatch_is_outside_moris_matrix():
+    k = knobs(dispatch_wire="fp8", combine_wire="fp8_blockwise_1x32", transport="mori")
+    with pytest.raises(KnobError, match="requires bf16 dispatch and combine dtypes"):
+        select_backends(rocm_facts("gfx942"), k, A8W4)
+    sel = select_backends(rocm_facts("gfx942"), knobs(dispatch_wire="fp8", combine_wire="fp8_blockwise_1x32"), A8W4)
+    assert sel.transport == "nccl"
+
+
+# ---- MTPR ---------------------------------------------------------------------------------
+
+def test_v2_mtpr_rounds_up_to_a_power_of_two_and_says_so():
+    sel = select_backends(rocm_facts("gfx950"), knobs(dispatch_wire="fp8", max_tokens_per_rank=1000), A8W4, ep_size=8, num_experts=64)
+    assert sel.fused and sel.mtpr == 1024
+    assert any("rounded up to 1024" in r for r in sel.reasons)
+
+
+def test_v2_fixed_slot_path_is_left_when_experts_per_rank_exceed_64():
+    sel = select_backends(rocm_facts("gfx950"), knobs(dispatch_wire="fp8", max_tokens_per_rank=100), A8W4, ep_size=2, num_experts=256)
+    assert sel.mtpr == 256 and any("fixed-slot" in r for r in sel.reasons)
+
+
+def test_gfx1250_mtpr_is_not_rounded():
+    sel = select_backends(rocm_facts("gfx1250"), knobs(max_tokens_per_rank=1000), A4W4)
+    assert sel.mtpr == 1000
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "facts, missing",
+    [
+        (rocm_facts("gfx950", mori=False), "amd-mori"),
+        (cuda_facts(), "ROCm build of torch"),
+        (cpu_facts(), "ROCm build of torch"),
+    ],
+)
+def test_mega_dispatch_mori_without_mori_names_what_is_missing(facts, missing):
+    with pytest.raises(PlatformError, match=missing) as err:
+        select_backends(facts, knobs(transport="mori"), A8W4)
+    assert "MEGA_DISPATCH=mori" in str(err.value)
+
+
+def test_mega_dispatch_mori_on_rocm_build_without_gpu():
+    facts = rocm_facts("gfx950")
+    facts = type(facts)(**{**facts.__dict__, "device": "cpu"})
+    with pytest.raises(PlatformError, match="visible AMD GPU"):
+        select_backends(facts, knobs(transport="mori"), A8W4)
+
+
+def test_quantised_wire_with_flydsl_dispatch_switches_to_mori_and_says_so():
+    sel = select_backends(rocm_facts("gfx1250", force_a8w4="1"), loose_knobs(transport="flydsl", dispatch_wire="fp8", aiter_force_a8w4=True), A8W4)
+    assert sel.dispatch_kernel == "mori"
+    assert any("switched to the mori dispatch" in r and "never shipped" in r for r in sel.reasons)
+
+
+def test_flydsl_dispatch_without_mori_fails_clearly():
+    with pytest.raises(PlatformError, match="MEGA_DISPATCH=flydsl needs .*amd-mori"):
+        select_backends(rocm_facts("gfx1250", mori=False), loose_knobs(transport="flydsl", dispatch_wire="fp4"), A4W4)
+
+
+def test_flydsl_dispatch_where_no_fused_runtime_can_run_fails():
+    with pytest.raises(PlatformError, match="MEGA_DISPATCH=flydsl names aiter's fused dispatch"):
+        select_backends(rocm_facts("gfx942"), loose_knobs(transport="flydsl"), A8W4)
+
+
+def test_aiter_force_a8w4_contradicting_the_wire_is_an_error():
+    with pytest.raises(KnobError, match="MEGA_DISPATCH_WIRE=fp4 contradicts AITER_FORCE_A8W4='1'"):
+        select_backends(rocm_facts("gfx1250", force_a8w4="1"), knobs(dispatch_wire="fp4", aiter_force_a8w4=True), A4W4)
+    with pytest.raises(KnobError, match="MEGA_DISPATCH_WIRE=fp8 contradicts AITER_FORCE_A8W4=None"):
+        select_backends(rocm_facts("gfx1250"), knobs(dispatch_wire="fp8"), A4W4)
+
+
+def test_aiter_force_a8w4_contradicting_the_models_scheme_is_an_error():
+    with pytest.raises(KnobError, match="quant scheme is a8w4 .* set AITER_FORCE_A8W4=1"):
+        select_backends(rocm_facts("gfx1250"), knobs(), A8W4)
+
+
+@pytest.mark.parametrize("raw, parsed", [("true", True), ("", None), ("yes", True)])
+def test_aiter_force_a8w4_values_aiter_reads_differently_are_errors(raw, parsed):
+    # aiter: os.environ.get("AITER_FORCE_A8W4", "0") in ("1") -- substring test: "" -> fp8, "true" -> fp4
+    with pytest.raises(KnobError, match="substring test"):
+        select_backends(rocm_facts("gfx1250", force_a8w4=raw), knobs(aiter_force_a8w4=parsed), A4W4)
+
+
+def test_experts_not_divisible_by_ep_size_is_an_error():
+    with pytest.raises(KnobError, match="do not divide over EP size 3"):
+        select_backends(rocm_facts("gfx950"), knobs(), A8W4, ep_size=3, num_experts=256)
+
+
+def test_symm_on_rocm_is_an_error():
+    with pytest.raises(PlatformError, match="CUDA NVLink path"):
+        select_backends(rocm_facts("gfx950"), knobs(transport="symm"), A8W4)
+
+
+def test_gfx1250_world_size_limit_falls_back():
+    sel = select_backends(rocm_facts("gfx1250"), knobs(), A4W4, ep_size=128, num_experts=256)
+    assert not sel.fused and any("world_size <= 72" in r for r in sel.reasons)
+
+
+def test_gfx1250_old_caps_still_fuse_bf16():
+    sel = select_backends(rocm_facts("gfx1250", caps=GFX1250_CAPS_OLD), knobs(), A4W4)
+    assert sel.fused and sel.dispatch_kernel == "flydsl"
+    assert GFX1250_CAPS_NEW.has_gfx1250
+
+
+def test_selection_report_for_megamoe_info():
+    from megamoe_backend.platform import selection_report
+
+    rep = selection_report(knobs(dispatch_wire="fp8", max_tokens_per_rank=512), A8W4, rocm_facts("gfx950"), ep_size=8, num_experts=256)
+    assert (rep["provider"], rep["transport"], rep["runtime"], rep["dispatch"]) == ("aiter", "mori", "MegaMoEV2", "flydsl")
+    assert any("mori: 1.2.4" in line for line in rep["platform"]) and rep["reasons"]
+    bad = selection_report(knobs(transport="mori"), A8W4, cpu_facts())
+    assert "amd-mori" in bad["error"] and "provider" not in bad
