@@ -109,8 +109,11 @@ class Case:
 
 # ----------------------------------------------------------------------------------------- data
 def make_weights(n_exp: int, hidden: int, inter: int, device: torch.device, seed: int):
-    """Random bf16 weights -> MXFP4 (Triton quantiser, per expert) and their exact bf16 dequantisation."""
+    """Random bf16 weights -> MXFP4 (Triton quantiser on GPU, per expert) and their exact bf16 dequantisation."""
     from ..experts.triton.quant import quantize_rows
+    from ..formats import quantize_mx
+
+    quantize = quantize_rows if device.type == "cuda" else quantize_mx
 
     g = torch.Generator(device=device).manual_seed(seed)
     w1q = torch.empty(n_exp, 2 * inter, hidden // 2, dtype=torch.uint8, device=device)
@@ -123,7 +126,7 @@ def make_weights(n_exp: int, hidden: int, inter: int, device: torch.device, seed
         w1 = (torch.randn(2 * inter, hidden, generator=g, device=device) / _math.sqrt(hidden)).to(torch.bfloat16)
         w2 = (torch.randn(hidden, inter, generator=g, device=device) / _math.sqrt(inter)).to(torch.bfloat16)
         for src, q, s, d in ((w1, w1q, w1s, w1d), (w2, w2q, w2s, w2d)):
-            t = quantize_rows(src, "fp4", name="bench weights")
+            t = quantize(src, "fp4", name="bench weights")
             q[e].copy_(t.data)
             s[e].copy_(t.scales)
             d[e].copy_(dequantize_mx(t).to(torch.bfloat16))
@@ -383,18 +386,24 @@ def slice_weights(w: ExpertWeights, n: int) -> ExpertWeights:
     return ExpertWeights(cut(w.w1), cut(w.w2), w.fmt, w.gate_up_layout, cut(w.w1_scale), cut(w.w2_scale))
 
 
+def command_line() -> str:
+    prog = os.path.basename(sys.argv[0]) if sys.argv else ""
+    head = "megamoe" if prog == "megamoe" else "python -m megamoe_backend.bench.bench_experts"
+    return " ".join([head] + sys.argv[1:])
+
+
 def environment(args: argparse.Namespace) -> dict:
     import triton
 
     meta = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m megamoe_backend.bench.bench_experts " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "host": platform.node(),
-        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
         "shape": {"hidden": args.hidden, "intermediate": args.intermediate, "topk": args.topk},
     }
     try:

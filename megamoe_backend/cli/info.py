@@ -6,7 +6,7 @@ import argparse
 import json
 
 from ..knobs import KnobError, Knobs
-from ..plan import build_plan
+from ..plan import build_plan, facts_for
 from ..spec import ConfigError, MoESpec, preset
 
 
@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         knobs = Knobs.from_env()
         device = detect_device_type() if args.device == "auto" else args.device
         plan = build_plan(spec, knobs, args.ep_rank, args.ep_size, device_type=device)
+        platform = facts_for(device).describe()
     except (KnobError, ConfigError, ValueError) as exc:
         print(f"megamoe info: error: {exc}")
         return 2
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         "spec": spec.to_dict(),
         "knobs": knobs.to_dict(),
         "device": device,
+        "platform": platform,
         "experts_provider": plan.backends.provider,
         "transport": plan.backends.transport,
         "selection_reasons": list(plan.backends.reasons),
@@ -77,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(key, str(getattr(spec, key)))
     table.add_row("knobs", ", ".join(f"{k}={v}" for k, v in knobs.to_dict().items()))
     table.add_row("device / provider / transport", f"{device} / {plan.backends.provider} / {plan.backends.transport}")
-    table.add_row("why", "; ".join(plan.backends.reasons))
+    table.add_row("platform", "\n".join(platform))
+    table.add_row("selection", plan.backends.describe())
+    table.add_row("why", "\n".join(plan.backends.reasons))
     table.add_row("dispatch bytes / token / dest", f"{wb.dispatch_payload} + {wb.dispatch_scales} scales (+ {wb.dispatch_meta} routing meta)")
     table.add_row("combine bytes / (token, expert)", f"{wb.combine_payload} + {wb.combine_scales} scales")
     console.print(table)

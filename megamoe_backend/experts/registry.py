@@ -6,11 +6,11 @@ import importlib
 
 from .base import ExpertsProvider
 
-# name -> "module:Class"; hardware providers live in their own modules.
+# name -> "module:Class"; hardware providers live in their own modules. aiter is not here: its
+# MegaMoE runtimes are fused (they own dispatch and combine too), so the layer drives them directly.
 PROVIDERS = {
     "torch": "megamoe_backend.experts.reference:TorchReferenceExperts",
     "triton": "megamoe_backend.experts.triton:TritonExperts",
-    "aiter": "megamoe_backend.experts.aiter:AiterExperts",
 }
 
 

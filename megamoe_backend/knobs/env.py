@@ -12,7 +12,8 @@ from typing import Mapping
 
 DISPATCH_WIRE_VALUES = ("bf16", "fp8", "fp4")
 COMBINE_WIRE_VALUES = ("bf16", "fp8_blockwise_1x32")
-TRANSPORT_VALUES = ("auto", "nccl", "symm", "mori")
+# flydsl: aiter MegaMoEGfx1250's own dispatch kernel (gfx1250 only; see docs/rocm.md)
+TRANSPORT_VALUES = ("auto", "nccl", "symm", "mori", "flydsl")
 DEFAULT_MAX_TOKENS_PER_RANK = 8192
 
 KNOB_NAMES = (

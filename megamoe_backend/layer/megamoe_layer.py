@@ -48,6 +48,7 @@ class MegaMoELayer:
         device: torch.device | str | None = None,
         provider: ExpertsProvider | None = None,
         transport: Transport | None = None,
+        layer_id: int = 0,
     ) -> None:
         spec = plan.spec
         if weights.num_experts != plan.num_local_experts:
@@ -62,8 +63,17 @@ class MegaMoELayer:
         self.plan = plan
         self.weights = weights
         self.device = torch.device(device) if device is not None else weights.w1.device
-        self.provider = provider or make_provider(plan.backends.provider)
         self._owner, self._slot = plan.placement.tables(self.device)
+        if plan.backends.fused:
+            # aiter's fused runtime owns dispatch, both GEMMs and combine (ROCm; see docs/rocm.md)
+            from ..experts.aiter import AiterFusedMoE
+
+            self.fused = AiterFusedMoE(plan, group, self.device, selection=plan.backends, layer_id=layer_id)
+            self.fused_weights = self.fused.prepare_weights(weights)
+            self.provider, self.transport = None, None
+            return
+        self.fused = None
+        self.provider = provider or make_provider(plan.backends.provider)
         if transport is None:
             key = transport_key(plan.layout_key(), group, self.device)
             is_new = key not in cached_transport_keys()
@@ -99,6 +109,10 @@ class MegaMoELayer:
         """x [T, H] (bf16/fp32), topk_ids [T, k] (-1 = masked), topk_weights [T, k] -> bf16 [T, H]."""
         plan = self.plan
         status, message = self._check_inputs(x, topk_ids, topk_weights)
+        if self.fused is not None:
+            if status:
+                raise PeerInputError(f"[megamoe] {message}")
+            return self.fused(x, topk_ids, topk_weights, self.fused_weights)
         if status:
             # Still take part in the header exchange with nothing to send, so peers fail fast too.
             x = torch.zeros(0, plan.hidden, dtype=torch.bfloat16, device=self.device)
@@ -122,6 +136,9 @@ class MegaMoELayer:
             weight=received.weights[pair_row, pair_k],
         )
         contributions = self.provider.forward(rows_a, pairs, self.weights, plan.math)
+        if getattr(self.transport, "reduces_in_combine", False):
+            # mori sums a token's rows across ranks inside its combine kernel (and quantises there)
+            return self.transport.combine_reduced(contributions, received.handle).to(torch.bfloat16)
         pair_wire_rows = plan.combine.encode(contributions)
         returned = self.transport.combine(pair_wire_rows, received.handle)
 

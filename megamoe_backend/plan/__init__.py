@@ -2,7 +2,7 @@
 
 from .layer_plan import META_BYTES_PER_TOPK, LayerPlan, WireBytes, build_plan, check_wire_matches_quant
 from .placement import ExpertPlacement, PlacementError
-from .selection import BackendChoice, select_backends
+from .selection import BackendChoice, facts_for, manual_choice, select_backends
 
 __all__ = [
     "META_BYTES_PER_TOPK",
@@ -12,6 +12,8 @@ __all__ = [
     "PlacementError",
     "WireBytes",
     "build_plan",
+    "facts_for",
+    "manual_choice",
     "check_wire_matches_quant",
     "select_backends",
 ]

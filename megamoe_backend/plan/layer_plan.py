@@ -15,7 +15,7 @@ from ..formats import MX_BLOCK, WireFormat, combine_wire, dispatch_wire
 from ..knobs import KnobError, Knobs
 from ..spec import MoESpec
 from .placement import ExpertPlacement
-from .selection import BackendChoice, select_backends
+from .selection import BackendChoice, manual_choice, select_backends
 
 # Routing metadata sent with each dispatched row: int32 local slot + fp32 weight per top-k entry.
 META_BYTES_PER_TOPK = 8
@@ -63,7 +63,8 @@ class LayerPlan:
 
     @property
     def mtpr(self) -> int:
-        return self.knobs.max_tokens_per_rank
+        """Capacity in tokens per rank: MEGA_MAX_TOKENS_PER_RANK, as the selected runtime rounds it."""
+        return self.backends.mtpr
 
     @property
     def num_local_experts(self) -> int:
@@ -96,12 +97,15 @@ class LayerPlan:
         """The one log line per created runtime; ``transport_name`` reports what was actually built."""
         s = self.spec
         limit = "none" if s.swiglu_limit is None else f"{s.swiglu_limit}"
+        fused = ""
+        if self.backends.runtime:
+            fused = f" runtime=aiter:{self.backends.runtime} dispatch={self.backends.dispatch_kernel}"
         return (
             f"[megamoe] Created MegaMoE: ep_rank={self.ep_rank} ep_size={self.ep_size} hidden={s.hidden_size} "
             f"inter={s.moe_intermediate_size} experts={self.placement.num_physical} topk={s.num_experts_per_tok} "
             f"mtpr={self.mtpr} quant={self.math.quant} experts_provider={self.backends.provider} "
             f"transport={transport_name or self.backends.transport} wire={self.dispatch.name} combine={self.combine.name} "
-            f"swiglu_limit={limit}"
+            f"swiglu_limit={limit}{fused}"
         )
 
 
@@ -126,12 +130,12 @@ def build_plan(
     placement: ExpertPlacement | None = None,
     device_type: str = "cpu",
     quant: str | None = None,
-    backends: BackendChoice | None = None,
+    backends: BackendChoice | tuple[str, str] | None = None,
 ) -> LayerPlan:
     """Resolve spec x knobs x EP position into a LayerPlan, raising on every mismatch.
 
     ``quant`` overrides the spec's scheme (benchmarks, demo); ``backends`` overrides selection
-    (tests, plugins that already know their transport).
+    (tests, plugins that already know their transport): a Selection or (provider, transport).
     """
     quant = quant or spec.quant
     math = ExpertMath(quant=quant, swiglu_limit=spec.swiglu_limit)
@@ -149,7 +153,11 @@ def build_plan(
     placement = placement or ExpertPlacement.linear(spec.n_routed_experts, ep_size)
     if placement.ep_size != ep_size:
         raise ValueError(f"placement is for ep_size={placement.ep_size}, plan for ep_size={ep_size}")
-    choice = backends or select_backends(knobs, math, device_type)
+    if isinstance(backends, tuple):
+        backends = manual_choice(*backends, knobs)
+    choice = backends or select_backends(
+        knobs, math, device_type, ep_size=ep_size, num_experts=placement.num_physical
+    )
     return LayerPlan(
         spec=spec,
         knobs=knobs,

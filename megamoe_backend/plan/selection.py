@@ -1,51 +1,48 @@
-"""Which experts provider and which transport run, and why.
+"""Which experts provider and which transport run, and why — the plan's view of the platform.
 
-Selection is data: it takes the device kind and the knobs and returns names plus the reasons, so
-`megamoe info` can print them and tests can check every branch without the hardware.
+The decision itself is pure and lives in :mod:`megamoe_backend.platform` (facts in, Selection
+out); this module only turns a device kind ("cpu" | "cuda" | "rocm") into platform facts, so the
+plan, `megamoe info --device X` and tests can ask "what would run there".
 """
 
 from __future__ import annotations
 
-import importlib.util
-from dataclasses import dataclass
+import dataclasses
 
 from ..experts.base import ExpertMath
-from ..knobs import KnobError, Knobs
+from ..knobs import Knobs
+from ..platform import PlatformFacts, Selection, detect_facts
+from ..platform import select_backends as select_for_facts
+
+# The plan's name for the selection result (provider, transport, reasons, mtpr, fused runtime).
+BackendChoice = Selection
 
 
-@dataclass(frozen=True)
-class BackendChoice:
-    provider: str  # "torch" | "triton" | "aiter"
-    transport: str  # "gloo" | "nccl" | "symm" | "mori"
-    reasons: tuple[str, ...] = ()
+def facts_for(device_type: str) -> PlatformFacts:
+    """This machine's facts, with the device kind overridden when planning for another one."""
+    if device_type not in ("cpu", "cuda", "rocm"):
+        raise ValueError(f"device_type={device_type!r}; expected cpu, cuda or rocm")
+    facts = detect_facts()
+    if facts.device != device_type:
+        facts = dataclasses.replace(facts, device=device_type)
+    return facts
 
 
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+def select_backends(
+    knobs: Knobs,
+    math: ExpertMath,
+    device_type: str,
+    *,
+    ep_size: int | None = None,
+    num_experts: int | None = None,
+    facts: PlatformFacts | None = None,
+) -> Selection:
+    return select_for_facts(facts or facts_for(device_type), knobs, math, ep_size=ep_size, num_experts=num_experts)
 
 
-def select_backends(knobs: Knobs, math: ExpertMath, device_type: str) -> BackendChoice:
-    """device_type: "cpu" | "cuda" | "rocm" (torch.version.hip set)."""
-    reasons: list[str] = []
-    if device_type == "cpu":
-        if knobs.transport in ("symm", "mori"):
-            need = "CUDA GPUs with NVLink (torch symmetric memory)" if knobs.transport == "symm" else "a ROCm GPU with amd-mori"
-            raise KnobError(f"MEGA_DISPATCH={knobs.transport} needs {need}; this process runs on CPU (use auto or nccl)")
-        reasons.append("cpu: torch reference experts; torch.distributed all_to_all over gloo")
-        return BackendChoice("torch", "gloo", tuple(reasons))
-    if device_type == "cuda":
-        if knobs.transport == "mori":
-            raise KnobError("MEGA_DISPATCH=mori needs a ROCm GPU with amd-mori; this is a CUDA device (use auto, nccl or symm)")
-        provider = "triton" if _importable("triton") else "torch"
-        reasons.append(f"cuda: {provider} experts" + ("" if provider == "triton" else " (triton not importable)"))
-        transport = "symm" if knobs.transport == "symm" else "nccl"
-        reasons.append(f"transport {transport} (MEGA_DISPATCH={knobs.transport})")
-        return BackendChoice(provider, transport, tuple(reasons))
-    if device_type == "rocm":
-        from ..platform import rocm_selection  # ROCm-only policy lives with the platform facts
-
-        return rocm_selection(knobs, math)
-    raise ValueError(f"device_type={device_type!r}; expected cpu, cuda or rocm")
+def manual_choice(provider: str, transport: str, knobs: Knobs, reason: str = "chosen by the caller") -> Selection:
+    """A Selection fixed by the caller (plugins that know their transport, tests)."""
+    return Selection(
+        provider=provider, transport=transport, dispatch_wire=knobs.dispatch_wire, combine_wire=knobs.combine_wire,
+        mtpr=knobs.max_tokens_per_rank, reasons=(reason,),
+    )

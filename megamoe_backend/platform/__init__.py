@@ -1,13 +1,13 @@
 """Platform capability detection and backend selection (CUDA / ROCm / CPU).
 
 ``detect_facts()`` gathers what the machine offers; ``select_backends(facts, knobs, math)`` is the
-pure decision; ``rocm_selection(knobs, math)`` is what plan.selection calls on ROCm.
+pure decision; plan.selection turns a device kind into facts and calls it.
 The AMD path follows aiter's and mori's published APIs and has not been run on AMD hardware.
 """
 
 from .facts import AiterCaps, PackageInfo, PlatformFacts, detect_facts, probe_aiter_caps
 from .rocm_rules import PlatformError, aiter_reads_force_a8w4, next_power_of_two
-from .select import Selection, rocm_selection, select_backends, selection_report
+from .select import Selection, select_backends, selection_report
 
 __all__ = [
     "AiterCaps",
@@ -19,7 +19,6 @@ __all__ = [
     "detect_facts",
     "next_power_of_two",
     "probe_aiter_caps",
-    "rocm_selection",
     "select_backends",
     "selection_report",
 ]

@@ -66,12 +66,6 @@ class Selection:
             parts.append(f"a_operand={self.a_operand}")
         return " ".join(parts)
 
-    def to_backend_choice(self):
-        """The lead's plan.selection.BackendChoice (provider, transport, reasons)."""
-        from ..plan.selection import BackendChoice
-
-        return BackendChoice(self.provider, self.transport, self.reasons + (self.describe(),))
-
 
 def missing_for_mori(facts: PlatformFacts) -> list[str]:
     missing = []
@@ -231,15 +225,6 @@ def _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head):
         a_operand=a_operand, combine_quant=combine_quant, reasons=tuple(reasons),
     )
     return sel, None
-
-
-def rocm_selection(knobs, math, facts: PlatformFacts | None = None, *, ep_size: int | None = None, num_experts: int | None = None):
-    """Entry point the lead's plan.selection calls on ROCm; returns plan.selection.BackendChoice."""
-    if facts is None:
-        from .facts import detect_facts
-
-        facts = detect_facts()
-    return select_backends(facts, knobs, math, ep_size=ep_size, num_experts=num_experts).to_backend_choice()
 
 
 def selection_report(knobs, math, facts: PlatformFacts | None = None, *, ep_size: int | None = None, num_experts: int | None = None) -> dict:

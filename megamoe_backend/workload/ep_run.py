@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ..knobs import Knobs
 from ..layer import MegaMoELayer
-from ..plan import BackendChoice, ExpertPlacement, build_plan
+from ..plan import ExpertPlacement, build_plan
 from ..experts import ExpertWeights
 from .problem import Problem, ProblemConfig, local_weights, make_problem
 

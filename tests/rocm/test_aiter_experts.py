@@ -14,7 +14,7 @@ from megamoe_backend.experts import quantize_expert_weights
 from megamoe_backend.experts.aiter import AiterFusedMoE, AiterRuntimeSpec, cached_runtime_keys, rank_major_ids
 from megamoe_backend.experts.weights import deinterleave_gate_up
 from megamoe_backend.knobs import KnobError, Knobs
-from megamoe_backend.plan import BackendChoice, build_plan
+from megamoe_backend.plan import build_plan
 from megamoe_backend.platform import select_backends
 from megamoe_backend.spec import MoESpec
 from megamoe_backend.transport.mori import init_mori_shmem
@@ -39,7 +39,7 @@ class FakeDist:
 def make_plan(wire="fp8", combine="bf16", quant="a8w4", mtpr=512, ep=2, rank=0, limit=None, force=None):
     spec = MoESpec(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K, quant=quant, swiglu_limit=limit)
     k = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, aiter_force_a8w4=force)
-    return build_plan(spec, k, ep_rank=rank, ep_size=ep, backends=BackendChoice("aiter", "mori"))
+    return build_plan(spec, k, ep_rank=rank, ep_size=ep, backends=("aiter", "mori"))
 
 
 def fused(fakes, plan, facts, layer_id=0):

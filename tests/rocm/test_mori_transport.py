@@ -15,7 +15,7 @@ from megamoe_backend.experts.weights import ExpertWeights
 from megamoe_backend.knobs import KnobError, Knobs
 from megamoe_backend.layer.megamoe_layer import MegaMoELayer
 from megamoe_backend.layer.reference import rel_l2
-from megamoe_backend.plan import BackendChoice, build_plan
+from megamoe_backend.plan import build_plan
 from megamoe_backend.spec import MoESpec
 from megamoe_backend.transport import PeerInputError, TransportError
 from megamoe_backend.transport.layout import DispatchLayout
@@ -37,7 +37,7 @@ GROUP = object()  # stands in for the EP process group
 def make_plan(rank=0, ep=2, wire="bf16", combine="bf16", quant="a8w4", mtpr=16, experts=E):
     spec = MoESpec(hidden_size=H, moe_intermediate_size=I, n_routed_experts=experts, num_experts_per_tok=K, quant=quant)
     knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr)
-    return build_plan(spec, knobs, ep_rank=rank, ep_size=ep, backends=BackendChoice("torch", "mori"))
+    return build_plan(spec, knobs, ep_rank=rank, ep_size=ep, backends=("torch", "mori"))
 
 
 def make_transport(fakes, plan, **kw):
@@ -137,7 +137,7 @@ def test_unequal_expert_counts_are_refused(fakes):
 
     spec = MoESpec(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K, quant="a8w4")
     placement = ExpertPlacement.from_assignment([0, 0, 0, 0, 0, 1, 1, 1], 2)
-    plan = build_plan(spec, Knobs(), 0, 2, placement=placement, backends=BackendChoice("torch", "mori"))
+    plan = build_plan(spec, Knobs(), 0, 2, placement=placement, backends=("torch", "mori"))
     with pytest.raises(KnobError, match="same expert count on every rank"):
         make_transport(fakes, plan)
 

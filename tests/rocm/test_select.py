@@ -17,7 +17,7 @@ from rocm_helpers import (
 
 from megamoe_backend.experts.base import ExpertMath
 from megamoe_backend.knobs import KnobError
-from megamoe_backend.platform import PlatformError, rocm_selection, select_backends
+from megamoe_backend.platform import PlatformError, select_backends
 from megamoe_backend.platform.facts import AiterCaps
 
 A8W4 = ExpertMath("a8w4")
@@ -70,13 +70,14 @@ def test_gfx1250_combine_wire_maps_to_combine_quant_mxfp8():
     assert sel.combine_quant == "mxfp8"
 
 
-def test_rocm_selection_returns_the_leads_backend_choice():
-    from megamoe_backend.plan.selection import BackendChoice
+def test_plan_uses_platform_selection_for_rocm():
+    from megamoe_backend.plan import build_plan
+    from megamoe_backend.plan.selection import select_backends as plan_select
 
-    choice = rocm_selection(knobs(dispatch_wire="fp8", combine_wire="fp8_blockwise_1x32"), A8W4, rocm_facts("gfx950"))
-    assert isinstance(choice, BackendChoice)
-    assert (choice.provider, choice.transport) == ("aiter", "mori")
-    assert "dispatch=flydsl" in choice.reasons[-1]
+    k = knobs(dispatch_wire="fp8", combine_wire="fp8_blockwise_1x32")
+    choice = plan_select(k, A8W4, "rocm", facts=rocm_facts("gfx950"), ep_size=8, num_experts=256)
+    assert (choice.provider, choice.transport, choice.runtime) == ("aiter", "mori", "MegaMoEV2")
+    assert "dispatch=flydsl" in choice.describe()
 
 
 # ---- unfused fallbacks, each with the reason naming the knob ---------------------------------

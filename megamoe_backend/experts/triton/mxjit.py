@@ -16,10 +16,10 @@ import triton
 import triton.language as tl
 
 # (mantissa limit of the max value in fp32 bits, its binary exponent): 6 = 1.5 * 2**2, 448 = 1.75 * 2**8
-FP4_MANT_LIMIT = 0x400000
-FP4_MAX_EXP = 2
-FP8_MANT_LIMIT = 0x600000
-FP8_MAX_EXP = 8
+FP4_MANT_LIMIT = tl.constexpr(0x400000)
+FP4_MAX_EXP = tl.constexpr(2)
+FP8_MANT_LIMIT = tl.constexpr(0x600000)
+FP8_MAX_EXP = tl.constexpr(8)
 
 
 @triton.jit
