@@ -25,6 +25,8 @@ class EPCase:
     device: str = "cpu"
     iters: int = 1
     idle_ranks: tuple[int, ...] = ()  # these ranks bring 0 tokens (idle DP ranks) but join every collective
+    provider: str | None = None  # force an experts provider ("torch" | "triton"); None: selection decides
+    transport: str = "auto"  # MEGA_DISPATCH
 
 
 def run_ep_rank(
@@ -36,18 +38,21 @@ def run_ep_rank(
     all_weights: ExpertWeights | None = None,
 ) -> dict:
     """Build the plan and layer for this rank, run its token shard, return output and timing."""
-    problem = problem or make_problem(cfg)
-    device = torch.device(case.device if case.device == "cpu" else f"{case.device}:{rank}")
+    device = rank_device(case.device, rank)
+    problem = problem or make_problem(cfg).to(device)
     if case.placement_owner is not None:
         placement = ExpertPlacement.from_assignment(list(case.placement_owner), world_size, case.placement_logical)
     else:
         placement = None
-    knobs = Knobs(dispatch_wire=case.dispatch_wire, combine_wire=case.combine_wire)
+    knobs = Knobs(dispatch_wire=case.dispatch_wire, combine_wire=case.combine_wire, transport=case.transport)
     device_type = "cpu" if device.type == "cpu" else "cuda"
     plan = build_plan(cfg.spec, knobs, rank, world_size, placement=placement, device_type=device_type, quant=case.quant)
+    if case.provider is not None:
+        plan = build_plan(cfg.spec, knobs, rank, world_size, placement=placement, quant=case.quant,
+                          backends=(case.provider, plan.backends.transport))
     if placement is not None:
         # redundant physical experts: route each logical id to one of its replicas (round robin by token)
-        problem_ids = _to_physical(problem.topk_ids, placement)
+        problem_ids = _to_physical(problem.topk_ids.cpu(), placement).to(device)
     else:
         problem_ids = problem.topk_ids
     all_weights = all_weights or problem.expert_weights(case.quant)
@@ -71,6 +76,11 @@ def run_ep_rank(
     return {"out": out.cpu(), "seconds": min(timings) if timings else None, "startup_line": plan.startup_line(layer.transport.name)}
 
 
+def rank_device(kind: str, rank: int) -> torch.device:
+    """"cpu" -> cpu; "cuda" -> this rank's GPU (one process per GPU)."""
+    return torch.device("cpu") if kind == "cpu" else torch.device(f"{kind}:{rank}")
+
+
 def _to_physical(ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
     replicas: dict[int, list[int]] = {}
     for p, logical in enumerate(placement.logical_of_physical):
@@ -86,7 +96,7 @@ def _to_physical(ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
 
 def run_ep_cases(rank: int, world_size: int, cfg: ProblemConfig, cases: list[EPCase]) -> list[dict]:
     """Several cases in one process group: process start-up (seconds on CPU) is paid once."""
-    problem = make_problem(cfg)
+    problem = make_problem(cfg).to(rank_device(cases[0].device, rank)) if cases else None
     weights_by_quant: dict[str, ExpertWeights] = {}
     results = []
     for case in cases:

@@ -42,6 +42,10 @@ class Problem:
         sl = slice(rank * t, (rank + 1) * t)
         return self.x[sl], self.topk_ids[sl], self.topk_weights[sl]
 
+    def to(self, device: torch.device | str) -> "Problem":
+        return Problem(self.cfg, self.w1.to(device), self.w2.to(device), self.x.to(device),
+                       self.topk_ids.to(device), self.topk_weights.to(device))
+
     def expert_weights(self, quant: str) -> ExpertWeights:
         """All logical experts in the format the quant scheme runs on."""
         return quantize_expert_weights(self.w1, self.w2, WEIGHT_FMT_FOR_QUANT[quant])
