@@ -114,3 +114,15 @@ def test_weights_must_match_plan() -> None:
     plan = build_plan(SPEC, Knobs(), 0, 2)
     with pytest.raises(ValueError, match="ep_rank 0 owns 8"):
         MegaMoELayer(plan, p.expert_weights("bf16"))
+
+
+def test_transport_cache_keys_on_layout_and_wire() -> None:
+    from megamoe_backend.transport import clear_transport_cache
+
+    clear_transport_cache()
+    a, p = layer_for("a4w4", "fp4")
+    b, _ = layer_for("a4w4", "fp4", problem=p)
+    c, _ = layer_for("a4w4", "bf16", problem=p)
+    d, _ = layer_for("a4w4", "fp4", combine="fp8_blockwise_1x32", problem=p)
+    assert a.transport is b.transport
+    assert len({id(a.transport), id(c.transport), id(d.transport)}) == 3

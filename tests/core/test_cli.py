@@ -1,0 +1,63 @@
+"""`megamoe` CLI: info prints the plan and fails with the knob error; demo runs end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def megamoe(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEGA_")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "megamoe_backend.cli.main", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
+def test_info_json_for_config(fixtures) -> None:
+    r = megamoe("info", "--model", str(fixtures / "r1_mxfp4_config.json"), "--ep-size", "8", "--json",
+                env={"MEGA_DISPATCH_WIRE": "fp4", "MEGA_COMBINE_WIRE": "fp8_blockwise_1x32"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    info = json.loads(r.stdout)
+    assert info["dispatch_bytes_per_token_per_destination"]["payload"] == 3584
+    assert info["dispatch_bytes_per_token_per_destination"]["scales"] == 224
+    assert info["combine_bytes_per_token_expert_pair"]["row"] == 7168 + 224
+    assert info["local_experts"] == 32
+    assert "wire=fp4 combine=fp8_blockwise_1x32" in info["startup_line"]
+
+
+def test_info_text_preset() -> None:
+    r = megamoe("info", "--preset", "dsv4-pro", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "[megamoe] Created MegaMoE: ep_rank=0 ep_size=8 hidden=7168 inter=3072 experts=384 topk=6" in r.stdout
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"MEGA_DISPATCH_WIRE": "int4"}, "MEGA_DISPATCH_WIRE='int4' is not valid"),
+    ({"MEGA_DISPATCH_WIRE": "fp8"}, "does not match the expert GEMM's A operand"),
+    ({"MEGA_WIRE": "fp4", "MEGA_DISPATCH_WIRE": "bf16"}, "MEGA_WIRE"),
+])
+def test_info_bad_env_exits_nonzero(env, needle) -> None:
+    r = megamoe("info", "--preset", "dsv4-pro", env=env)
+    assert r.returncode == 2
+    assert needle in r.stdout
+
+
+def test_info_missing_key(fixtures) -> None:
+    r = megamoe("info", "--model", str(fixtures / "missing_key_config.json"))
+    assert r.returncode == 2 and "moe_intermediate_size" in r.stdout
+
+
+@pytest.mark.multiproc
+def test_demo_small(tmp_path) -> None:
+    out = tmp_path / "demo.json"
+    r = megamoe("demo", "--tokens", "4", "--hidden", "64", "--inter", "64", "--experts", "8", "--iters", "1",
+                "--json-out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert len(rows) == 10
+    assert all(row["rel_l2"] < row["gate"] for row in rows)
+    assert [row["bit_identical_to_local"] for row in rows if row["bit_identical_to_local"] is not None] == [True] * 3
