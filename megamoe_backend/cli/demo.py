@@ -116,20 +116,24 @@ def run(args: argparse.Namespace) -> int:
                 ))
                 progress.advance(task)
     table = Table(title="MegaMoE EP demo (CPU, gloo): accuracy vs fp32 reference on dequantised weights")
-    for col in ("quant", "dispatch wire", "combine wire", "relL2", "gate", "bf16 bit-identical", "dispatch B/token", "combine B/pair", "ms/forward"):
-        table.add_column(col)
+    for col in ("quant", "dispatch", "combine", "relL2", "gate", "= local", "B/token", "B/pair", "ms"):
+        table.add_column(col, no_wrap=True)
     failed = False
     for r in rows:
         ok = r.rel_l2 < r.gate and r.bit_identical_to_local is not False
         failed |= not ok
         table.add_row(
-            r.quant, r.dispatch_wire, r.combine_wire, f"{r.rel_l2:.4f}", f"< {r.gate}",
+            r.quant, r.dispatch_wire, r.combine_wire.replace("blockwise_1x32", "b"), f"{r.rel_l2:.4f}", f"< {r.gate}",
             "-" if r.bit_identical_to_local is None else ("yes" if r.bit_identical_to_local else "NO"),
             str(r.dispatch_bytes_per_token), str(r.combine_bytes_per_pair), f"{r.ms_per_forward:.1f}",
             style=None if ok else "bold red",
         )
     console.print(table)
-    console.print("ms/forward: slowest rank, best of --iters, torch reference experts (fp64 accumulation) on CPU.")
+    console.print(
+        "dispatch/combine: wires (fp8_b = fp8_blockwise_1x32). = local: bf16-wire result bit-identical to the "
+        "single-process layer. B/token: dispatch bytes per token per destination; B/pair: combine bytes per "
+        "(token, expert). ms: forward time of the slowest rank, best of --iters, torch reference experts on CPU."
+    )
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump([r.__dict__ for r in rows], f, indent=2)
