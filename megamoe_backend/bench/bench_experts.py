@@ -30,7 +30,7 @@ import torch
 
 from ..experts import ExpertMath, ExpertPairs, ExpertWeights, swiglu
 from ..experts.triton.config import BUCKETS, TileConfig, default_config, interpreting
-from ..formats import MX_BLOCK, MXTensor, dequantize_mx, fake_quantize
+from ..formats import MX_BLOCK, dequantize_mx, fake_quantize
 
 # Datasheet ceilings of an H200 SXM (dense); the run also measures a copy and a bf16 GEMM.
 HBM_TBS = 4.8
@@ -48,18 +48,21 @@ SCHEMES = {  # name -> (ExpertMath.quant, weight format)
 VARIANTS = {
     "decode": [
         TileConfig(block_m=16, block_n1=64, block_n2=64, block_k=256, num_warps=4, num_stages=4),
-        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=256, num_warps=8, num_stages=4),
-        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=6),
+        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
+        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=64, num_warps=4, num_stages=6),
+        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=4),
     ],
     "mid": [
+        TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
+        TileConfig(block_m=64, block_n1=256, block_n2=256, block_k=128, num_warps=8, num_stages=3),
+        TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=64, num_warps=4, num_stages=6),
         TileConfig(block_m=32, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
-        TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3),
-        TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=3),
     ],
     "prefill": [
-        TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=64, num_warps=8, num_stages=4),
-        TileConfig(block_m=256, block_n1=128, block_n2=128, block_k=64, num_warps=8, num_stages=3),
+        TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=3),
         TileConfig(block_m=128, block_n1=256, block_n2=256, block_k=64, num_warps=8, num_stages=3),
+        TileConfig(block_m=64, block_n1=256, block_n2=256, block_k=128, num_warps=8, num_stages=3),
+        TileConfig(block_m=256, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=2),
     ],
 }
 
@@ -72,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, default=3072)
     parser.add_argument("--schemes", nargs="+", default=["a8w4", "a4w4", "a16w4", "bf16"], choices=sorted(SCHEMES))
     parser.add_argument("--swiglu-limit", type=float, default=10.0, help="SwiGLU clamp (DeepSeek V4: 10); <= 0 disables")
-    parser.add_argument("--decoder", default="auto", choices=["auto", "dot_scaled", "manual"])
+    parser.add_argument("--decoder", default="auto", choices=["auto", "split", "dot_scaled", "manual"])
     parser.add_argument("--variants", action="store_true", help="also time alternative tile configs / decoders (a8w4)")
     parser.add_argument("--no-baseline", action="store_true", help="skip torch._grouped_mm")
     parser.add_argument("--check-pairs", type=int, default=256, help="pairs sampled for the relL2 checks")
@@ -357,12 +360,11 @@ def run(args: argparse.Namespace) -> int:
                 configs = [(args.decoder, None)]
                 if args.variants and scheme == "a8w4" and n_exp == args.experts[0]:
                     configs += [(args.decoder, v) for v in VARIANTS[bucket_class(p, n_exp)]]
-                    if bucket_class(p, n_exp) == "mid":  # the explicit decoder compiles slowly: one bucket
-                        configs += [("manual", None)]
+                    configs += [("dot_scaled", None)]
                 for i, (decoder, cfg) in enumerate(configs):
                     prov = TritonExperts(capacity=p, decoder=decoder, config=cfg)
                     used = cfg or default_config(p, n_exp)
-                    c = Case(n_exp, tokens, p, scheme, "triton", decoder, describe(used), active_experts=active)
+                    c = Case(n_exp, tokens, p, scheme, "triton", prov.resolve_decoder(wfmt), describe(used), active_experts=active)
                     run_case(c, lambda: prov.forward(a, pairs, weights, math), checker(math, a_fmt))
                     fill_metrics(c, hidden, inter, wfmt, a_fmt)
                     (cases if i == 0 else variants).append(c)
@@ -426,8 +428,11 @@ def environment(args: argparse.Namespace) -> dict:
         "shape": {"hidden": args.hidden, "intermediate": args.intermediate, "topk": args.topk},
     }
     try:
-        meta["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except Exception:  # noqa: BLE001
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        meta["git_commit"] = rev.stdout.strip() if rev.returncode == 0 else ""
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=5)
+        meta["git_dirty"] = bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
+    except Exception:  # noqa: BLE001 - not a git checkout (e.g. a copied tree)
         meta["git_commit"] = ""
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)

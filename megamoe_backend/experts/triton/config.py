@@ -49,9 +49,9 @@ def interpreting() -> bool:
 
 # (max average rows per expert, config); first match wins.
 BUCKETS: tuple[tuple[float, TileConfig], ...] = (
-    (12.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4)),
+    (12.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
     (48.0, TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=3)),
-    (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=3)),
+    (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
 )
 INTERPRETER_CONFIG = TileConfig(block_m=16, block_n1=64, block_n2=32, block_k=64, num_warps=4, num_stages=1, group_m=2)
 

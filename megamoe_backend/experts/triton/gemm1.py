@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .mainloop import mx_mainloop, tile_coords
-from .mxjit import round_bf16
+from .mxjit import fake_quant_blocks, round_bf16
 from .quant import quantize_blocks
 
 
@@ -25,8 +25,8 @@ def gemm1_swiglu_kernel(
     o_ptr, stride_om, os_ptr, stride_osm,
     K, I, limit,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr, PLAIN: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    DOT_SCALED: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, F32_DOT: tl.constexpr, BK2: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(2 * I, BN)
     pid_m, pid_n = tile_coords(tl.program_id(0), num_m_tiles, num_n_tiles, GROUP_M)
@@ -34,9 +34,13 @@ def gemm1_swiglu_kernel(
     if expert < 0:
         return
     rows = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_pair_ptr + rows)
-    valid = pair >= 0
-    a_rows = tl.load(pair_row_ptr + pair, mask=valid, other=0)
+    if DECODE == "split":  # A was gathered into sorted order already (gather.py)
+        a_rows = rows
+        valid = rows >= 0
+    else:
+        pair = tl.load(sorted_pair_ptr + rows)
+        valid = pair >= 0
+        a_rows = tl.load(pair_row_ptr + pair, mask=valid, other=0)
 
     n = pid_n * BN + tl.arange(0, BN)  # interleaved GEMM1 output index: 2 * i + (0 gate | 1 up)
     if PLAIN:
@@ -49,7 +53,7 @@ def gemm1_swiglu_kernel(
         acc,
         w_ptr + e64 * stride_we, w_rows, n < 2 * I, stride_wn, ws_ptr + e64 * stride_wse, stride_wsn,
         a_ptr, a_rows, valid, stride_am, as_ptr, stride_asm,
-        K, W_FMT, A_FMT, DOT_SCALED, BN, BM, BK, F32_DOT,
+        K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
     )
 
     gate, up = tl.split(tl.permute(tl.reshape(acc, [BN // 2, 2, BM]), (0, 2, 1)))
@@ -61,7 +65,15 @@ def gemm1_swiglu_kernel(
     r64 = rows.to(tl.int64)[:, None]
     cols = pid_n * (BN // 2) + tl.arange(0, BN // 2)
     cmask = (cols < I)[None, :]
-    if A_FMT == "bf16":
+    if DECODE == "split":  # A2 for a split GEMM2: fake-quantised bf16, BK2 blocks stored [even | odd]
+        if A_FMT == "bf16":
+            v = round_bf16(act)
+        else:
+            v = tl.reshape(fake_quant_blocks(tl.reshape(act, [BM * (BN // 64), 32]), A_FMT), [BM, BN // 2])
+        rem = cols % BK2
+        dest = cols - rem + tl.where(rem % 2 == 0, rem // 2, BK2 // 2 + rem // 2)
+        tl.store(o_ptr + r64 * stride_om + dest[None, :], v.to(tl.bfloat16), mask=cmask)
+    elif A_FMT == "bf16":
         tl.store(o_ptr + r64 * stride_om + cols[None, :], round_bf16(act).to(tl.bfloat16), mask=cmask)
     else:
         payload, scales = quantize_blocks(tl.reshape(act, [BM * (BN // 64), 32]), A_FMT)

@@ -21,7 +21,7 @@ def gemm2_weighted_kernel(
     out_ptr, stride_om,
     K, N,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr,
-    DOT_SCALED: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     F32_DOT: tl.constexpr,
 ):
     num_n_tiles = tl.cdiv(N, BN)
@@ -38,7 +38,7 @@ def gemm2_weighted_kernel(
         acc,
         w_ptr + e64 * stride_we, n, nmask, stride_wn, ws_ptr + e64 * stride_wse, stride_wsn,
         a_ptr, rows, rows >= 0, stride_am, as_ptr, stride_asm,
-        K, W_FMT, A_FMT, DOT_SCALED, BN, BM, BK, F32_DOT,
+        K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
     )
     pair = tl.load(sorted_pair_ptr + rows)
     valid = pair >= 0

@@ -4,12 +4,16 @@ Swap-AB orientation: the weight rows fill the MMA's M side (>= 64 rows per tile)
 an expert gets at decode fill its N side (>= 16), so small token tiles waste no tensor-core rows;
 the weight operand is the one that is decoded in registers.
 
-Two decoders, chosen by the constexpr DOT_SCALED:
-- True: ``tl.dot_scaled`` (Triton lowers MX operands to its own LUT upcast on Hopper, native MX MMA on
-  Blackwell). Not available in the Triton interpreter.
-- False: explicit decode (mxjit.py) to bf16 and two ``tl.dot`` over the even / odd K elements, which
-  matches fp4's nibble order without any register shuffles. Runs everywhere, interpreter included.
-Both are exact: e2m1 / e4m3 values times a power-of-two scale are representable in bf16.
+Three decoders, chosen by the constexpr DECODE:
+- "split" (fastest on H200): A arrives pre-dequantised to bf16 with every BK block stored as
+  [even K elements | odd K elements] (gather.py / GEMM1's epilogue write it so), W's packed bytes are
+  decoded by an 8-values-per-call PTX sequence (mxjit.decode_fp4_split, USE_ASM) into a low-nibble
+  and a high-nibble tile, and two bf16 MMAs consume them: no register shuffles, every load contiguous
+  and software-pipelined. With USE_ASM=False the same decode runs through portable helpers
+  (interpreter).
+- "dot_scaled": ``tl.dot_scaled`` (Triton's own upcast on Hopper; native MX MMA on Blackwell).
+- "manual": explicit decode of W and of MX A in Triton, two MMAs over even / odd K (stride-2 loads).
+All are exact: e2m1 / e4m3 values times a power-of-two scale are representable in bf16.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mxjit import decode_e2m1, decode_e4m3, decode_e8m0
+from .mxjit import SPLIT_UNSCALE, decode_e2m1, decode_e4m3, decode_e8m0, decode_fp4_split, scale_bf16_shifted
 
 
 @triton.jit
@@ -40,7 +44,7 @@ def mx_mainloop(
     w_ptr, w_rows, w_mask, stride_wn, ws_ptr, stride_wsn,
     a_ptr, a_rows, a_mask, stride_am, as_ptr, stride_asm,
     K,
-    W_FMT: tl.constexpr, A_FMT: tl.constexpr, DOT_SCALED: tl.constexpr,
+    W_FMT: tl.constexpr, A_FMT: tl.constexpr, DECODE: tl.constexpr, USE_ASM: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     """w_ptr / ws_ptr point at this expert's [N, K(/2)] weights / [N, K/32] scales; a_rows are rows of A."""
@@ -48,7 +52,20 @@ def mx_mainloop(
     ar = a_rows.to(tl.int64)[None, :]
     wm = w_mask[:, None]
     am = a_mask[None, :]
-    if DOT_SCALED:
+    if DECODE == "split":  # W mxfp4, A bf16 split per BK block
+        j = tl.arange(0, BK // 2)
+        ks = tl.arange(0, BK // 32)
+        for k0 in range(0, K, BK):
+            packed = tl.load(w_ptr + wr * stride_wn + (k0 // 2 + j)[None, :], mask=wm, other=0)
+            sc = scale_bf16_shifted(tl.load(ws_ptr + wr * stride_wsn + (k0 // 32 + ks)[None, :], mask=wm, other=127))
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, BK // 32, 16]), [BN, BK // 2])
+            w_lo, w_hi = decode_fp4_split(packed, sc, USE_ASM)
+            a_lo = tl.load(a_ptr + ar * stride_am + (k0 + j)[:, None], mask=am, other=0.0)
+            a_hi = tl.load(a_ptr + ar * stride_am + (k0 + BK // 2 + j)[:, None], mask=am, other=0.0)
+            acc = _mma(w_lo, a_lo, acc, F32_DOT)
+            acc = _mma(w_hi, a_hi, acc, F32_DOT)
+        acc = acc * SPLIT_UNSCALE
+    elif DECODE == "dot_scaled":
         kk = tl.arange(0, BK)
         k2 = tl.arange(0, BK // 2)
         ks = tl.arange(0, BK // 32)

@@ -54,19 +54,24 @@ def nonfinite(x):
 
 @triton.jit
 def encode_e4m3(v):
-    """fp32 -> e4m3fn byte (uint8): RNE, saturate to 448, NaN -> 0x7F | sign."""
+    """fp32 -> e4m3fn byte (uint8): RNE, saturate to 448, NaN -> 0x7F | sign. Integer-only rounding."""
     bits = v.to(tl.int32, bitcast=True)
     sign = ((bits >> 31) & 1) << 7
     abits = bits & 0x7FFFFFFF
-    a = abits.to(tl.float32, bitcast=True)
-    # subnormal range (< 2**-6): round a * 2**9 to an integer code 0..8 (8 is the first normal)
-    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-    exp = (abits >> 23) - 127
+    ebits = abits >> 23
+    # subnormal range (|v| < 2**-6): code = RNE(|v| * 2**9) = RNE(mant24 >> (141 - ebits)); 0 for fp32 subnormals
+    mant24 = (abits & 0x7FFFFF) | 0x800000
+    sh = tl.minimum(tl.maximum(141 - ebits, 1), 31)
+    q = mant24 >> sh
+    rem = mant24 & ((1 << sh) - 1)
+    half = 1 << (sh - 1)
+    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    sub = tl.where(ebits == 0, 0, sub)
     keep = (abits & 0x7FFFFF) >> 20
-    rem = abits & 0xFFFFF
-    up = (rem > 0x80000) | ((rem == 0x80000) & ((keep & 1) == 1))
-    nrm = ((exp + 7) << 3) + keep + up.to(tl.int32)
-    code = tl.where(a < 0.015625, sub, nrm)
+    rem_n = abits & 0xFFFFF
+    up = (rem_n > 0x80000) | ((rem_n == 0x80000) & ((keep & 1) == 1))
+    nrm = ((ebits - 120) << 3) + keep + up.to(tl.int32)
+    code = tl.where(ebits < 121, sub, nrm)
     code = tl.minimum(code, 126)
     code = tl.where(abits > 0x7F800000, 127, code)
     return (code | sign).to(tl.uint8)
@@ -124,3 +129,87 @@ def round_bf16(x):
     bits = x.to(tl.int32, bitcast=True)
     r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def fake_quant_blocks(x, FMT: tl.constexpr):
+    """x [B, 32] fp32 -> dequantize(quantize_mx(x)) in fp32, bit-exact (NaN blocks -> NaN)."""
+    bad = tl.max(nonfinite(x), axis=1)
+    amax = tl.where(bad != 0, 0.0, tl.max(tl.abs(x), axis=1))
+    if FMT == "fp8":
+        e = scale_exponent(amax, FP8_MANT_LIMIT, FP8_MAX_EXP)
+        q = decode_e4m3(encode_e4m3(x * pow2(-e)[:, None]))
+    else:
+        e = scale_exponent(amax, FP4_MANT_LIMIT, FP4_MAX_EXP)
+        q = decode_e2m1(encode_e2m1(x * pow2(-e)[:, None]))
+    return tl.where(bad[:, None] != 0, float("nan"), q * pow2(e)[:, None])
+
+
+# e2m1 nibbles -> bf16 with the block scale, 8 values (one 32-bit register of 4 packed bytes) per call.
+# Triton packs 4 consecutive register elements of a thread; only pairs (0,1) and (2,3) are adjacent
+# bytes for sure, so each pair takes its own scale register ($5 for bytes 0-1, $6 for bytes 2-3).
+# Nibble bits s e1 e0 m placed as bf16 sign (bit 15) and exponent/mantissa (bits 8..6) give exactly
+# value * 2**-126 for every code (0.5 lands on the bf16 subnormal 2**-127); one bf16x2 multiply by the
+# scale operand 2**(s - 64) gives value * 2**(s - 127) * 2**-63 (exact while s >= 58, i.e. block
+# scales >= 2**-69), and the GEMM multiplies its fp32 accumulator by 2**63 once at the end.
+_LUT_ASM = tl.constexpr("""
+{
+.reg .b32 t0, t1, a, b;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 a, t0, 6;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, t0, 12;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $0, a, $5;
+shl.b32 a, t1, 6;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, t1, 12;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $1, a, $6;
+shl.b32 a, t0, 2;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, t0, 8;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $2, a, $5;
+shl.b32 a, t1, 2;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, t1, 8;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $3, a, $6;
+}
+""")
+
+
+SPLIT_UNSCALE = tl.constexpr(9.223372036854775808e18)  # 2**63
+
+
+@triton.jit
+def scale_bf16_shifted(s):
+    """E8M0 byte -> bf16 2**(s - 64) (the LUT decoder's scale operand); 0xFF -> NaN.
+
+    Exact for s <= 191 (block scales up to 2**64); larger scales do not occur in weights.
+    """
+    si = s.to(tl.int32)
+    bits = tl.where(si == 255, 0x7FC0, tl.minimum(si + 63, 254) << 7)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def decode_fp4_split(packed, scale_bf16, USE_ASM: tl.constexpr):
+    """packed e2m1 bytes [R, C] + bf16 scale operand [R, C] -> (low-nibble, high-nibble) bf16 [R, C],
+    both equal to the true weights times 2**-63 (SPLIT_UNSCALE undoes it on the accumulator)."""
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            _LUT_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale_bf16],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+        )
+    else:  # same values through the portable helpers (Triton interpreter)
+        sv = scale_bf16.to(tl.float32) * 1.1754943508222875e-38  # 2**(s - 64) * 2**-126, as the asm
+        lo = (decode_e2m1(packed) * sv).to(tl.bfloat16)
+        hi = (decode_e2m1(packed >> 4) * sv).to(tl.bfloat16)
+    return lo, hi

@@ -17,7 +17,9 @@ from ..weights import ExpertWeights
 from . import triton_available
 from .config import TileConfig, default_config, interpreting, reduction_block
 
-DECODERS = ("auto", "dot_scaled", "manual")
+DECODERS = ("auto", "split", "dot_scaled", "manual")
+# What "auto" resolves to for MXFP4 weights on a CUDA GPU (H200 measurements in docs/triton.md).
+GPU_DEFAULT_DECODER = "split"
 
 
 class TritonExperts(ExpertsProvider):
@@ -25,8 +27,9 @@ class TritonExperts(ExpertsProvider):
 
     capacity: most (row, expert) pairs one forward may carry (e.g. MTPR x top-k x ep_size); a larger
         batch raises instead of dropping rows. None: no limit (eager use).
-    decoder: "dot_scaled" (tl.dot_scaled; GPU only), "manual" (explicit bit decode + bf16 MMA; also
-        the interpreter path), "auto" (dot_scaled on GPU, manual under TRITON_INTERPRET=1).
+    decoder: how MXFP4 weights are decoded (mainloop.py): "split" (PTX LUT decode, A pre-split; the
+        GPU default), "dot_scaled" (tl.dot_scaled), "manual" (explicit Triton decode), "auto".
+        Under TRITON_INTERPRET=1 "split" runs its portable decode and "dot_scaled" is unavailable.
     config: fixed TileConfig, else chosen per bucket by config.default_config.
     """
 
@@ -48,19 +51,28 @@ class TritonExperts(ExpertsProvider):
             return False
         if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
             return False
-        return torch.cuda.get_device_capability(device) >= (8, 0)
+        return torch.cuda.get_device_capability(device) >= (9, 0)
 
-    def _dot_scaled(self, device: torch.device) -> bool:
-        if self.decoder == "auto":
-            return device.type == "cuda" and not interpreting()
+    def resolve_decoder(self, weights_fmt: str) -> str:
+        """The mainloop DECODE mode for these weights on this backend."""
         if self.decoder == "dot_scaled" and interpreting():
             raise ValueError("decoder='dot_scaled' cannot run under TRITON_INTERPRET=1 (the interpreter lacks tl.dot_scaled)")
-        return self.decoder == "dot_scaled"
+        if weights_fmt == "bf16":  # nothing to decode: plain bf16 MMA (dot_scaled path), manual in the interpreter
+            return "manual" if interpreting() else "dot_scaled"
+        if self.decoder == "auto":
+            if interpreting():
+                return "split"
+            # the split decoder's inline PTX is NVIDIA-only; ROCm builds of Triton get tl.dot_scaled (untested here)
+            return "dot_scaled" if torch.version.hip is not None else GPU_DEFAULT_DECODER
+        if self.decoder == "split" and torch.version.hip is not None and not interpreting():
+            raise ValueError("decoder='split' uses NVIDIA PTX; use 'dot_scaled' or 'manual' on ROCm")
+        return self.decoder
 
     def forward(
         self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """See ExpertsProvider.forward; ``out`` optionally supplies the fp32 [P, H] result buffer."""
+        from .gather import gather_split_kernel
         from .gemm1 import gemm1_swiglu_kernel
         from .gemm2 import gemm2_weighted_kernel
         from .layout import build_layout
@@ -88,12 +100,24 @@ class TritonExperts(ExpertsProvider):
             return out
 
         cfg = self.config or default_config(p, n_exp)
-        dot_scaled = self._dot_scaled(device)
+        mode = self.resolve_decoder(weights.fmt)
+        use_asm = device.type == "cuda" and not interpreting()
+        bk1, bk2 = reduction_block(hidden, cfg.block_k), reduction_block(inter, cfg.block_k)
         layout = build_layout(pairs.slot, n_exp, cfg.block_m, self.capacity)
         rows = layout.num_rows
-
-        a_data, a_scale = _operand(x, a_fmt, dot_scaled)
-        if a_fmt == "bf16":
+        pair_row = pairs.row.to(torch.int32)
+        a_data, a_scale = _operand(x, a_fmt, mode == "dot_scaled")
+        if mode == "split":
+            a_split = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
+            nb = 8
+            gather_split_kernel[(rows, triton.cdiv(hidden // bk1, nb))](
+                layout.sorted_pair, pair_row, a_data, a_data.stride(0), a_scale, a_scale.stride(0),
+                a_split, a_split.stride(0), hidden, A_FMT=a_fmt, BK=bk1, NB=nb,
+            )
+            a_data = a_scale = a_split
+            a2 = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
+            a2_scale = a2
+        elif a_fmt == "bf16":
             a2 = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
             a2_scale = a2
         else:
@@ -101,8 +125,9 @@ class TritonExperts(ExpertsProvider):
             a2_scale = torch.empty(rows, inter // MX_BLOCK, dtype=torch.uint8, device=device)
         w1s = weights.w1_scale if weights.fmt == "mxfp4" else weights.w1
         w2s = weights.w2_scale if weights.fmt == "mxfp4" else weights.w2
-        pair_row = pairs.row.to(torch.int32)
         limit = math.swiglu_limit
+        common = dict(DECODE=mode, USE_ASM=use_asm, BM=cfg.block_m, GROUP_M=cfg.group_m, F32_DOT=interpreting(),
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
         n1 = triton.cdiv(2 * inter, cfg.block_n1)
         gemm1_swiglu_kernel[(layout.num_tiles * n1,)](
@@ -112,10 +137,13 @@ class TritonExperts(ExpertsProvider):
             a2, a2.stride(0), a2_scale, a2_scale.stride(0),
             hidden, inter, float(limit) if limit is not None else 0.0,
             W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
-            DOT_SCALED=dot_scaled, BN=cfg.block_n1, BM=cfg.block_m, BK=reduction_block(hidden, cfg.block_k),
-            GROUP_M=cfg.group_m, F32_DOT=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BN=cfg.block_n1, BK=bk1, BK2=bk2, **common,
         )
-        a2_data, a2_s = _operand(MXTensor(a2, a2_scale, a_fmt) if a_fmt != "bf16" else a2, a_fmt, dot_scaled)
+        if mode == "split":
+            a2_data, a2_s, a2_fmt = a2, a2, "bf16"
+        else:
+            a2_data, a2_s = _operand(MXTensor(a2, a2_scale, a_fmt) if a_fmt != "bf16" else a2, a_fmt, mode == "dot_scaled")
+            a2_fmt = a_fmt
         n2 = triton.cdiv(hidden, cfg.block_n2)
         gemm2_weighted_kernel[(layout.num_tiles * n2,)](
             layout.tile_expert, layout.sorted_pair, pairs.weight, layout.num_tiles,
@@ -123,9 +151,7 @@ class TritonExperts(ExpertsProvider):
             weights.w2, weights.w2.stride(0), weights.w2.stride(1), w2s, w2s.stride(0), w2s.stride(1),
             out, out.stride(0),
             inter, hidden,
-            W_FMT=weights.fmt, A_FMT=a_fmt,
-            DOT_SCALED=dot_scaled, BN=cfg.block_n2, BM=cfg.block_m, BK=reduction_block(inter, cfg.block_k),
-            GROUP_M=cfg.group_m, F32_DOT=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, **common,
         )
         return out
 

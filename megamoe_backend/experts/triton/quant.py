@@ -1,7 +1,9 @@
 """Triton MX quantisation: bf16/fp32 rows -> MXFP8 / MXFP4 with one E8M0 scale per 1x32 block.
 
-Bit-identical to ``megamoe_backend.formats.quantize_mx`` (same scale rule, same rounding, same
-NaN-block handling). ``encode_wire_rows`` quantises once and writes the dispatch wire row directly
+Bit-identical to ``megamoe_backend.formats.quantize_mx``: same scale rule and rounding, scales
+everywhere (a block holding NaN/Inf gets 0xFF) and payload bytes of every finite block. Payload
+bytes inside a NaN-scale block dequantise to NaN whatever they are; they follow CUDA's NaN and
+saturation conventions, which torch on x86 does not share bit for bit. ``encode_wire_rows`` quantises once and writes the dispatch wire row directly
 (payload, then scales, in one uint8 buffer), so the sender never materialises a second copy.
 """
 

@@ -1,0 +1,45 @@
+"""Gather received rows into expert-sorted order as bf16, each BK block split [even | odd] along K.
+
+Why: the "split" GEMM decoder turns each packed e2m1 byte of W into a low-nibble (even K) and a
+high-nibble (odd K) value; with A stored the same way, both MMAs read contiguous, pipelined A tiles
+and W never needs an in-register interleave. MX rows are dequantised here exactly (e4m3 / e2m1 times
+a power-of-two scale fits bf16), padding rows become zeros.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .mxjit import decode_e2m1, decode_e4m3, decode_e8m0
+
+
+@triton.jit
+def gather_split_kernel(
+    sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, K,
+    A_FMT: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * NB + tl.arange(0, NB)
+    bmask = (blk < K // BK)[:, None]
+    pair = tl.load(sorted_pair_ptr + r)
+    valid = pair >= 0
+    src = tl.load(pair_row_ptr + tl.maximum(pair, 0)).to(tl.int64)
+    m = bmask & valid
+    j = tl.arange(0, BK // 2)
+    kev = blk[:, None] * BK + 2 * j[None, :]  # [NB, BK // 2] even K index of each pair
+    if A_FMT == "bf16":
+        lo = tl.load(a_ptr + src * stride_am + kev, mask=m, other=0.0).to(tl.float32)
+        hi = tl.load(a_ptr + src * stride_am + kev + 1, mask=m, other=0.0).to(tl.float32)
+    else:
+        s = decode_e8m0(tl.load(as_ptr + src * stride_asm + kev // 32, mask=m, other=127))
+        if A_FMT == "fp8":
+            lo = decode_e4m3(tl.load(a_ptr + src * stride_am + kev, mask=m, other=0)) * s
+            hi = decode_e4m3(tl.load(a_ptr + src * stride_am + kev + 1, mask=m, other=0)) * s
+        else:
+            b = tl.load(a_ptr + src * stride_am + kev // 2, mask=m, other=0)
+            lo = decode_e2m1(b) * s
+            hi = decode_e2m1(b >> 4) * s
+    base = out_ptr + r * stride_om + blk[:, None] * BK + j[None, :]
+    tl.store(base, lo.to(tl.bfloat16), mask=bmask)
+    tl.store(base + BK // 2, hi.to(tl.bfloat16), mask=bmask)

@@ -1,0 +1,275 @@
+"""Triton expert kernels under the Triton interpreter (TRITON_INTERPRET=1), on CPU, small shapes.
+
+Checked here against the torch formats / TorchReferenceExperts: the MX quantisation kernel (bit-exact
+bytes, wire rows), the sync-free expert layout, GEMM1 + SwiGLU (+ limit) + A2 re-quantisation and
+GEMM2 x route weight for the "split" and "manual" decoders, gate/up interleaved and plain, bf16 and
+MXFP4 weights, bf16 / fp8 / fp4 A operands, NaN isolation, bad-input errors, and a bench smoke run.
+
+What the interpreter cannot run (covered by tests/triton/test_gpu_experts.py on the H200):
+- the "dot_scaled" decoder: the interpreter has no tl.dot_scaled;
+- the PTX e2m1 decode of the "split" decoder (tl.inline_asm_elementwise is not interpreted): the
+  interpreter runs the same split data flow with the portable decode (mxjit.decode_fp4_split,
+  USE_ASM=False), which produces identical values;
+- bf16 tensor-core MMA (the interpreter's bf16 dot is broken, so kernels widen to fp32 there:
+  F32_DOT), CUDA-graph capture, register/shared-memory limits and all timing.
+These tests skip on machines with CUDA (the GPU module covers them there, without the interpreter).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("interpreter tests run on CPU-only machines; tests/triton/test_gpu_experts.py covers CUDA", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # normally already set by tests/triton/conftest.py
+pytest.importorskip("triton")
+
+
+def interpreter_active() -> bool:
+    """False when Triton was imported in compiled mode earlier in this process (see conftest.py)."""
+    import triton.language.standard as std
+
+    return type(std._elementwise_max).__name__ == "InterpretedFunction"
+
+
+if not interpreter_active():
+    pytest.skip("Triton was imported before TRITON_INTERPRET=1; test_triton_interpreter_isolated.py runs this "
+                "module in a fresh process", allow_module_level=True)
+
+from megamoe_backend.experts import (  # noqa: E402
+    ExpertMath,
+    ExpertPairs,
+    ExpertWeights,
+    TorchReferenceExperts,
+    quantize_expert_weights,
+)
+from megamoe_backend.formats import dequantize_mx, quantize_mx  # noqa: E402
+from megamoe_backend.formats.wire import encode_mx_rows  # noqa: E402
+
+_MODULES = ("mxjit", "quant", "mainloop", "gather", "layout", "config", "gemm1", "gemm2", "provider")
+
+
+def _kernels():
+    """The kernel modules, (re)imported so that their @triton.jit functions are interpreted.
+
+    triton.jit decides at decoration time; if another test imported these modules before
+    TRITON_INTERPRET was set, reload them in dependency order.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    mods = {n: importlib.import_module(f"megamoe_backend.experts.triton.{n}") for n in _MODULES}
+    if not isinstance(mods["quant"]._quantize_rows_kernel, InterpretedFunction):
+        for n in _MODULES:
+            mods[n] = importlib.reload(mods[n])
+    return mods
+
+
+K = _kernels()
+
+
+# ------------------------------------------------------------------------------------ quantisation
+def _edge_rows() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 128, generator=g) * torch.tensor([1e-30, 1e-3, 1.0, 7.0, 1e4, 1e30])[:, None]
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, 1.0625, 1.1875, 0.0, -0.0, 2**-8, 3 * 2**-10])
+    x[2, :32] = torch.cat((ties, ties * 448 / 6))
+    x[3, 32:64] = 0.0
+    x[4, 64:68] = torch.tensor([6 * 2**-127 * (1 + 2**-23), 448 * 2**-127 * (1 + 2**-23), 1.5 * 2**-125, 1.75 * 2**-119])
+    x[4, 68:96] = 0.0
+    x[1, 5] = float("nan")
+    x[5, 100] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_matches_formats(fmt, dtype):
+    x = _edge_rows().to(dtype)
+    ref = quantize_mx(x, fmt)
+    got = K["quant"].quantize_rows(x, fmt)
+    assert torch.equal(got.scales, ref.scales)
+    # Bytes inside a NaN-scale block are don't-care (they dequantise to NaN) and platform-dependent.
+    per = 32 if fmt == "fp8" else 16
+    finite = (ref.scales != 0xFF).repeat_interleave(per, dim=1)
+    assert torch.equal(got.data[finite], ref.data[finite])
+    nan_elems = ~finite.repeat_interleave(32 // per, dim=1)
+    assert nan_elems.any() and torch.isnan(dequantize_mx(got)[nan_elems]).all()
+    wire = K["quant"].encode_wire_rows(x, fmt)
+    assert torch.equal(wire[:, got.data.shape[1]:], ref.scales)
+    assert torch.equal(wire[:, : got.data.shape[1]][finite], encode_mx_rows(ref)[:, : got.data.shape[1]][finite])
+
+
+def test_e4m3_rounding_every_code():
+    """Every e4m3 value and every midpoint between neighbours (block amax 448 -> scale 1)."""
+    codes = torch.arange(0, 127, dtype=torch.uint8)
+    vals = codes.view(torch.float8_e4m3fn).float()
+    mids = (vals[:-1] + vals[1:]) / 2
+    probe = torch.cat((vals, mids, -vals, -mids, mids * (1 + 2**-20), mids * (1 - 2**-20)))
+    probe = probe[: probe.numel() // 31 * 31].reshape(-1, 31)
+    x = torch.cat((torch.full((probe.shape[0], 1), 448.0), probe), dim=1)
+    got = K["quant"].quantize_rows(x, "fp8")
+    ref = quantize_mx(x, "fp8")
+    assert torch.equal(got.scales, ref.scales) and torch.equal(got.data, ref.data)
+
+
+def test_wire_rows_into_preallocated_buffer():
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    buf = torch.full((4, 80), 7, dtype=torch.uint8)
+    K["quant"].encode_wire_rows(x, "fp4", out=buf)
+    assert torch.equal(buf[:3, :34], encode_mx_rows(quantize_mx(x, "fp4")))
+    assert (buf[3] == 7).all() and (buf[:3, 34:] == 7).all()
+    with pytest.raises(ValueError, match="wire out buffer"):
+        K["quant"].encode_wire_rows(x, "fp4", out=torch.empty(3, 10, dtype=torch.uint8))
+
+
+def test_quantize_rows_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of the MX block"):
+        K["quant"].quantize_rows(torch.randn(2, 48), "fp8")
+    with pytest.raises(ValueError, match="contiguous along K"):
+        K["quant"].quantize_rows(torch.randn(64, 2).T, "fp8")
+    with pytest.raises(ValueError, match="unknown MX format"):
+        K["quant"].quantize_rows(torch.randn(2, 64), "fp6")
+
+
+# ------------------------------------------------------------------------------------------ layout
+def test_layout_sorted_padded_and_static():
+    g = torch.Generator().manual_seed(1)
+    slot = torch.randint(0, 5, (37,), generator=g)
+    lay = K["layout"].build_layout(slot, num_experts=5, block_m=4, capacity=40)
+    assert lay.num_tiles == K["layout"].max_tiles(37, 5, 4)  # static: from sizes only
+    sp = lay.sorted_pair.view(lay.num_tiles, 4)
+    seen = sp[sp >= 0].sort().values
+    assert torch.equal(seen, torch.arange(37, dtype=torch.int32))
+    for t in range(lay.num_tiles):
+        e = int(lay.tile_expert[t])
+        members = sp[t][sp[t] >= 0].long()
+        if e < 0:
+            assert members.numel() == 0
+        else:
+            assert members.numel() > 0 and (slot[members] == e).all()
+    # within an expert the original pair order is kept (stable), padding only at each expert's end
+    for e in range(5):
+        rows = sp[lay.tile_expert == e].reshape(-1)
+        real = rows[rows >= 0]
+        assert torch.equal(real, torch.nonzero(slot == e).squeeze(1).to(torch.int32))
+        assert (rows[real.numel():] == -1).all()
+
+
+def test_layout_capacity_and_range_errors():
+    with pytest.raises(ValueError, match="capacity"):
+        K["layout"].build_layout(torch.zeros(9, dtype=torch.int64), 2, 4, capacity=8)
+    with pytest.raises(ValueError, match="out of range"):
+        K["layout"].build_layout(torch.tensor([0, 3]), 2, 4)
+
+
+# ----------------------------------------------------------------------------------------- experts
+def _problem(wfmt, layout="interleaved", n_exp=3, hidden=64, inter=64, tokens=6, topk=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(n_exp, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(n_exp, hidden, inter, generator=g) / inter**0.5
+    weights = quantize_expert_weights(w1, w2, wfmt, layout)
+    x = (torch.randn(tokens, hidden, generator=g) * 2).to(torch.bfloat16)
+    ids = torch.rand(tokens, n_exp, generator=g).topk(topk, dim=1).indices
+    pairs = ExpertPairs(torch.arange(tokens).repeat_interleave(topk), ids.reshape(-1).contiguous(), torch.rand(tokens * topk, generator=g))
+    return weights, x, pairs
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+CASES = [
+    ("split", "a8w4", "mxfp4", "interleaved", 10.0),
+    ("split", "a4w4", "mxfp4", "plain", None),
+    ("split", "bf16", "mxfp4", "interleaved", 1.0),
+    ("split", "bf16", "bf16", "plain", None),
+    ("manual", "a8w4", "mxfp4", "plain", None),
+    ("manual", "a4w4", "mxfp4", "interleaved", 10.0),
+]
+
+
+@pytest.mark.parametrize("decoder,quant,wfmt,layout,limit", CASES)
+def test_experts_match_reference(decoder, quant, wfmt, layout, limit):
+    weights, x, pairs = _problem(wfmt, layout)
+    math = ExpertMath(quant, limit)
+    a = x if math.a_format is None else quantize_mx(x, math.a_format)
+    ref = TorchReferenceExperts().forward(a, pairs, weights, math)
+    out = torch.full((len(pairs), weights.hidden), float("nan"))
+    K["provider"].TritonExperts(decoder=decoder).forward(a, pairs, weights, math, out=out)
+    assert torch.isfinite(out).all(), "an output element was never written"
+    # Products are exact in every decoder; only fp32 summation order differs from the fp64 reference.
+    assert _rel(out, ref) < 1e-5
+
+
+def test_bf16_wire_is_quantised_on_the_receiver():
+    weights, x, pairs = _problem("mxfp4")
+    math = ExpertMath("a8w4", 10.0)
+    from_bf16 = K["provider"].TritonExperts().forward(x, pairs, weights, math)
+    from_fp8 = K["provider"].TritonExperts().forward(quantize_mx(x, "fp8"), pairs, weights, math)
+    assert torch.equal(from_bf16, from_fp8)
+
+
+def test_nan_row_poisons_only_its_pairs():
+    weights, x, pairs = _problem("mxfp4", tokens=4)
+    x[1, 3] = float("nan")
+    out = K["provider"].TritonExperts().forward(quantize_mx(x, "fp8"), pairs, weights, ExpertMath("a8w4", 10.0))
+    hit = pairs.row == 1
+    assert torch.isnan(out[hit]).any(dim=1).all()
+    assert torch.isfinite(out[~hit]).all()
+
+
+def test_empty_pairs():
+    weights, x, _ = _problem("mxfp4")
+    empty = ExpertPairs(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0))
+    out = K["provider"].TritonExperts().forward(x, empty, weights, ExpertMath("bf16"))
+    assert out.shape == (0, weights.hidden)
+
+
+def test_bad_inputs_raise_clear_errors():
+    weights, x, pairs = _problem("mxfp4")
+    te = K["provider"].TritonExperts
+    math = ExpertMath("a8w4")
+    with pytest.raises(ValueError, match="capacity"):
+        te(capacity=len(pairs) - 1).forward(x, pairs, weights, math)
+    with pytest.raises(ValueError, match="contiguous"):
+        te().forward(torch.cat((x, x), dim=1)[:, ::2], pairs, weights, math)
+    with pytest.raises(ValueError, match="bfloat16"):
+        te().forward(x.float(), pairs, weights, math)
+    with pytest.raises(ValueError, match="needs A operand fp8"):
+        te().forward(quantize_mx(x, "fp4"), pairs, weights, math)
+    bad_scale = ExpertWeights.__new__(ExpertWeights)  # bypass __post_init__ to reach the provider's own check
+    for f, v in vars(weights).items():
+        object.__setattr__(bad_scale, f, v)
+    object.__setattr__(bad_scale, "w2_scale", weights.w2_scale[:, :, :1].contiguous())
+    with pytest.raises(ValueError, match=r"weights\.w2_scale: expected torch.uint8 of shape"):
+        te().forward(x, pairs, bad_scale, math)
+    odd = quantize_expert_weights(torch.randn(2, 96, 48), torch.randn(2, 48, 48), "bf16")  # hidden 48
+    p2 = ExpertPairs(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.ones(1))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        te().forward(torch.randn(1, 48).to(torch.bfloat16), p2, odd, ExpertMath("bf16"))
+    with pytest.raises(ValueError, match="pairs.slot"):
+        te().forward(x, ExpertPairs(pairs.row, pairs.slot.int(), pairs.weight), weights, math)
+    with pytest.raises(ValueError, match="dot_scaled"):
+        te(decoder="dot_scaled").forward(x, pairs, weights, math)
+
+
+def test_provider_selection_on_cpu_is_the_reference():
+    sel = K["provider"].select_experts_provider("cpu", ExpertMath("a8w4"), "mxfp4")
+    assert isinstance(sel, TorchReferenceExperts)
+    assert not K["provider"].TritonExperts.supports(torch.device("cpu"), ExpertMath("a8w4"), "mxfp4")
+
+
+def test_bench_smoke(tmp_path):
+    from megamoe_backend.bench import bench_experts
+
+    out = tmp_path / "b.json"
+    rc = bench_experts.main(["--experts", "3", "--tokens", "2", "--hidden", "64", "--intermediate", "64", "--topk", "2",
+                             "--schemes", "a8w4", "--no-baseline", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["results"]
+    assert len(res) == 1 and res[0]["error"] == "" and res[0]["rel_l2_ref"] < 1e-5 and res[0]["floor_us"] > 0
