@@ -14,10 +14,13 @@ PROVIDERS = {
 }
 
 
-def make_provider(name: str) -> ExpertsProvider:
+def make_provider(name: str, capacity: int | None = None) -> ExpertsProvider:
+    """``capacity``: most (row, expert) pairs a forward may carry (MTPR x top-k x ep_size); the
+    Triton provider sizes its static, CUDA-graph-capturable layout by it and refuses more."""
     try:
         target = PROVIDERS[name]
     except KeyError:
         raise ValueError(f"unknown experts provider {name!r}; available: {', '.join(PROVIDERS)}") from None
     module_name, cls_name = target.split(":")
-    return getattr(importlib.import_module(module_name), cls_name)()
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(capacity=capacity) if name == "triton" else cls()

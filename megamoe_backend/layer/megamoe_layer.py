@@ -73,7 +73,7 @@ class MegaMoELayer:
             self.provider, self.transport = None, None
             return
         self.fused = None
-        self.provider = provider or make_provider(plan.backends.provider)
+        self.provider = provider or make_provider(plan.backends.provider, capacity=plan.mtpr * plan.topk * plan.ep_size)
         if transport is None:
             key = transport_key(plan.layout_key(), group, self.device)
             is_new = key not in cached_transport_keys()
