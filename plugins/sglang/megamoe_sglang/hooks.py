@@ -1,0 +1,96 @@
+"""The HookRegistry hooks ``megamoe_ep`` needs, each with the reason no extension point covers it.
+
+SGLang 0.5.23 offers a runner registry (used: ``register_moe_runner_core``,
+``add_moe_runner_backend_choices``) and overridable resolution steps (used: ``handle_mega_moe``),
+but the a2a backend is a closed enum with one ``CUSTOMIZED`` member and no registry. These six
+hooks fill exactly that gap; every one is inert unless ``megamoe_ep`` is selected.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .selection import BACKEND_NAME, is_selected
+from .server_args import add_a2a_choice
+
+
+def a2a_enum_missing(original: Callable, cls: Any, value: Any) -> Any:
+    """AROUND ``MoeA2ABackend._missing_``: the string "megamoe_ep" resolves to ``CUSTOMIZED``.
+
+    ``initialize_moe_config`` builds the enum from the published string in every process; the
+    enum has no member for out-of-tree backends except ``CUSTOMIZED``.
+    """
+    if value == BACKEND_NAME:
+        return cls.CUSTOMIZED
+    return original(cls, value)
+
+
+def a2a_supports_aiter(original: Callable, self: Any) -> bool:
+    """AROUND ``MoeA2ABackend.supports_aiter``: True for megamoe_ep.
+
+    Quant methods whose only runner is AITER (Quark MXFP4 MoE) refuse to construct a layer when
+    the a2a backend does not "support aiter" — for ``CUSTOMIZED`` SGLang says it does not. Under
+    megamoe_ep that runner is created but never called (see ``run_moe_core``), so construction
+    may go ahead on any platform.
+    """
+    if self.is_customized() and is_selected():
+        return True
+    return original(self)
+
+
+def create_dispatcher(original: Callable, moe_runner_config: Any, quant_method: Any) -> Any:
+    """AROUND ``create_moe_dispatcher``: MoE layers built under megamoe_ep get MegaMoEDispatcher.
+
+    SGLang's factory raises "Unsupported a2a backend" for ``CUSTOMIZED``; there is no registry.
+    It is also the one call inside ``FusedMoE.__init__`` that sees both the quant method and
+    (through ``moe_runner_config.layer``) the layer, so it is where the layer's weight
+    post-processing is redirected to MegaMoE's conversion (``layer_runtime.take_over_weights``).
+    """
+    if is_selected():
+        from .dispatcher import MegaMoEDispatcher
+        from .layer_runtime import take_over_weights
+
+        if moe_runner_config.layer is not None:
+            take_over_weights(moe_runner_config.layer, quant_method)
+        return MegaMoEDispatcher(moe_runner_config)
+    return original(moe_runner_config, quant_method)
+
+
+def output_is_complete(original: Callable, *, is_tp_path: bool) -> bool:
+    """AROUND ``post_experts_output_is_complete``: MegaMoE's combine already summed every token.
+
+    SGLang lists the a2a backends whose combine sums on the source rank by name; without this it
+    would all-reduce the complete output once more over the EP group (wrong result).
+    """
+    if is_selected():
+        return True
+    return original(is_tp_path=is_tp_path)
+
+
+def run_moe_core(original: Callable, layer: Any, dispatch_output: Any) -> Any:
+    """AROUND ``FusedMoE.run_moe_core``: run the layer's experts through SGLang's MoeRunner with
+    the ``megamoe_ep`` runner core, instead of the quant method's own runner.
+
+    Quant methods pick their runner by their own rules (e.g. unquantised -> Triton) and never
+    consult registered runner names, so the registry alone does not reach MoE layers. The quant
+    method still creates and loads the parameters; the hook only changes who computes.
+    """
+    from .dispatcher import MegaMoEDispatcher
+
+    if not isinstance(layer.dispatcher, MegaMoEDispatcher):
+        return original(layer, dispatch_output)
+    from .layer_runtime import megamoe_runner_for
+
+    runner, quant_info = megamoe_runner_for(layer)
+    return runner.run(dispatch_output, quant_info)
+
+
+# (target, hook type name, hook) in application order.
+HOOKS: tuple[tuple[str, str, Callable], ...] = (
+    ("sglang.srt.server_args.ServerArgs.add_cli_args", "AROUND", add_a2a_choice),
+    ("sglang.srt.layers.moe.utils.MoeA2ABackend._missing_", "AROUND", a2a_enum_missing),
+    ("sglang.srt.layers.moe.utils.MoeA2ABackend.supports_aiter", "AROUND", a2a_supports_aiter),
+    ("sglang.srt.layers.moe.fused_moe_triton.layer.create_moe_dispatcher", "AROUND", create_dispatcher),
+    ("sglang.srt.layers.moe.utils.post_experts_output_is_complete", "AROUND", output_is_complete),
+    ("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core", "AROUND", run_moe_core),
+)

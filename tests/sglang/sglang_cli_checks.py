@@ -1,0 +1,104 @@
+"""Server-argument checks against the real sglang 0.5.23 package, in one process (CPU).
+
+Run as ``python sglang_cli_checks.py OUT.json MODEL_DIR_8 MODEL_DIR_6 [SCRIPTS.json]``: two local
+model folders holding only a config.json (8 and 6 routed experts), and optionally the argv lists
+that scripts/serve_sglang_*.sh print in --dry-run (parsed exactly as `sglang serve` would). Records what SGLang does with each command
+line — parsed fields, resolved fields, or the exact exception — for the pytest side to assert.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def attempt(fn):
+    try:
+        return {"ok": True, **(fn() or {})}
+    except SystemExit as exc:
+        return {"ok": False, "type": "SystemExit", "message": str(exc)}
+    except BaseException as exc:  # recorded for the test to assert on
+        return {"ok": False, "type": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc(limit=-3)}
+
+
+def main() -> None:
+    out_path, model8, model6 = sys.argv[1:4]
+    res: dict = {}
+    t0 = time.perf_counter()
+    from importlib.metadata import entry_points
+
+    res["entry_points"] = [f"{ep.name}={ep.value}" for ep in entry_points(group="sglang.srt.plugins")]
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    load_plugins()
+    res["load_plugins_s"] = time.perf_counter() - t0
+    res["patched"] = sorted(HookRegistry._patched)
+    from sglang.srt.arg_groups.choices import MOE_RUNNER_BACKEND_CHOICES
+    from sglang.srt.layers.moe.utils import MoeA2ABackend, resolve_moe_runner_backend
+    from sglang.srt.server_args import prepare_server_args
+
+    res["runner_choices_has_megamoe_ep"] = "megamoe_ep" in MOE_RUNNER_BACKEND_CHOICES
+    res["runner_resolves"] = repr(resolve_moe_runner_backend("megamoe_ep"))
+    res["enum_megamoe_ep"] = str(MoeA2ABackend("megamoe_ep"))
+    res["enum_megamoe"] = str(MoeA2ABackend("megamoe"))
+    res["enum_bogus"] = attempt(lambda: {"value": str(MoeA2ABackend("bogus"))})
+
+    def fields(sa, names=("moe_a2a_backend", "moe_runner_backend", "tp_size", "attn_dp_size", "ep_size",
+                          "enable_dp_attention", "disable_shared_experts_fusion")):
+        return {n: getattr(sa, n) for n in names}
+
+    def parse(argv):
+        return lambda: {"parsed": fields(prepare_server_args(argv))}
+
+    def parse_resolve(argv, env=None):
+        def run():
+            old = {k: os.environ.get(k) for k in (env or {})}
+            os.environ.update(env or {})
+            try:
+                sa = prepare_server_args(argv)
+                parsed = fields(sa)
+                sa.resolve_once()
+                resolved = {k: v for k, v in sa.resolved_dict().items() if k in parsed}
+                return {"parsed": parsed, "resolved": resolved}
+            finally:
+                for k, v in old.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        return run
+
+    dp8 = ["--tp", "8", "--attn-dp-size", "8", "--ep-size", "8"]
+    res["dsv4_parse"] = attempt(parse(["--model-path", model8, *dp8, "--moe-a2a-backend", "megamoe_ep"]))
+    res["r1_alias_parse"] = attempt(parse(["--model-path", model8, *dp8, "--moe-runner-backend", "megamoe_ep"]))
+    res["dummy_resolve"] = attempt(parse_resolve(["--model-path", "dummy", *dp8, "--moe-a2a-backend", "megamoe_ep"]))
+    res["alias_resolve"] = attempt(parse_resolve(["--model-path", "dummy", *dp8, "--moe-runner-backend", "megamoe_ep"]))
+    res["bad_wire"] = attempt(parse_resolve(["--model-path", "dummy", *dp8, "--moe-a2a-backend", "megamoe_ep"],
+                                            {"MEGA_DISPATCH_WIRE": "fp16"}))
+    res["bad_combine"] = attempt(parse_resolve(["--model-path", "dummy", *dp8, "--moe-a2a-backend", "megamoe_ep"],
+                                               {"MEGA_COMBINE_WIRE": "fp8"}))
+    res["ep_not_dividing"] = attempt(parse_resolve(["--model-path", model6, "--tp", "4", "--attn-dp-size", "4",
+                                                    "--ep-size", "4", "--moe-a2a-backend", "megamoe_ep"]))
+    res["ep_ne_tp"] = attempt(parse_resolve(["--model-path", "dummy", "--tp", "4", "--ep-size", "2",
+                                             "--moe-a2a-backend", "megamoe_ep"]))
+    res["full_resolve_real_config"] = attempt(parse_resolve(["--model-path", model8, "--tp", "2", "--attn-dp-size", "2",
+                                                             "--ep-size", "2", "--moe-a2a-backend", "megamoe_ep"]))
+    res["unknown_a2a"] = attempt(parse(["--model-path", "dummy", "--moe-a2a-backend", "megamoe_epx"]))
+    res["intree_megamoe_parse"] = attempt(parse(["--model-path", "dummy", *dp8, "--moe-a2a-backend", "megamoe"]))
+    res["intree_megamoe_resolve"] = attempt(parse_resolve(["--model-path", "dummy", *dp8, "--moe-a2a-backend", "megamoe"]))
+    res["intree_alias_resolve"] = attempt(parse_resolve(["--model-path", "dummy", *dp8, "--moe-runner-backend", "megamoe"]))
+    res["none_resolve"] = attempt(parse_resolve(["--model-path", "dummy", *dp8]))
+    if len(sys.argv) > 4:
+        for name, argv in json.loads(open(sys.argv[4]).read()).items():
+            res[f"script:{name}"] = attempt(parse(argv))
+    res["total_s"] = time.perf_counter() - t0
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""One SGLang process for the engine tests: real sglang 0.5.23 modules, CPU, gloo.
+
+Run as ``python sglang_worker.py SCENARIO RANK WORLD PORT OUT.json``. Every scenario starts the way
+an SGLang server process does: ``load_plugins()`` (entry point discovery), ``prepare_server_args``,
+``publish`` (which runs resolution), ``initialize_moe_config``, SGLang's own distributed setup
+(``init_distributed_environment`` + ``initialize_model_parallel``, gloo instead of NCCL), then
+builds SGLang's own ``FusedMoE``, loads DeepSeek-named checkpoint tensors through SGLang's
+weight loader and calls its ``forward``. Results go to OUT.json (and tensors to
+OUT.pt) for the pytest side to check; nothing here asserts, so a failure is always reported with
+the data that caused it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+import time
+import traceback
+
+import torch
+
+HIDDEN, INTER, EXPERTS, TOPK = 64, 64, 8, 2
+
+
+def tokens_for(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank-specific tokens and routing (rank r has 5 + r tokens), identical across world sizes."""
+    t = 5 + rank
+    x = torch.randn(t, HIDDEN, generator=torch.Generator().manual_seed(10 + rank)).to(torch.bfloat16)
+    logits = torch.randn(t, EXPERTS, generator=torch.Generator().manual_seed(20 + rank))
+    w, ids = torch.softmax(logits, -1).topk(TOPK, dim=-1)
+    return x, ids, w
+
+
+def start_sglang(rank: int, world: int, port: int, extra: list[str]) -> dict:
+    t0 = time.perf_counter()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.layers.moe.utils import initialize_moe_config
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = ["--model-path", "dummy", "--device", "cpu", "--tp", str(world), "--ep-size", str(world)]
+    if world > 1:
+        argv += ["--attn-dp-size", str(world)]
+    server_args = prepare_server_args(argv + extra)
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=rank))
+    initialize_moe_config()
+    init_distributed_environment(
+        world_size=world, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank, backend="gloo"
+    )
+    initialize_model_parallel(backend="gloo")
+    return {"startup_s": time.perf_counter() - t0}
+
+
+def all_experts(fmt: str):
+    """Every expert's weights, fp32 masters [E, 2I, H] (gate rows then up) and [E, H, I], plus the
+    checkpoint tensors (DeepSeek names, per expert) in ``fmt``: "bf16" or "mxfp4" (Quark layout)."""
+    from megamoe_backend.formats import quantize_mx
+
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.1
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.1
+    ckpt = {}
+    for e in range(EXPERTS):
+        for proj, w in (("gate_proj", w13[e, :INTER]), ("up_proj", w13[e, INTER:]), ("down_proj", w2[e])):
+            name = f"model.layers.3.mlp.experts.{e}.{proj}."
+            if fmt == "bf16":
+                ckpt[name + "weight"] = w.to(torch.bfloat16)
+            else:
+                q = quantize_mx(w, "fp4")
+                ckpt[name + "weight"], ckpt[name + "weight_scale"] = q.data, q.scales
+    return w13, w2, ckpt
+
+
+def load_like_sglang(layer, ckpt: dict) -> int:
+    """DeepSeek's expert loading loop: FusedMoE.make_expert_params_mapping + the param weight_loader
+    (which skips experts this EP rank does not own), then process_weights_after_loading."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", EXPERTS)
+    params = dict(layer.named_parameters(prefix="model.layers.3.mlp.experts"))
+    loaded = 0
+    for name, tensor in ckpt.items():
+        for param_name, weight_name, expert_id, shard_id in mapping:
+            if weight_name not in name:
+                continue
+            target = name.replace(weight_name, param_name).replace("experts.experts.", "experts.")
+            param = params[target]
+            param.weight_loader(param, tensor, target, shard_id=shard_id, expert_id=expert_id)
+            loaded += 1
+            break
+    layer.quant_method.process_weights_after_loading(layer)
+    return loaded
+
+
+def core_reference(x, ids, w, weights_fmt: str, quant: str, w13, w2):
+    """The same tokens through megamoe_backend alone (ep_size 1, all experts): the core reference."""
+    from megamoe_backend.experts import interleave_gate_up, quantize_expert_weights
+    from megamoe_backend.knobs import Knobs
+    from megamoe_backend.layer import MegaMoELayer
+    from megamoe_backend.plan import build_plan
+    from megamoe_backend.spec import MoESpec
+
+    spec = MoESpec(hidden_size=HIDDEN, moe_intermediate_size=INTER, n_routed_experts=EXPERTS, num_experts_per_tok=TOPK,
+                   quant=quant)
+    weights = quantize_expert_weights(interleave_gate_up(w13), w2, weights_fmt)
+    plan = build_plan(spec, Knobs.from_env(), 0, 1, device_type="cpu")
+    return MegaMoELayer(plan, weights, group=None).forward(x, ids, w)
+
+
+def forward_scenario(rank: int, world: int, fmt: str) -> dict:
+    """SGLang FusedMoE built with SGLang's quant method (unquantised, or Quark MXFP4 A4W4 from the
+    R1 MXFP4 fixture's quantization_config), loaded through SGLang's loader, forward via megamoe_ep."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+    from megamoe_backend.formats import dequantize_mx, quantize_mx
+    from megamoe_backend.layer import fp32_reference_moe, rel_l2
+    from megamoe_sglang.dispatcher import MegaMoEDispatcher
+
+    quant_config, quant = None, "bf16"
+    if fmt == "mxfp4":
+        from sglang.srt.layers.quantization.quark.quark import QuarkConfig
+
+        qc = json.loads((Path(__file__).parent.parent / "fixtures" / "r1_mxfp4_config.json").read_text())["quantization_config"]
+        quant_config = QuarkConfig.from_config({**qc, "packed_modules_mapping": {}})
+        quant = "a4w4"
+    layer = FusedMoE(
+        num_experts=EXPERTS, top_k=TOPK, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=3,
+        params_dtype=torch.bfloat16, reduce_results=False, quant_config=quant_config, prefix="model.layers.3.mlp.experts",
+    )
+    w13, w2, ckpt = all_experts(fmt)
+    loaded = load_like_sglang(layer, ckpt)
+    released = all(p.numel() == 0 for p in layer.parameters())
+    x, ids, w = tokens_for(rank)
+    topk = StandardTopKOutput(w, ids.to(torch.int32), torch.zeros(len(x), EXPERTS))
+    t0 = time.perf_counter()
+    out = layer.forward(x, topk)
+    t_first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out2 = layer.forward(x, topk)
+    t_second = time.perf_counter() - t0
+    if fmt == "mxfp4":  # the fp32 reference runs on the weights MegaMoE actually holds (dequantised)
+        deq = lambda t: dequantize_mx(quantize_mx(t, "fp4"))  # noqa: E731
+        w13_ref, w2_ref = deq(w13), deq(w2)
+    else:
+        w13_ref, w2_ref = w13.to(torch.bfloat16).float(), w2.to(torch.bfloat16).float()
+    ref = fp32_reference_moe(x, ids, w, w13_ref, w2_ref, gate_up_layout="plain")
+    core = core_reference(x, ids, w, "bf16" if fmt == "bf16" else "mxfp4", quant, w13_ref if fmt == "bf16" else w13, w2_ref if fmt == "bf16" else w2)
+    runtime = layer._megamoe_ep[1].runtime
+    wire_mismatch = None
+    if fmt == "bf16":  # an fp4 dispatch wire cannot feed bf16 experts: refused when weights load
+        import os
+
+        other = FusedMoE(num_experts=EXPERTS, top_k=TOPK, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=4,
+                         params_dtype=torch.bfloat16, reduce_results=False, quant_config=None,
+                         prefix="model.layers.4.mlp.experts")
+        os.environ["MEGA_DISPATCH_WIRE"] = "fp4"
+        try:
+            other.quant_method.process_weights_after_loading(other)
+        except Exception as exc:  # recorded for the test
+            wire_mismatch = f"{type(exc).__name__}: {exc}"
+        finally:
+            os.environ.pop("MEGA_DISPATCH_WIRE")
+    return {
+        "wire_mismatch_error": wire_mismatch,
+        "a2a_enum": str(get_moe_a2a_backend()),
+        "dispatcher": type(layer.dispatcher).__name__,
+        "is_megamoe_dispatcher": isinstance(layer.dispatcher, MegaMoEDispatcher),
+        "quant_method": type(layer.quant_method).__name__,
+        "scheme": type(getattr(layer, "scheme", None)).__name__,
+        "plan_quant": runtime.plan.math.quant,
+        "wire": runtime.plan.dispatch.name,
+        "tensors_loaded": loaded,
+        "sglang_params_released": released,
+        "num_local_experts": layer.num_local_experts,
+        "ep_rank": int(layer.moe_ep_rank),
+        "transport": runtime.transport.name,
+        "rel_l2_vs_fp32_reference": rel_l2(out, ref),
+        "equal_to_core_layer": bool(torch.equal(out, core)),
+        "rel_l2_vs_core_layer": rel_l2(out, core),
+        "repeat_equal": bool(torch.equal(out, out2)),
+        "out_shape": list(out.shape),
+        "out_dtype": str(out.dtype),
+        "first_forward_s": t_first,
+        "second_forward_s": t_second,
+        "_tensors": {"out": out},
+    }
+
+
+SCENARIOS = {
+    "forward_bf16": lambda r, w: forward_scenario(r, w, "bf16"),
+    "forward_mxfp4": lambda r, w: forward_scenario(r, w, "mxfp4"),
+}
+
+
+def main() -> None:
+    scenario, rank, world, port, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    extra = sys.argv[6:]
+    result: dict = {"scenario": scenario, "rank": rank, "world": world}
+    try:
+        result.update(start_sglang(rank, world, port, extra))
+        result.update(SCENARIOS[scenario](rank, world))
+        result["ok"] = True
+    except BaseException:
+        result["ok"] = False
+        result["error"] = traceback.format_exc()
+    tensors = result.pop("_tensors", {})
+    if tensors:
+        torch.save(tensors, out_path.replace(".json", ".pt"))
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
