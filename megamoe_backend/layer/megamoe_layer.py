@@ -105,14 +105,21 @@ class MegaMoELayer:
             )
         return 0, ""
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H] (bf16/fp32), topk_ids [T, k] (-1 = masked), topk_weights [T, k] -> bf16 [T, H]."""
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, output_scale: float = 1.0
+    ) -> torch.Tensor:
+        """x [T, H] (bf16/fp32), topk_ids [T, k] (-1 = masked), topk_weights [T, k] -> bf16 [T, H].
+
+        ``output_scale`` multiplies the fp32 sum before the one bf16 rounding (engines that apply
+        routed_scaling_factor after the experts pass it here instead of rounding twice).
+        """
         plan = self.plan
         status, message = self._check_inputs(x, topk_ids, topk_weights)
         if self.fused is not None:
             if status:
                 raise PeerInputError(f"[megamoe] {message}")
-            return self.fused(x, topk_ids, topk_weights, self.fused_weights)
+            out = self.fused(x, topk_ids, topk_weights, self.fused_weights)
+            return out if output_scale == 1.0 else (out.float() * output_scale).to(torch.bfloat16)
         if status:
             # Still take part in the header exchange with nothing to send, so peers fail fast too.
             x = torch.zeros(0, plan.hidden, dtype=torch.bfloat16, device=self.device)
@@ -138,13 +145,17 @@ class MegaMoELayer:
         contributions = self.provider.forward(rows_a, pairs, self.weights, plan.math)
         if getattr(self.transport, "reduces_in_combine", False):
             # mori sums a token's rows across ranks inside its combine kernel (and quantises there)
-            return self.transport.combine_reduced(contributions, received.handle).to(torch.bfloat16)
+            summed = self.transport.combine_reduced(contributions, received.handle)
+            return (summed * output_scale).to(torch.bfloat16)
         pair_wire_rows = plan.combine.encode(contributions)
         returned = self.transport.combine(pair_wire_rows, received.handle)
 
         values = plan.combine.decode_fp32(returned, plan.hidden)
         per_topk = torch.zeros(layout.num_tokens, plan.topk, plan.hidden, dtype=torch.float32, device=self.device)
         per_topk[layout.pair_token, layout.pair_k] = values
-        return per_topk.sum(dim=1).to(torch.bfloat16)
+        summed = per_topk.sum(dim=1)
+        if output_scale != 1.0:
+            summed = summed * output_scale
+        return summed.to(torch.bfloat16)
 
     __call__ = forward

@@ -126,3 +126,10 @@ def test_transport_cache_keys_on_layout_and_wire() -> None:
     d, _ = layer_for("a4w4", "fp4", combine="fp8_blockwise_1x32", problem=p)
     assert a.transport is b.transport
     assert len({id(a.transport), id(c.transport), id(d.transport)}) == 3
+
+
+def test_output_scale_is_applied_in_fp32_before_rounding() -> None:
+    layer, p = layer_for("bf16")
+    plain = layer(p.x, p.topk_ids, p.topk_weights)
+    scaled = layer(p.x, p.topk_ids, p.topk_weights, output_scale=2.5)
+    torch.testing.assert_close(scaled.float(), plain.float() * 2.5, rtol=8e-3, atol=1e-6)
