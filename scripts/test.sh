@@ -18,12 +18,13 @@ cd "$ROOT"
 
 quiet() { grep -v -e "is ignored: it is neither" || true; }
 
-key=$(cat pyproject.toml .ci/install_vllm.sh | sha256sum | cut -c1-16)
+key=$(cat pyproject.toml .ci/install_vllm.sh scripts/test.sh | sha256sum | cut -c1-16)
 if [[ ! -f "$MAIN/.megamoe-main-$key" ]]; then
   echo "== main venv: $MAIN"
   [[ -x "$MAIN/bin/python" ]] || "$PY" -m venv "$MAIN"
   "$MAIN/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | quiet
-  "$MAIN/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,triton]" torch==2.13.0 2>&1 | quiet
+  # triton pinned to the H200 image's version: the interpreter tests must run what the GPU runs
+  "$MAIN/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,triton]" torch==2.13.0 triton==3.6.0 2>&1 | quiet
   bash .ci/install_vllm.sh "$MAIN/bin/python"
   rm -f "$MAIN"/.megamoe-main-*
   touch "$MAIN/.megamoe-main-$key"
