@@ -1,0 +1,180 @@
+"""Plugin pieces without an engine: backend-name registration, CLI parsing, weight mapping, placement."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import megamoe_vllm
+from megamoe_backend.experts import deinterleave_gate_up
+from megamoe_backend.formats import dequantize_mx, quantize_mx
+from megamoe_backend.knobs import Knobs
+from megamoe_vllm.method import MegaMoEConfigError, check_deployment, vllm_placement
+from megamoe_vllm.mxfp4_params import MXFP4ExpertParams
+from megamoe_vllm.weights import ExpertFormat, UnsupportedExpertsError, expert_format_of, expert_weights_from_params
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    megamoe_vllm.register()
+    megamoe_vllm.register()  # idempotent: vLLM may call it more than once per process
+
+
+def test_supported_versions():
+    assert megamoe_vllm.vllm_version_supported("0.32.0")
+    assert megamoe_vllm.vllm_version_supported("0.33.1+cpu")
+    assert not megamoe_vllm.vllm_version_supported("0.31.2")
+    assert not megamoe_vllm.vllm_version_supported("0.34.0")
+    assert not megamoe_vllm.vllm_version_supported("dev")
+
+
+def test_kernel_config_accepts_backend_and_still_rejects_unknown():
+    from vllm.config.kernel import KernelConfig
+
+    assert KernelConfig(moe_backend="megamoe_ep").moe_backend == "megamoe_ep"
+    assert KernelConfig(moe_backend="MegaMoE-EP").moe_backend == "megamoe_ep"  # vLLM's normaliser
+    with pytest.raises(Exception, match="megamoe_typo"):
+        KernelConfig(moe_backend="megamoe_typo")
+
+
+def test_cli_parses_moe_backend_flag():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    assert parser.parse_args(["--moe-backend", "megamoe_ep"]).moe_backend == "megamoe_ep"
+    assert parser.parse_args(["--moe-backend", "megamoe-ep"]).moe_backend == "megamoe_ep"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--moe-backend", "megamoe_nope"])
+
+
+def test_routed_experts_oot_registered():
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from megamoe_vllm.routed_experts import MegaMoERoutedExperts
+
+    assert op_registry_oot["RoutedExperts"] is MegaMoERoutedExperts
+
+
+def _plain_w13(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """What vLLM's loader builds: w1 (gate) into the first half of w13's rows, w3 (up) into the second."""
+    return torch.cat((gate, up), dim=1)
+
+
+def test_bf16_mapping_interleaves_gate_up():
+    e, h, i = 3, 64, 32
+    gate, up = torch.randn(e, i, h).bfloat16(), torch.randn(e, i, h).bfloat16()
+    w2 = torch.randn(e, h, i).bfloat16()
+    w = expert_weights_from_params({"w13_weight": _plain_w13(gate, up), "w2_weight": w2},
+                                   ExpertFormat("bf16", "bf16", "test"))
+    assert w.gate_up_layout == "interleaved" and w.fmt == "bf16"
+    assert torch.equal(w.w1[:, 0::2], gate) and torch.equal(w.w1[:, 1::2], up)
+    assert torch.equal(w.w2, w2)
+
+
+@pytest.mark.parametrize("layout", ["quark", "deepseek_v4"])
+def test_mxfp4_mapping_is_exact(layout):
+    """Quark (gate_proj/up_proj/down_proj) and DeepSeek V4 (w1/w3/w2 + .scale) checkpoints both land
+    in vLLM's w13/w2 + *_weight_scale parameters; the mapping to ExpertWeights must be bit-exact."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    e, h, i = 2, 64, 64
+    names = ("gate_proj", "down_proj", "up_proj") if layout == "quark" else ("w1", "w2", "w3")
+    mapping = RoutedExperts.build_expert_params_mapping(*names, num_experts=e, routed_experts_prefix="")
+    ckpt = {}
+    for ex in range(e):
+        for n, shape in ((names[0], (i, h)), (names[2], (i, h)), (names[1], (h, i))):
+            q = quantize_mx(torch.randn(*shape), "fp4")
+            ckpt[f"experts.{ex}.{n}.weight"] = q.data
+            ckpt[f"experts.{ex}.{n}.weight_scale"] = q.scales  # V4's ".scale" after vLLM's regex mapper
+    params = {"w13_weight": torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8),
+              "w13_weight_scale": torch.zeros(e, 2 * i, h // 32, dtype=torch.uint8),
+              "w2_weight": torch.zeros(e, h, i // 2, dtype=torch.uint8),
+              "w2_weight_scale": torch.zeros(e, h, i // 32, dtype=torch.uint8)}
+    hits = 0
+    for ckpt_name, t in ckpt.items():
+        for param_name, weight_name, expert, shard in mapping:
+            if weight_name in ckpt_name + ".":  # mapping names end with "."
+                suffix = ckpt_name[len(weight_name):]
+                dst = params[param_name.removeprefix("experts.") + suffix][expert]
+                rows = dst.shape[0] // 2
+                {"w1": dst[:rows], "w3": dst[rows:], "w2": dst}[shard].copy_(t)
+                hits += 1
+    assert hits == len(ckpt)
+    w = expert_weights_from_params(params, ExpertFormat("a4w4", "mxfp4", layout))
+    w1, w2 = w.dequantized()
+    for ex in range(e):
+        gate = dequantize_mx_of(ckpt, f"experts.{ex}.{names[0]}")
+        up = dequantize_mx_of(ckpt, f"experts.{ex}.{names[2]}")
+        assert torch.equal(deinterleave_gate_up(w1[ex]), torch.cat((gate, up)))
+        assert torch.equal(w2[ex], dequantize_mx_of(ckpt, f"experts.{ex}.{names[1]}"))
+
+
+def dequantize_mx_of(ckpt: dict, stem: str) -> torch.Tensor:
+    from megamoe_backend.formats import MXTensor
+
+    return dequantize_mx(MXTensor(ckpt[f"{stem}.weight"], ckpt[f"{stem}.weight_scale"], "fp4"))
+
+
+def test_expert_formats():
+    knobs = Knobs()
+    assert expert_format_of(MXFP4ExpertParams("a8w4"), knobs).quant == "a8w4"
+    v4 = type("Mxfp4MoEMethod", (), {"weight_dtype": "mxfp4"})()
+    assert expert_format_of(v4, knobs).quant == "a4w4"
+    assert expert_format_of(v4, Knobs(aiter_force_a8w4=True)).quant == "a8w4"
+    fp8 = type("Fp8MoEMethod", (), {})()
+    with pytest.raises(UnsupportedExpertsError, match="Fp8MoEMethod are not supported"):
+        expert_format_of(fp8, knobs)
+
+
+@pytest.mark.parametrize("strategy", ["linear", "round_robin"])
+def test_placement_matches_vllm_expert_map(strategy):
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    placement = vllm_placement(8, 4, strategy)
+    for rank in range(4):
+        _, expert_map, _ = determine_expert_map(4, rank, 8, strategy)
+        local = placement.local_experts(rank)
+        assert [int(expert_map[p]) for p in local] == list(range(len(local)))
+        assert all(int(expert_map[p]) == -1 for p in range(8) if p not in local)
+
+
+def _moe_config(**mpc):
+    base = dict(enable_eplb=False, dp_size=1, tp_size=1, pcp_size=1, use_ep=False)
+    base.update(mpc)
+    return SimpleNamespace(moe_parallel_config=SimpleNamespace(**base),
+                           activation=SimpleNamespace(is_gated=True, value="silu"),
+                           has_bias=False, is_lora_enabled=False)
+
+
+@pytest.mark.parametrize("mpc,needle", [
+    ({"enable_eplb": True, "use_ep": True, "dp_size": 2}, "does not support EPLB"),
+    ({"dp_size": 2}, "needs --enable-expert-parallel"),
+    ({"tp_size": 2}, "needs --enable-expert-parallel"),
+])
+def test_deployment_refusals(mpc, needle):
+    with pytest.raises(MegaMoEConfigError, match=needle):
+        check_deployment(_moe_config(**mpc))
+    check_deployment(_moe_config(use_ep=True, dp_size=2))  # the supported shape passes
+
+
+def test_mxfp4_params_layout():
+    layer = torch.nn.Module()
+    MXFP4ExpertParams("a8w4").create_weights(layer, num_experts=4, hidden_size=64, intermediate_size_per_partition=32,
+                                             params_dtype=torch.bfloat16, weight_loader=None)
+    assert tuple(layer.w13_weight.shape) == (4, 64, 32) and layer.w13_weight.dtype == torch.uint8
+    assert tuple(layer.w13_weight_scale.shape) == (4, 64, 2)
+    assert tuple(layer.w2_weight.shape) == (4, 64, 16) and tuple(layer.w2_weight_scale.shape) == (4, 64, 1)
+    assert tuple(layer.w13_input_scale.shape) == (4,)
+    assert layer.w13_weight_scale.quant_method == "block"
+
+
+
+def test_batch_larger_than_mtpr_is_refused_at_startup():
+    cfg = _moe_config(use_ep=True, dp_size=2)
+    cfg.max_num_tokens = 16384
+    with pytest.raises(MegaMoEConfigError, match="exceeds MEGA_MAX_TOKENS_PER_RANK=8192"):
+        check_deployment(cfg, Knobs())
+    check_deployment(cfg, Knobs(max_tokens_per_rank=16384))
