@@ -73,3 +73,27 @@ class DispatchLayout:
 def received_pairs(recv_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """On the receiver: (row, k) of every valid received pair, in the order combine sends them back."""
     return torch.nonzero(recv_slots >= 0, as_tuple=True)
+
+
+def pack_dispatch_rows(token_rows: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
+    """One contiguous byte row per (token, destination): wire payload | int32 slots | fp32 weights.
+
+    Shared by every byte-moving transport so the row format is defined once; the token's wire row
+    was quantised once and is only copied here, once per destination rank.
+    """
+    return torch.cat(
+        (
+            token_rows.index_select(0, layout.send_token),
+            layout.send_slots.contiguous().view(torch.uint8),
+            layout.send_weights.contiguous().view(torch.uint8),
+        ),
+        dim=1,
+    )
+
+
+def unpack_dispatch_rows(recv: torch.Tensor, row_bytes: int, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_dispatch_rows`: (wire rows, int32 slots [R, k], fp32 weights [R, k])."""
+    rows = recv[:, :row_bytes]
+    slots = recv[:, row_bytes : row_bytes + 4 * topk].contiguous().view(torch.int32)
+    weights = recv[:, row_bytes + 4 * topk :].contiguous().view(torch.float32)
+    return rows, slots, weights

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .base import DispatchHandle, DispatchResult, PeerInputError, Transport, TransportError
-from .layout import DispatchLayout
+from .layout import DispatchLayout, pack_dispatch_rows, unpack_dispatch_rows
 from .torch_dist import STATUS_MEANING
 
 _ALIGN = 256
@@ -98,14 +98,7 @@ class SymmMemTransport(Transport):
         pairs = layout.pair_rank_counts.tolist()
         if max(counts, default=0) > self.mtpr:
             raise PeerInputError(f"[megamoe] {max(counts)} rows for one rank exceed MEGA_MAX_TOKENS_PER_RANK={self.mtpr}")
-        send = torch.cat(
-            (
-                token_rows.index_select(0, layout.send_token),
-                layout.send_slots.contiguous().view(torch.uint8),
-                layout.send_weights.contiguous().view(torch.uint8),
-            ),
-            dim=1,
-        )
+        send = pack_dispatch_rows(token_rows, layout)
         header_rows = torch.tensor([[c, p, status, 0] for c, p in zip(counts, pairs)], dtype=torch.int64, device=self.device)
         start = 0
         for r in range(ep):
@@ -123,11 +116,7 @@ class SymmMemTransport(Transport):
         recv_counts = header[:, 0].tolist()
         recv_pairs = header[:, 1].tolist()
         recv = torch.cat([self._dispatch_region(self.buffer, s)[: recv_counts[s]] for s in range(ep)])
-        row_bytes = token_rows.shape[1]
-        k = self.topk
-        rows = recv[:, :row_bytes]
-        slots = recv[:, row_bytes : row_bytes + 4 * k].contiguous().view(torch.int32)
-        weights = recv[:, row_bytes + 4 * k :].contiguous().view(torch.float32)
+        rows, slots, weights = unpack_dispatch_rows(recv, token_rows.shape[1], self.topk)
         return DispatchResult(rows, slots, weights, DispatchHandle(layout, recv_counts, recv_pairs))
 
     def combine(self, pair_rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

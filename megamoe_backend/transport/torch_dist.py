@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .base import DispatchHandle, DispatchResult, PeerInputError, Transport, TransportError
-from .layout import DispatchLayout
+from .layout import DispatchLayout, pack_dispatch_rows, unpack_dispatch_rows
 
 STATUS_MEANING = {
     1: "more tokens than MEGA_MAX_TOKENS_PER_RANK",
@@ -55,19 +55,10 @@ class TorchDistTransport(Transport):
         recv_counts = recv_header[:, 0].tolist()
         recv_pairs = recv_header[:, 1].tolist()
 
-        k = layout.topk
-        payload = token_rows.index_select(0, layout.send_token)
-        send = torch.cat(
-            (payload, layout.send_slots.contiguous().view(torch.uint8), layout.send_weights.contiguous().view(torch.uint8)),
-            dim=1,
-        )
-        width = send.shape[1]
-        recv = torch.empty(sum(recv_counts), width, dtype=torch.uint8, device=self.device)
+        send = pack_dispatch_rows(token_rows, layout)
+        recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=self.device)
         self._all_to_all(recv, send, recv_counts, layout.send_rank_counts.tolist(), "dispatch rows")
-        row_bytes = token_rows.shape[1]
-        rows = recv[:, :row_bytes]
-        slots = recv[:, row_bytes : row_bytes + 4 * k].contiguous().view(torch.int32)
-        weights = recv[:, row_bytes + 4 * k :].contiguous().view(torch.float32)
+        rows, slots, weights = unpack_dispatch_rows(recv, token_rows.shape[1], layout.topk)
         return DispatchResult(rows, slots, weights, DispatchHandle(layout, recv_counts, recv_pairs))
 
     def combine(self, pair_rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
