@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..experts import ExpertMath, ExpertPairs, ExpertWeights, swiglu
-from ..experts.triton.config import BUCKETS, TileConfig, default_config, interpreting
+from ..experts.triton.config import TileConfig, bucket_index, default_config, interpreting
 from ..formats import MX_BLOCK, dequantize_mx, fake_quantize
 
 # Datasheet ceilings of an H200 SXM (dense); the run also measures a copy and a bf16 GEMM.
@@ -44,25 +44,23 @@ SCHEMES = {  # name -> (ExpertMath.quant, weight format)
     "bf16": ("bf16", "bf16"),
 }
 
-# Extra tile configs tried with --variants (scheme a8w4, first expert count), per bucket class.
+# Extra tile configs tried with --variants (scheme a8w4, first expert count, default decoder), per
+# bucket class; the split and dot_scaled decoders (row-major weights) run beside them on their defaults.
 VARIANTS = {
     "decode": [
-        TileConfig(block_m=16, block_n1=64, block_n2=64, block_k=256, num_warps=4, num_stages=4),
         TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
-        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=64, num_warps=4, num_stages=6),
-        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=4),
+        TileConfig(block_m=16, block_n1=64, block_n2=64, block_k=128, num_warps=4, num_stages=6),
+        TileConfig(block_m=16, block_n1=256, block_n2=256, block_k=128, num_warps=8, num_stages=3),
     ],
     "mid": [
+        TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=3),
         TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
-        TileConfig(block_m=64, block_n1=256, block_n2=256, block_k=128, num_warps=8, num_stages=3),
-        TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=64, num_warps=4, num_stages=6),
-        TileConfig(block_m=32, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
+        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3),
     ],
     "prefill": [
         TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=3),
-        TileConfig(block_m=128, block_n1=256, block_n2=256, block_k=64, num_warps=8, num_stages=3),
-        TileConfig(block_m=64, block_n1=256, block_n2=256, block_k=128, num_warps=8, num_stages=3),
-        TileConfig(block_m=256, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=2),
+        TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3),
+        TileConfig(block_m=128, block_n1=256, block_n2=256, block_k=128, num_warps=8, num_stages=3),
     ],
 }
 
@@ -75,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, default=3072)
     parser.add_argument("--schemes", nargs="+", default=["a8w4", "a4w4", "a16w4", "bf16"], choices=sorted(SCHEMES))
     parser.add_argument("--swiglu-limit", type=float, default=10.0, help="SwiGLU clamp (DeepSeek V4: 10); <= 0 disables")
-    parser.add_argument("--decoder", default="auto", choices=["auto", "split", "dot_scaled", "manual"])
+    parser.add_argument("--decoder", default="auto", choices=["auto", "frag", "split", "dot_scaled", "manual"])
     parser.add_argument("--variants", action="store_true", help="also time alternative tile configs / decoders (a8w4)")
     parser.add_argument("--no-baseline", action="store_true", help="skip torch._grouped_mm")
     parser.add_argument("--check-pairs", type=int, default=256, help="pairs sampled for the relL2 checks")
@@ -273,8 +271,7 @@ def measure_ceilings(device: torch.device) -> dict:
 
 # ------------------------------------------------------------------------------------------- run
 def bucket_class(pairs: int, n_exp: int) -> str:
-    avg = pairs / n_exp
-    return "decode" if avg <= BUCKETS[0][0] else ("mid" if avg <= BUCKETS[1][0] else "prefill")
+    return ("decode", "mid", "prefill")[bucket_index(pairs, n_exp, "frag")]
 
 
 def describe(cfg: TileConfig | None) -> str:
@@ -328,10 +325,13 @@ def run(args: argparse.Namespace) -> int:
     variants: list[Case] = []
     max_e = max(args.experts)
     fp4_all, bf16_all = make_weights(max_e, hidden, inter, device, args.seed)
+    # the layer calls prepare_weights once per layer; fragment storage (frag decoder) when it applies
+    fp4_prepared = TritonExperts(decoder=args.decoder).prepare_weights(fp4_all)
     torch.cuda.synchronize() if device.type == "cuda" else None
     print(f"weights ready ({time.time() - t_start:.1f}s)")
     for n_exp in args.experts:
         fp4 = slice_weights(fp4_all, n_exp)
+        fp4_prep = slice_weights(fp4_prepared, n_exp)
         bf16 = slice_weights(bf16_all, n_exp)
         for tokens in args.tokens:
             x, pairs = make_routing(tokens, n_exp, topk, hidden, device, args.seed + tokens)
@@ -356,15 +356,17 @@ def run(args: argparse.Namespace) -> int:
                 math = ExpertMath(quant, limit)
                 a_fmt = math.a_format
                 a = x if a_fmt is None else quantize_rows(x, a_fmt, name="bench tokens")
-                weights = fp4 if wfmt == "mxfp4" else bf16
                 configs = [(args.decoder, None)]
                 if args.variants and scheme == "a8w4" and n_exp == args.experts[0]:
                     configs += [(args.decoder, v) for v in VARIANTS[bucket_class(p, n_exp)]]
-                    configs += [("dot_scaled", None)]
+                    configs += [("split", None), ("dot_scaled", None)]
                 for i, (decoder, cfg) in enumerate(configs):
                     prov = TritonExperts(capacity=p, decoder=decoder, config=cfg)
-                    used = cfg or default_config(p, n_exp)
-                    c = Case(n_exp, tokens, p, scheme, "triton", prov.resolve_decoder(wfmt), describe(used), active_experts=active)
+                    weights = bf16 if wfmt == "bf16" else (fp4_prep if decoder == args.decoder else fp4)
+                    mode = prov.resolve_decoder(wfmt, weights.storage)
+                    used = cfg or default_config(p, n_exp, mode)
+                    c = Case(n_exp, tokens, p, scheme, "triton", mode, describe(used),
+                             active_experts=active)
                     run_case(c, lambda: prov.forward(a, pairs, weights, math), checker(math, a_fmt))
                     fill_metrics(c, hidden, inter, wfmt, a_fmt)
                     (cases if i == 0 else variants).append(c)
@@ -404,7 +406,7 @@ def slice_weights(w: ExpertWeights, n: int) -> ExpertWeights:
     if w.num_experts == n:
         return w
     cut = lambda t: None if t is None else t[:n]  # noqa: E731 - leading-dim slices stay contiguous
-    return ExpertWeights(cut(w.w1), cut(w.w2), w.fmt, w.gate_up_layout, cut(w.w1_scale), cut(w.w2_scale))
+    return ExpertWeights(cut(w.w1), cut(w.w2), w.fmt, w.gate_up_layout, cut(w.w1_scale), cut(w.w2_scale), w.storage)
 
 
 def command_line() -> str:

@@ -71,6 +71,11 @@ class ExpertsProvider(ABC):
         """Capability predicate used by provider selection; overridden by hardware providers."""
         return True
 
+    def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
+        """Once per layer, before the first forward: weights in the storage this provider reads
+        fastest (e.g. MMA-fragment order). The default keeps them as they are."""
+        return weights
+
 
 def swiglu(h: torch.Tensor, layout: str, limit: float | None) -> torch.Tensor:
     """GEMM1 output [..., 2I] -> SwiGLU activation [..., I] in fp32."""

@@ -9,6 +9,11 @@ Shapes (E = local experts on this rank, H = hidden, I = moe intermediate):
          w1_scale [E, 2I, H // 32] uint8 E8M0; w2 [E, H, I // 2], w2_scale [E, H, I // 32].
 GEMM1's output rows follow ``gate_up_layout``: "interleaved" = [g0, u0, g1, u1, ...] (what MegaMoE
 kernels expect), "plain" = [g0 .. g_{I-1}, u0 .. u_{I-1}] (HF checkpoints' gate_proj; up_proj).
+
+``storage`` says how the MXFP4 bytes are ordered: "rowmajor" (checkpoint order, what every provider
+reads) or "fragments" (the same bytes re-laid as Hopper MMA register fragments by
+``as_fragments()``, what the Triton ``frag`` decoder reads; see experts/fragments.py). Fragment
+storage keeps the tensor shapes above, so a layer holds one copy of its weights either way.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ..formats import MX_BLOCK, MXTensor, dequantize_mx, quantize_mx
 
 WEIGHT_FORMATS = ("bf16", "mxfp4")
 GATE_UP_LAYOUTS = ("interleaved", "plain")
+STORAGES = ("rowmajor", "fragments")
 
 
 @dataclass(frozen=True)
@@ -31,8 +37,13 @@ class ExpertWeights:
     gate_up_layout: str = "interleaved"
     w1_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+    storage: str = "rowmajor"
 
     def __post_init__(self) -> None:
+        if self.storage not in STORAGES:
+            raise ValueError(f"ExpertWeights.storage={self.storage!r}; expected one of {STORAGES}")
+        if self.storage == "fragments" and (self.fmt != "mxfp4" or self.gate_up_layout != "interleaved"):
+            raise ValueError("fragment storage holds MXFP4 weights with interleaved gate/up rows only")
         if self.fmt not in WEIGHT_FORMATS:
             raise ValueError(f"ExpertWeights.fmt={self.fmt!r}; expected one of {WEIGHT_FORMATS}")
         if self.gate_up_layout not in GATE_UP_LAYOUTS:
@@ -75,16 +86,49 @@ class ExpertWeights:
         return self.w1.shape[1] // 2
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w1, w2) in fp32, same row order as stored."""
+        """(w1, w2) in fp32, same row order as stored (rowmajor, whatever the storage)."""
         if self.fmt == "bf16":
             return self.w1.float(), self.w2.float()
+        if self.storage != "rowmajor":
+            return self.as_rowmajor().dequantized()
         w1 = dequantize_mx(MXTensor(self.w1, self.w1_scale, "fp4"))
         w2 = dequantize_mx(MXTensor(self.w2, self.w2_scale, "fp4"))
         return w1, w2
 
     def to(self, device: torch.device | str) -> "ExpertWeights":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return ExpertWeights(move(self.w1), move(self.w2), self.fmt, self.gate_up_layout, move(self.w1_scale), move(self.w2_scale))
+        return ExpertWeights(move(self.w1), move(self.w2), self.fmt, self.gate_up_layout, move(self.w1_scale), move(self.w2_scale),
+                             self.storage)
+
+    def as_fragments(self) -> "ExpertWeights":
+        """MXFP4 weights in MMA-fragment byte order (gate/up interleaved first); raises ValueError
+        naming the tensor when a shape or a scale is outside what the frag decoder handles."""
+        from .fragments import to_fragments
+
+        if self.storage == "fragments":
+            return self
+        if self.fmt != "mxfp4":
+            raise ValueError(f"fragment storage is for MXFP4 weights, these are {self.fmt}")
+        w1, s1 = self.w1, self.w1_scale
+        if self.gate_up_layout == "plain":
+            w1, s1 = interleave_gate_up(w1), interleave_gate_up(s1)
+        f1, f2 = to_fragments("w1", w1, s1), to_fragments("w2", self.w2, self.w2_scale)
+        return ExpertWeights(f1.words.view(self.w1.shape), f2.words.view(self.w2.shape), "mxfp4", "interleaved",
+                             f1.scales.view(self.w1_scale.shape), f2.scales.view(self.w2_scale.shape), "fragments")
+
+    def as_rowmajor(self) -> "ExpertWeights":
+        """Inverse of as_fragments (gate/up stay interleaved)."""
+        from .fragments import FragmentWeights, from_fragments
+
+        if self.storage == "rowmajor":
+            return self
+        out = []
+        for w, s in ((self.w1, self.w1_scale), (self.w2, self.w2_scale)):
+            e, n, k2 = w.shape
+            k = 2 * k2
+            f = FragmentWeights(w.view(e, n // 16, k // 64, 32, 16), s.view(e, n // 16, k // 64, 8, 4), n, k)
+            out.extend(from_fragments(f))
+        return ExpertWeights(out[0], out[2], "mxfp4", "interleaved", out[1], out[3])
 
 
 def interleave_gate_up(gate_up_plain: torch.Tensor) -> torch.Tensor:

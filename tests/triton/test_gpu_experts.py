@@ -68,9 +68,11 @@ def test_quant_bit_identical_gpu(fmt):
         assert torch.equal(encode_wire_rows(xx.to(DEV), fmt).cpu()[:, : got_data.shape[1]][finite], encode_mx_rows(ref)[:, : got_data.shape[1]][finite])
 
 
-# "split" (the GPU default) on every scheme and layout; the other decoders on a few (they compile
-# slowly and are covered on every scheme by the interpreter tests).
-CASES = [("split", q, w, lay, lim) for q, w in SCHEMES for lay, lim in (("interleaved", 10.0), ("plain", None))]
+# "frag" (the GPU default for prepared MXFP4 weights) and "split" (row-major weights) on every scheme
+# and layout; the other decoders on a few (they compile slowly and are covered on every scheme by the
+# interpreter tests).
+CASES = [("frag", q, w, lay, lim) for q, w in SCHEMES if w == "mxfp4" for lay, lim in (("interleaved", 10.0), ("plain", None))]
+CASES += [("split", q, w, lay, lim) for q, w in SCHEMES for lay, lim in (("interleaved", 10.0), ("plain", None))]
 CASES += [("dot_scaled", "a8w4", "mxfp4", "plain", 10.0), ("dot_scaled", "a4w4", "mxfp4", "interleaved", None)]
 CASES += [("manual", "a8w4", "mxfp4", "interleaved", 10.0)]
 
@@ -84,7 +86,10 @@ def test_small_matches_reference(decoder, quant, wfmt, layout, limit):
     wd, xd, pd = _to(DEV, weights, x, pairs)
     ad = xd if math.a_format is None else quantize_rows(xd, math.a_format)
     out = torch.full((len(pairs), 256), float("nan"), device=DEV)
-    TritonExperts(decoder=decoder).forward(ad, pd, wd, math, out=out)
+    prov = TritonExperts(decoder=decoder)
+    wd = prov.prepare_weights(wd)
+    assert wd.storage == ("fragments" if decoder == "frag" else "rowmajor")
+    prov.forward(ad, pd, wd, math, out=out)
     assert torch.isfinite(out).all(), "some output element was never written"
     # MX paths: products are exact, only fp32 summation order differs; A2 rounding can flip rarely.
     assert _rel(out.cpu(), ref) < 2e-3
@@ -96,6 +101,8 @@ def test_graph_capture_and_capacity():
     math = ExpertMath("a8w4", 10.0)
     a = quantize_rows(xd, "fp8")
     prov = TritonExperts(capacity=len(pairs))
+    wd = prov.prepare_weights(wd)
+    assert wd.storage == "fragments"
     eager = prov.forward(a, pd, wd, math)
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
@@ -115,12 +122,15 @@ def test_graph_capture_and_capacity():
 
 
 @pytest.mark.parametrize("quant", ["a8w4", "a4w4", "bf16"])
-def test_dsv4_pro_shapes(quant):
-    """8 experts at hidden 7168 / intermediate 3072; the exact-math reference in fp64 on the GPU."""
+@pytest.mark.parametrize("decoder", ["auto", "split"])
+def test_dsv4_pro_shapes(quant, decoder):
+    """8 experts at hidden 7168 / intermediate 3072; the exact-math reference in fp64 on the GPU.
+    auto + prepare_weights = the frag decoder; split reads the row-major weights."""
     weights, x, pairs = _problem(8, 7168, 3072, 64, 6, "mxfp4", seed=1)
     wd, xd, pd = _to(DEV, weights, x, pairs)
     math = ExpertMath(quant, 10.0)
     a = xd if math.a_format is None else quantize_rows(xd, math.a_format)
-    out = TritonExperts().forward(a, pd, wd, math)
+    prov = TritonExperts(decoder=decoder)
+    out = prov.forward(a, pd, prov.prepare_weights(wd), math)
     ref = TorchReferenceExperts().forward(a, pd, wd, math)
     assert _rel(out, ref) < 2e-3

@@ -184,6 +184,9 @@ def _rel(a, b):
 
 
 CASES = [
+    ("frag", "a8w4", "mxfp4", "interleaved", 10.0),
+    ("frag", "a4w4", "mxfp4", "plain", None),
+    ("frag", "bf16", "mxfp4", "interleaved", 1.0),
     ("split", "a8w4", "mxfp4", "interleaved", 10.0),
     ("split", "a4w4", "mxfp4", "plain", None),
     ("split", "bf16", "mxfp4", "interleaved", 1.0),
@@ -200,7 +203,10 @@ def test_experts_match_reference(decoder, quant, wfmt, layout, limit):
     a = x if math.a_format is None else quantize_mx(x, math.a_format)
     ref = TorchReferenceExperts().forward(a, pairs, weights, math)
     out = torch.full((len(pairs), weights.hidden), float("nan"))
-    K["provider"].TritonExperts(decoder=decoder).forward(a, pairs, weights, math, out=out)
+    prov = K["provider"].TritonExperts(decoder=decoder)
+    used = prov.prepare_weights(weights)  # fragment storage for frag, unchanged otherwise
+    assert used.storage == ("fragments" if decoder == "frag" else "rowmajor")
+    prov.forward(a, pairs, used, math, out=out)
     assert torch.isfinite(out).all(), "an output element was never written"
     # Products are exact in every decoder; only fp32 summation order differs from the fp64 reference.
     assert _rel(out, ref) < 1e-5
@@ -256,6 +262,15 @@ def test_bad_inputs_raise_clear_errors():
         te().forward(x, ExpertPairs(pairs.row, pairs.slot.int(), pairs.weight), weights, math)
     with pytest.raises(ValueError, match="dot_scaled"):
         te(decoder="dot_scaled").forward(x, pairs, weights, math)
+    with pytest.raises(ValueError, match="prepare_weights"):  # frag reads fragment storage only
+        te(decoder="frag").forward(x, pairs, weights, math)
+    with pytest.raises(ValueError, match="fragment storage"):  # and split cannot read it
+        te(decoder="split").forward(x, pairs, weights.as_fragments(), math)
+    assert te().prepare_weights(odd) is odd  # bf16 weights have nothing to re-lay
+    tiny = quantize_expert_weights(torch.randn(2, 64, 32), torch.randn(2, 32, 32), "mxfp4")  # hidden 32: K % 64
+    assert te().prepare_weights(tiny).storage == "rowmajor"  # auto falls back to split
+    with pytest.raises(ValueError, match="multiple of 64"):
+        te(decoder="frag").prepare_weights(tiny)
 
 
 def test_provider_selection_on_cpu_is_the_reference():

@@ -1,4 +1,5 @@
-"""Gather received rows into expert-sorted order as bf16, each BK block split [even | odd] along K.
+"""Gather received rows into expert-sorted order as bf16 (for the split decoder each BK block is
+stored [even | odd] along K; SPLIT=False keeps natural K order, what the frag decoder reads).
 
 Why: the "split" GEMM decoder turns each packed e2m1 byte of W into a low-nibble (even K) and a
 high-nibble (odd K) value; with A stored the same way, both MMAs read contiguous, pipelined A tiles
@@ -17,7 +18,7 @@ from .mxjit import decode_e2m1, decode_e4m3, decode_e8m0
 @triton.jit
 def gather_split_kernel(
     sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, K,
-    A_FMT: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr,
+    A_FMT: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr = True,
 ):
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * NB + tl.arange(0, NB)
@@ -40,6 +41,11 @@ def gather_split_kernel(
             b = tl.load(a_ptr + src * stride_am + kev // 2, mask=m, other=0)
             lo = decode_e2m1(b) * s
             hi = decode_e2m1(b >> 4) * s
-    base = out_ptr + r * stride_om + blk[:, None] * BK + j[None, :]
-    tl.store(base, lo.to(tl.bfloat16), mask=bmask)
-    tl.store(base + BK // 2, hi.to(tl.bfloat16), mask=bmask)
+    if SPLIT:
+        base = out_ptr + r * stride_om + blk[:, None] * BK + j[None, :]
+        tl.store(base, lo.to(tl.bfloat16), mask=bmask)
+        tl.store(base + BK // 2, hi.to(tl.bfloat16), mask=bmask)
+    else:
+        v = tl.reshape(tl.join(lo, hi), [NB, BK])  # natural K order
+        kk = blk[:, None] * BK + tl.arange(0, BK)[None, :]
+        tl.store(out_ptr + r * stride_om + kk, v.to(tl.bfloat16), mask=bmask)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import mx_mainloop, tile_coords
+from .mainloop import frag_mainloop, mx_mainloop, tile_coords
 from .mxjit import fake_quant_blocks, round_bf16
 from .quant import quantize_blocks
 
@@ -34,7 +34,7 @@ def gemm1_swiglu_kernel(
     if expert < 0:
         return
     rows = pid_m * BM + tl.arange(0, BM)
-    if DECODE == "split":  # A was gathered into sorted order already (gather.py)
+    if DECODE == "split" or DECODE == "frag":  # A was gathered into sorted order already (gather.py)
         a_rows = rows
         valid = rows >= 0
     else:
@@ -49,12 +49,18 @@ def gemm1_swiglu_kernel(
         w_rows = n
     e64 = expert.to(tl.int64)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    acc = mx_mainloop(
-        acc,
-        w_ptr + e64 * stride_we, w_rows, n < 2 * I, stride_wn, ws_ptr + e64 * stride_wse, stride_wsn,
-        a_ptr, a_rows, valid, stride_am, as_ptr, stride_asm,
-        K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
-    )
+    if DECODE == "frag":  # fragment-ordered W1 is always gate/up interleaved (fragments.py)
+        acc = frag_mainloop(
+            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), (2 * I) // 16,
+            a_ptr, a_rows, valid, stride_am, K, USE_ASM, BN, BM, BK, F32_DOT,
+        )
+    else:
+        acc = mx_mainloop(
+            acc,
+            w_ptr + e64 * stride_we, w_rows, n < 2 * I, stride_wn, ws_ptr + e64 * stride_wse, stride_wsn,
+            a_ptr, a_rows, valid, stride_am, as_ptr, stride_asm,
+            K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
+        )
 
     gate, up = tl.split(tl.permute(tl.reshape(acc, [BN // 2, 2, BM]), (0, 2, 1)))
     if HAS_LIMIT:
@@ -65,13 +71,16 @@ def gemm1_swiglu_kernel(
     r64 = rows.to(tl.int64)[:, None]
     cols = pid_n * (BN // 2) + tl.arange(0, BN // 2)
     cmask = (cols < I)[None, :]
-    if DECODE == "split":  # A2 for a split GEMM2: fake-quantised bf16, BK2 blocks stored [even | odd]
+    if DECODE == "split" or DECODE == "frag":  # A2 as fake-quantised bf16 (split: BK2 blocks stored [even | odd])
         if A_FMT == "bf16":
             v = round_bf16(act)
         else:
             v = tl.reshape(fake_quant_blocks(tl.reshape(act, [BM * (BN // 64), 32]), A_FMT), [BM, BN // 2])
-        rem = cols % BK2
-        dest = cols - rem + tl.where(rem % 2 == 0, rem // 2, BK2 // 2 + rem // 2)
+        if DECODE == "split":
+            rem = cols % BK2
+            dest = cols - rem + tl.where(rem % 2 == 0, rem // 2, BK2 // 2 + rem // 2)
+        else:
+            dest = cols
         tl.store(o_ptr + r64 * stride_om + dest[None, :], v.to(tl.bfloat16), mask=cmask)
     elif A_FMT == "bf16":
         tl.store(o_ptr + r64 * stride_om + cols[None, :], round_bf16(act).to(tl.bfloat16), mask=cmask)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import mx_mainloop, tile_coords
+from .mainloop import frag_mainloop, mx_mainloop, tile_coords
 
 
 @triton.jit
@@ -34,12 +34,18 @@ def gemm2_weighted_kernel(
     nmask = n < N
     e64 = expert.to(tl.int64)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    acc = mx_mainloop(
-        acc,
-        w_ptr + e64 * stride_we, n, nmask, stride_wn, ws_ptr + e64 * stride_wse, stride_wsn,
-        a_ptr, rows, rows >= 0, stride_am, as_ptr, stride_asm,
-        K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
-    )
+    if DECODE == "frag":
+        acc = frag_mainloop(
+            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), N // 16,
+            a_ptr, rows, rows >= 0, stride_am, K, USE_ASM, BN, BM, BK, F32_DOT,
+        )
+    else:
+        acc = mx_mainloop(
+            acc,
+            w_ptr + e64 * stride_we, n, nmask, stride_wn, ws_ptr + e64 * stride_wse, stride_wsn,
+            a_ptr, rows, rows >= 0, stride_am, as_ptr, stride_asm,
+            K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
+        )
     pair = tl.load(sorted_pair_ptr + rows)
     valid = pair >= 0
     wt = tl.load(route_w_ptr + pair, mask=valid, other=0.0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mxjit import SPLIT_UNSCALE, decode_e2m1, decode_e4m3, decode_e8m0, decode_fp4_split, scale_bf16_shifted
+from .mxjit import SPLIT_UNSCALE, decode_e2m1, decode_e4m3, decode_e8m0, decode_fp4_frag, decode_fp4_split, scale_bf16_shifted
 
 
 @triton.jit
@@ -137,3 +137,41 @@ def tile_coords(pid, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % per_group) % size
     pid_n = (pid % per_group) // size
     return pid_m, pid_n
+
+
+@triton.jit
+def frag_mainloop(
+    acc, w_ptr, ws_ptr, rb0, num_rb, a_ptr, a_rows, a_mask, stride_am, K,
+    USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """acc[BN, BM] += W[BN, K] @ A[BM, K]^T with W in fragment order (fragments.py), A bf16 natural order.
+
+    w_ptr / ws_ptr: this expert's words [N/16, K/64, 32, 16] / scales [N/16, K/64, 8, 4]; rb0: first
+    16-row block of the tile, num_rb: N / 16. One 128-bit load per lane and 64-wide K chunk; the
+    decode yields the wgmma A registers directly, the reshapes below only rename them.
+    """
+    RB: tl.constexpr = BN // 16
+    KB: tl.constexpr = BK // 64
+    rb = rb0 + tl.arange(0, RB)
+    rmask = (rb < num_rb)[None, :]
+    chunk = rb.to(tl.int64)[None, :] * (K // 64) + tl.arange(0, KB)[:, None]  # [KB, RB] chunk index at k0 = 0
+    lane = tl.arange(0, 32)
+    w_off = chunk[:, :, None, None] * 512 + (lane * 16)[None, None, :, None] + tl.arange(0, 16)[None, None, None, :]
+    s_off = chunk[:, :, None, None] * 32 + (tl.arange(0, 8) * 4)[None, None, :, None] + tl.arange(0, 4)[None, None, None, :]
+    wm = rmask[:, :, None, None]
+    ar = a_rows.to(tl.int64)[None, :]
+    am = a_mask[None, :]
+    kk = tl.arange(0, BK)
+    for k0 in range(0, K, BK):
+        step = k0 // 64
+        words = tl.load(w_ptr + w_off + step * 512, mask=wm, other=0)  # [KB, RB, 32, 16]
+        s8 = tl.load(ws_ptr + s_off + step * 32, mask=wm, other=0)  # [KB, RB, 8 (g), 4 (j, dr)]
+        pair = s8.to(tl.int32) * 0x00800080  # bf16x2 bits of 2**(s - 64), both halves
+        pair = tl.broadcast_to(tl.reshape(pair, [KB, RB, 8, 1, 2, 1, 2, 1]), [KB, RB, 8, 4, 2, 2, 2, 2])
+        pair = tl.reshape(pair, [KB, RB, 32, 16])
+        x, y = decode_fp4_frag(words, pair, USE_ASM)
+        w = tl.reshape(tl.join(x, y), [KB, RB, 8, 4, 4, 2, 2, 2])  # kb rb g c step dr dk h
+        w = tl.reshape(tl.permute(w, [1, 5, 2, 0, 4, 7, 3, 6]), [BN, BK])  # (rb dr g) x (kb step h c dk)
+        a = tl.load(a_ptr + ar * stride_am + (k0 + kk)[:, None], mask=am, other=0.0)
+        acc = _mma(w, a, acc, F32_DOT)
+    return acc * SPLIT_UNSCALE

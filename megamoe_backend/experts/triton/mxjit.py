@@ -213,3 +213,68 @@ def decode_fp4_split(packed, scale_bf16, USE_ASM: tl.constexpr):
         lo = (decode_e2m1(packed) * sv).to(tl.bfloat16)
         hi = (decode_e2m1(packed >> 4) * sv).to(tl.bfloat16)
     return lo, hi
+
+
+# One 32-bit word of a fragment-ordered MXFP4 block (experts/triton/fragments.py) -> the four bf16x2
+# registers of one lane's wgmma A fragment: X (rows g, g+8; K 2c, 2c+1) and Y (same rows, K + 8).
+# $4: the word (4 packed bytes), $5 / $7: bf16x2 scale pairs 2**(s - 64) of rows g / g+8.
+_FRAG_ASM = tl.constexpr("""
+{
+.reg .b32 a, b, c, d, e;
+and.b32 a, $4, 0x81C081C0;
+mul.rn.bf16x2 $0, a, $5;
+shl.b32 b, $4, 6;
+and.b32 b, b, 0x81C081C0;
+mul.rn.bf16x2 $1, b, $7;
+shf.l.wrap.b32 c, $4, $4, 12;
+and.b32 c, c, 0x81C081C0;
+mul.rn.bf16x2 $2, c, $5;
+shl.b32 d, $4, 2;
+and.b32 d, d, 0x80C080C0;
+shr.b32 e, $4, 6;
+and.b32 e, e, 0x01000100;
+or.b32 d, d, e;
+mul.rn.bf16x2 $3, d, $7;
+}
+""")
+
+
+@triton.jit
+def _bf16_half(bits, scale):
+    """16-bit field (int32, value * 2**-126 as bf16 bits) times fp32 scale -> bf16 (exact products)."""
+    return ((bits & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True) * scale
+
+
+@triton.jit
+def decode_fp4_frag(words, pairs, USE_ASM: tl.constexpr):
+    """Fragment words uint8 [..., 16] + int32 scale pairs [..., 16] -> (X, Y) bf16 [..., 16].
+
+    Byte 4 * step + 2 * dr + dk of a lane carries X = W[row dr, K dk] and Y = the same at K + 8;
+    values are the true weights times 2**-63 (SPLIT_UNSCALE undoes it on the accumulator). The
+    portable path (interpreter) assembles each word and applies fragments.decode_words_reference.
+    """
+    if USE_ASM:
+        x, y = tl.inline_asm_elementwise(
+            _FRAG_ASM, "=r,=r,=r,=r,r,r,r,r,r", [words, pairs],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+        )
+    else:
+        shape: tl.constexpr = words.shape
+        b = tl.reshape(words.to(tl.int64), [shape[0], shape[1], shape[2], 4, 4])
+        sh = (tl.arange(0, 4) * 8).to(tl.int64)
+        w = tl.sum(b << sh[None, None, None, None, :], axis=4)  # [.., 32, 4 steps] word per step
+        r0 = w & 0x81C081C0
+        r1 = (w << 6) & 0x81C081C0
+        r2 = (((w << 12) | (w >> 20)) & 0xFFFFFFFF) & 0x81C081C0
+        r3 = ((w << 2) & 0x80C080C0) | ((w >> 6) & 0x01000100)
+        sp = tl.reshape(pairs, [shape[0], shape[1], shape[2], 4, 4])
+        s_g = tl.max(tl.reshape(sp, [shape[0], shape[1], shape[2], 4, 2, 2]), axis=5)  # pairs are constant over dk
+        s_g = ((s_g & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        sg, sg8 = tl.split(s_g)
+        xa = tl.join(_bf16_half(r0, sg), _bf16_half(r0 >> 16, sg))  # dr 0: dk 0, 1
+        xb = tl.join(_bf16_half(r1, sg8), _bf16_half(r1 >> 16, sg8))  # dr 1
+        ya = tl.join(_bf16_half(r2, sg), _bf16_half(r2 >> 16, sg))
+        yb = tl.join(_bf16_half(r3, sg8), _bf16_half(r3 >> 16, sg8))
+        x = tl.reshape(tl.permute(tl.join(xa, xb), [0, 1, 2, 3, 5, 4]), shape).to(tl.bfloat16)
+        y = tl.reshape(tl.permute(tl.join(ya, yb), [0, 1, 2, 3, 5, 4]), shape).to(tl.bfloat16)
+    return x, y

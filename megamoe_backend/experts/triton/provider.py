@@ -17,8 +17,9 @@ from ..weights import ExpertWeights
 from . import triton_available
 from .config import TileConfig, default_config, interpreting, reduction_block
 
-DECODERS = ("auto", "split", "dot_scaled", "manual")
-# What "auto" resolves to for MXFP4 weights on a CUDA GPU (H200 measurements in docs/triton.md).
+DECODERS = ("auto", "frag", "split", "dot_scaled", "manual")
+# What "auto" resolves to for row-major MXFP4 weights on a CUDA GPU (H200 measurements in
+# docs/triton.md); weights that went through prepare_weights() are in fragment order and use "frag".
 GPU_DEFAULT_DECODER = "split"
 
 
@@ -27,9 +28,11 @@ class TritonExperts(ExpertsProvider):
 
     capacity: most (row, expert) pairs one forward may carry (e.g. MTPR x top-k x ep_size); a larger
         batch raises instead of dropping rows. None: no limit (eager use).
-    decoder: how MXFP4 weights are decoded (mainloop.py): "split" (PTX LUT decode, A pre-split; the
-        GPU default), "dot_scaled" (tl.dot_scaled), "manual" (explicit Triton decode), "auto".
-        Under TRITON_INTERPRET=1 "split" runs its portable decode and "dot_scaled" is unavailable.
+    decoder: how MXFP4 weights are decoded (mainloop.py): "frag" (weights re-laid as MMA register
+        fragments by prepare_weights, 13 instructions per 8 weights; the fastest), "split" (PTX decode
+        of row-major weights, A pre-split), "dot_scaled" (tl.dot_scaled), "manual" (explicit Triton
+        decode), "auto" (frag when prepare_weights could re-lay the weights, else split on CUDA).
+        Under TRITON_INTERPRET=1 frag and split run their portable decode; dot_scaled is unavailable.
     config: fixed TileConfig, else chosen per bucket by config.default_config.
     """
 
@@ -53,8 +56,30 @@ class TritonExperts(ExpertsProvider):
             return False
         return torch.cuda.get_device_capability(device) >= (9, 0)
 
-    def resolve_decoder(self, weights_fmt: str) -> str:
+    def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
+        """MXFP4 weights -> fragment storage for the frag decoder (once per layer, same memory).
+
+        decoder="auto" keeps row-major weights (split decoder) when a shape or scale is outside what
+        fragments handle (N % 16, K % 64, E8M0 scales in [58, 191]); decoder="frag" raises instead.
+        """
+        if weights.fmt != "mxfp4" or self.decoder not in ("auto", "frag"):
+            return weights
+        if self.decoder == "auto" and torch.version.hip is not None:
+            return weights
+        try:
+            return weights.as_fragments()
+        except ValueError:
+            if self.decoder == "frag":
+                raise
+            return weights
+
+    def resolve_decoder(self, weights_fmt: str, storage: str = "rowmajor") -> str:
         """The mainloop DECODE mode for these weights on this backend."""
+        if storage == "fragments":
+            if self.decoder not in ("auto", "frag"):
+                raise ValueError(f"weights are in fragment storage (prepare_weights); decoder={self.decoder!r} reads row-major "
+                                 "weights: use decoder='frag' or pass weights.as_rowmajor()")
+            return "frag"
         if self.decoder == "dot_scaled" and interpreting():
             raise ValueError("decoder='dot_scaled' cannot run under TRITON_INTERPRET=1 (the interpreter lacks tl.dot_scaled)")
         if weights_fmt == "bf16":  # nothing to decode: plain bf16 MMA (dot_scaled path), manual in the interpreter
@@ -64,8 +89,10 @@ class TritonExperts(ExpertsProvider):
                 return "split"
             # the split decoder's inline PTX is NVIDIA-only; ROCm builds of Triton get tl.dot_scaled (untested here)
             return "dot_scaled" if torch.version.hip is not None else GPU_DEFAULT_DECODER
-        if self.decoder == "split" and torch.version.hip is not None and not interpreting():
-            raise ValueError("decoder='split' uses NVIDIA PTX; use 'dot_scaled' or 'manual' on ROCm")
+        if self.decoder in ("split", "frag") and torch.version.hip is not None and not interpreting():
+            raise ValueError(f"decoder={self.decoder!r} uses NVIDIA PTX; use 'dot_scaled' or 'manual' on ROCm")
+        if self.decoder == "frag":
+            raise ValueError("decoder='frag' reads weights in fragment storage: pass TritonExperts.prepare_weights(weights)")
         return self.decoder
 
     def forward(
@@ -99,20 +126,22 @@ class TritonExperts(ExpertsProvider):
         if p == 0:
             return out
 
-        cfg = self.config or default_config(p, n_exp)
-        mode = self.resolve_decoder(weights.fmt)
+        mode = self.resolve_decoder(weights.fmt, weights.storage)
+        cfg = self.config or default_config(p, n_exp, mode)
         use_asm = device.type == "cuda" and not interpreting()
         bk1, bk2 = reduction_block(hidden, cfg.block_k), reduction_block(inter, cfg.block_k)
         layout = build_layout(pairs.slot, n_exp, cfg.block_m, self.capacity)
         rows = layout.num_rows
         pair_row = pairs.row.to(torch.int32)
         a_data, a_scale = _operand(x, a_fmt, mode == "dot_scaled")
-        if mode == "split":
+        if mode == "frag" and (bk1 < 64 or bk2 < 64):
+            raise ValueError(f"decoder='frag' needs block_k >= 64 dividing hidden={hidden} and intermediate={inter}")
+        if mode in ("split", "frag"):
             a_split = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
             nb = 8
             gather_split_kernel[(rows, triton.cdiv(hidden // bk1, nb))](
                 layout.sorted_pair, pair_row, a_data, a_data.stride(0), a_scale, a_scale.stride(0),
-                a_split, a_split.stride(0), hidden, A_FMT=a_fmt, BK=bk1, NB=nb,
+                a_split, a_split.stride(0), hidden, A_FMT=a_fmt, BK=bk1, NB=nb, SPLIT=mode == "split",
             )
             a_data = a_scale = a_split
             a2 = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
@@ -139,7 +168,7 @@ class TritonExperts(ExpertsProvider):
             W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
             BN=cfg.block_n1, BK=bk1, BK2=bk2, **common,
         )
-        if mode == "split":
+        if mode in ("split", "frag"):
             a2_data, a2_s, a2_fmt = a2, a2, "bf16"
         else:
             a2_data, a2_s = _operand(MXTensor(a2, a2_scale, a_fmt) if a_fmt != "bf16" else a2, a_fmt, mode == "dot_scaled")

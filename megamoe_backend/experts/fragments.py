@@ -1,0 +1,143 @@
+"""MXFP4 weights re-laid out as Hopper MMA register fragments (the ``frag`` decoder's input).
+
+Why: the e2m1 decode, not HBM, limited the plain-layout kernels (docs/triton.md). Two costs went
+away by moving work to weight-load time, once per layer:
+1. Shuffles. In the wgmma A-operand layout a thread holds, per 16 x 16 tile, rows g and g+8 and
+   K columns {2c, 2c+1, 2c+8, 2c+9} (lane = 4g + c). Stored row-major, those 8 weights sit in 4
+   different places, so every load needs byte repacking. Here each lane's 8 weights of one k16 step
+   are one 32-bit word, and its 4 words of one 64-wide K chunk are 16 contiguous bytes: one 128-bit
+   load per lane, 32 lanes = 512 contiguous bytes per (16 rows x 64 K) block.
+2. Decode instructions. The 8 nibbles inside the word are bit-twiddled so that each of the four
+   bf16x2 registers the MMA wants is one mask away (``x & M``, ``(x << 6) & M``, ``rotl(x, 12) & M``,
+   and two masked shifts for the last), where M puts a nibble's sign at the bf16 sign bit and its
+   3 magnitude bits at bf16 bits 8..6: that bf16 is exactly value * 2**-126 for every code (0.5 is
+   the subnormal 2**-127), and one bf16x2 multiply by 2**(s - 64) applies the E8M0 scale (the fp32
+   accumulator is multiplied by 2**63 once, as in the split decoder).
+
+Word layout (bit -> nibble field), for X = W[n, k], Y = W[n, k + 8] and r = 2 * dr + dk selecting
+n = 16 * rb + 8 * dr + g and k = 64 * kb + 16 * step + 2 * c + dk:
+    X[r=0]: sign 15, mag 8..6     X[1]: sign 31, mag 24..22     (register 0 = x & M)
+    X[2]:   sign 9,  mag 2..0     X[3]: sign 25, mag 18..16     (register 1 = (x << 6) & M)
+    Y[0]:   sign 3,  mag 28..26   Y[1]: sign 19, mag 12..10     (register 2 = rotl(x, 12) & M)
+    Y[2]:   sign 13, mag 14,5,4   Y[3]: sign 29, mag 30,21,20   (register 3, two masked shifts)
+Scales become [E, N/16, K/64, 8 (g), 4 (block j, dr)] bytes holding s + 63 (the bf16 exponent of
+2**(s - 64)), so a lane reads one 32-bit word of scales per 64-wide K chunk.
+
+Limits (checked here, once, with a clear error): N % 16 == 0, K % 64 == 0, every E8M0 weight scale
+in [58, 191] (2**-69 .. 2**64; outside it the shifted-scale trick would round or overflow).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FRAG_ROWS = 16  # rows per fragment block (one warp's wgmma slab)
+FRAG_K = 64  # K per fragment block (4 k16 steps, 16 bytes per lane)
+FRAG_BYTES = FRAG_ROWS * FRAG_K // 2  # 512
+SCALE_MIN, SCALE_MAX = 58, 191
+SCALE_BIAS = 63  # stored scale byte = s + 63 = bf16 exponent field of 2**(s - 64)
+BF16_MASK = 0x81C081C0
+
+# (sign bit, [e1, e0, m] bits) of each nibble field in the word, in order X0 X1 X2 X3 Y0 Y1 Y2 Y3
+FIELDS = (
+    (15, (8, 7, 6)), (31, (24, 23, 22)),
+    (9, (2, 1, 0)), (25, (18, 17, 16)),
+    (3, (28, 27, 26)), (19, (12, 11, 10)),
+    (13, (14, 5, 4)), (29, (30, 21, 20)),
+)
+
+
+@dataclass(frozen=True)
+class FragmentWeights:
+    """One weight matrix stack [E, N, K] in fragment order (see the module docstring)."""
+
+    words: torch.Tensor  # uint8 [E, N/16, K/64, 32, 16]
+    scales: torch.Tensor  # uint8 [E, N/16, K/64, 8, 4]  (s + 63)
+    n: int
+    k: int
+
+    def to(self, device) -> "FragmentWeights":
+        return FragmentWeights(self.words.to(device), self.scales.to(device), self.n, self.k)
+
+
+def check_fragment_shape(name: str, n: int, k: int) -> None:
+    if n % FRAG_ROWS or k % FRAG_K:
+        raise ValueError(
+            f"{name}: [{n}, {k}] cannot use the frag decoder (rows must be a multiple of {FRAG_ROWS}, "
+            f"K a multiple of {FRAG_K})"
+        )
+
+
+def _codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] (even K in the low nibble) -> int32 codes [..., K]."""
+    p = packed.to(torch.int32)
+    return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
+
+
+def to_fragments(name: str, packed: torch.Tensor, scales: torch.Tensor) -> FragmentWeights:
+    """uint8 e2m1 [E, N, K/2] + E8M0 [E, N, K/32] -> FragmentWeights (pure torch, any device)."""
+    e, n, k2 = packed.shape
+    k = 2 * k2
+    check_fragment_shape(name, n, k)
+    if tuple(scales.shape) != (e, n, k // 32):
+        raise ValueError(f"{name}_scale: expected [{e}, {n}, {k // 32}], got {tuple(scales.shape)}")
+    lo, hi = int(scales.min()) if scales.numel() else SCALE_MIN, int(scales.max()) if scales.numel() else SCALE_MIN
+    if lo < SCALE_MIN or hi > SCALE_MAX:
+        raise ValueError(
+            f"{name}_scale: E8M0 bytes span [{lo}, {hi}]; the frag decoder is exact only for [{SCALE_MIN}, {SCALE_MAX}] "
+            "(block scales 2**-69 .. 2**64): use decoder='split' or 'dot_scaled' for these weights"
+        )
+    if e > 1:  # one expert at a time: the int64 temporaries are 16x the packed bytes
+        parts = [to_fragments(name, packed[i : i + 1], scales[i : i + 1]) for i in range(e)]
+        return FragmentWeights(torch.cat([f.words for f in parts]), torch.cat([f.scales for f in parts]), n, k)
+    rb, kb = n // FRAG_ROWS, k // FRAG_K
+    # codes[e, rb, dr, g, kb, step, h, c, dk]  (n = 16 rb + 8 dr + g, k = 64 kb + 16 step + 8 h + 2 c + dk)
+    codes = _codes(packed).reshape(e, rb, 2, 8, kb, 4, 2, 4, 2)
+    # -> [e, rb, kb, g, c, step, h, dr, dk]; field index f = 4 h + 2 dr + dk (X = h 0, Y = h 1)
+    codes = codes.permute(0, 1, 4, 3, 7, 5, 6, 2, 8).reshape(e, rb, kb, 8, 4, 4, 8)
+    word = torch.zeros(codes.shape[:-1], dtype=torch.int64, device=packed.device)
+    for f, (sign, mag) in enumerate(FIELDS):
+        c = codes[..., f].to(torch.int64)
+        word |= ((c >> 3) & 1) << sign
+        for bit, src in zip(mag, (2, 1, 0)):
+            word |= ((c >> src) & 1) << bit
+    # little-endian bytes of each word: [e, rb, kb, g, c, step, 4] -> [e, rb, kb, 32 lanes, 16]
+    words = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
+    words = words.reshape(e, rb, kb, 32, 16).contiguous()
+    # scales[e, rb, dr, g, kb, j] -> [e, rb, kb, g, j, dr]
+    s = scales.reshape(e, rb, 2, 8, kb, 2).permute(0, 1, 4, 3, 5, 2).reshape(e, rb, kb, 8, 4)
+    return FragmentWeights(words, (s.to(torch.int32) + SCALE_BIAS).to(torch.uint8).contiguous(), n, k)
+
+
+def from_fragments(f: FragmentWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of to_fragments (tests): -> (packed [E, N, K/2], scales [E, N, K/32])."""
+    e, rb, kb = f.words.shape[:3]
+    b = f.words.to(torch.int64).reshape(e, rb, kb, 8, 4, 4, 4)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    fields = []
+    for sign, mag in FIELDS:
+        c = ((word >> sign) & 1) << 3
+        for bit, dst in zip(mag, (2, 1, 0)):
+            c |= ((word >> bit) & 1) << dst
+        fields.append(c)
+    codes = torch.stack(fields, dim=-1).reshape(e, rb, kb, 8, 4, 4, 2, 2, 2)  # [.., g, c, step, h, dr, dk]
+    codes = codes.permute(0, 1, 7, 3, 2, 5, 6, 4, 8).reshape(e, f.n, f.k)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    s = f.scales.to(torch.int32) - SCALE_BIAS
+    s = s.reshape(e, rb, kb, 8, 2, 2).permute(0, 1, 5, 3, 2, 4).reshape(e, f.n, f.k // 32)
+    return packed, s.to(torch.uint8)
+
+
+def decode_words_reference(words: torch.Tensor) -> torch.Tensor:
+    """What the kernel's PTX does to each 32-bit word, in torch (tests): uint8 [..., 4] ->
+    int32 [..., 4] holding the four masked bf16x2 registers (before the scale multiply)."""
+    b = words.to(torch.int64)
+    x = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    m32 = 0xFFFFFFFF
+    r0 = x & BF16_MASK
+    r1 = (x << 6) & BF16_MASK
+    r2 = (((x << 12) | (x >> 20)) & m32) & BF16_MASK
+    r3 = ((x << 2) & 0x80C080C0) | ((x >> 6) & 0x01000100)
+    return torch.stack((r0, r1, r2, r3), dim=-1)

@@ -1,0 +1,82 @@
+"""Per-kernel CUDA time of one TritonExperts forward (torch.profiler), for tile / decoder studies.
+
+Why beside `megamoe bench experts`: the bench times the whole forward (what users get); this splits
+it into GEMM1 / GEMM2 / gather / layout so a change can be attributed. `--variant nodecode` swaps
+the frag decoder's PTX for plain moves (same loads, registers and MMAs; wrong numbers on purpose):
+the time that remains is what the decode does not cost.
+
+    PYTHONPATH=. python3 scripts/profile_experts.py --tokens 8 128 --config 16,128,128,128,4,3 \\
+        --json $OUT/profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=192)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8, 128, 1024])
+    ap.add_argument("--config", action="append", default=[],
+                    help="block_m,block_n1,block_n2,block_k,num_warps,num_stages (repeatable; default: the bucket's)")
+    ap.add_argument("--variant", choices=["base", "nodecode"], default="base")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("profile_experts needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton.language as tl
+
+    from megamoe_backend.experts.triton import mxjit
+
+    if args.variant == "nodecode":  # must precede the first compile of the kernels
+        mxjit._FRAG_ASM = tl.constexpr("{\nmov.b32 $0, $4;\nmov.b32 $1, $5;\nmov.b32 $2, $7;\nmov.b32 $3, $4;\n}")
+    from megamoe_backend.bench.bench_experts import make_routing, make_weights
+    from megamoe_backend.experts import ExpertMath
+    from megamoe_backend.experts.triton.config import TileConfig
+    from megamoe_backend.experts.triton.provider import TritonExperts
+    from megamoe_backend.experts.triton.quant import quantize_rows
+
+    dev = torch.device("cuda")
+    fp4, bf16 = make_weights(args.experts, 7168, 3072, dev, 0)
+    del bf16
+    fp4 = TritonExperts(decoder="frag").prepare_weights(fp4)
+    configs = [TileConfig(*map(int, c.split(","))) for c in args.config] or [None]
+    rows = []
+    for tokens in args.tokens:
+        x, pairs = make_routing(tokens, args.experts, 6, 7168, dev, tokens)
+        a = quantize_rows(x, "fp8")
+        math = ExpertMath("a8w4", 10.0)
+        for cfg in configs:
+            prov = TritonExperts(capacity=len(pairs), decoder="frag", config=cfg)
+            for _ in range(3):
+                prov.forward(a, pairs, fp4, math)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.iters):
+                    prov.forward(a, pairs, fp4, math)
+                torch.cuda.synchronize()
+            per_kernel = collections.defaultdict(float)
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    per_kernel[ev.name.split("(")[0][:48]] += ev.device_time / args.iters
+            row = {"variant": args.variant, "experts": args.experts, "tokens": tokens,
+                   "config": None if cfg is None else list(vars(cfg).values()),
+                   "kernels_us": {k: round(v, 1) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
