@@ -2,7 +2,7 @@
 
 Why beside `megamoe bench experts`: the bench times the whole forward (what users get); this splits
 it into GEMM1 / GEMM2 / gather / layout so a change can be attributed. `--variant nodecode` swaps
-the frag decoder's PTX for plain moves (same loads, registers and MMAs; wrong numbers on purpose):
+the frag decoder's PTX for plain moves (frag only) (same loads, registers and MMAs; wrong numbers on purpose):
 the time that remains is what the decode does not cost.
 
     PYTHONPATH=. python3 scripts/profile_experts.py --tokens 8 128 --config 16,128,128,128,4,3 \\
@@ -26,6 +26,7 @@ def main() -> int:
     ap.add_argument("--config", action="append", default=[],
                     help="block_m,block_n1,block_n2,block_k,num_warps,num_stages (repeatable; default: the bucket's)")
     ap.add_argument("--variant", choices=["base", "nodecode"], default="base")
+    ap.add_argument("--decoder", choices=["frag", "frag8"], default="frag")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -47,15 +48,15 @@ def main() -> int:
     dev = torch.device("cuda")
     fp4, bf16 = make_weights(args.experts, 7168, 3072, dev, 0)
     del bf16
-    fp4 = TritonExperts(decoder="frag").prepare_weights(fp4)
+    math = ExpertMath("a8w4", 10.0)
+    fp4 = TritonExperts(decoder=args.decoder).prepare_weights(fp4, math)
     configs = [TileConfig(*map(int, c.split(","))) for c in args.config] or [None]
     rows = []
     for tokens in args.tokens:
         x, pairs = make_routing(tokens, args.experts, 6, 7168, dev, tokens)
         a = quantize_rows(x, "fp8")
-        math = ExpertMath("a8w4", 10.0)
         for cfg in configs:
-            prov = TritonExperts(capacity=len(pairs), decoder="frag", config=cfg)
+            prov = TritonExperts(capacity=len(pairs), decoder=args.decoder, config=cfg)
             for _ in range(3):
                 prov.forward(a, pairs, fp4, math)
             torch.cuda.synchronize()
@@ -67,7 +68,7 @@ def main() -> int:
             for ev in prof.events():
                 if ev.device_type == torch.autograd.DeviceType.CUDA:
                     per_kernel[ev.name.split("(")[0][:48]] += ev.device_time / args.iters
-            row = {"variant": args.variant, "experts": args.experts, "tokens": tokens,
+            row = {"variant": args.variant, "decoder": args.decoder, "experts": args.experts, "tokens": tokens,
                    "config": None if cfg is None else list(vars(cfg).values()),
                    "kernels_us": {k: round(v, 1) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
             print(json.dumps(row), flush=True)

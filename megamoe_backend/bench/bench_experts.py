@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, default=3072)
     parser.add_argument("--schemes", nargs="+", default=["a8w4", "a4w4", "a16w4", "bf16"], choices=sorted(SCHEMES))
     parser.add_argument("--swiglu-limit", type=float, default=10.0, help="SwiGLU clamp (DeepSeek V4: 10); <= 0 disables")
-    parser.add_argument("--decoder", default="auto", choices=["auto", "frag", "split", "dot_scaled", "manual"])
+    parser.add_argument("--decoder", default="auto", choices=["auto", "frag8", "frag", "split", "dot_scaled", "manual"])
     parser.add_argument("--variants", action="store_true", help="also time alternative tile configs / decoders (a8w4)")
     parser.add_argument("--no-baseline", action="store_true", help="skip torch._grouped_mm")
     parser.add_argument("--check-pairs", type=int, default=256, help="pairs sampled for the relL2 checks")
@@ -325,13 +325,20 @@ def run(args: argparse.Namespace) -> int:
     variants: list[Case] = []
     max_e = max(args.experts)
     fp4_all, bf16_all = make_weights(max_e, hidden, inter, device, args.seed)
-    # the layer calls prepare_weights once per layer; fragment storage (frag decoder) when it applies
-    fp4_prepared = TritonExperts(decoder=args.decoder).prepare_weights(fp4_all)
+    # the layer calls prepare_weights once per layer (fragment storage when it applies); it depends on
+    # the activation format, so one prepared copy per kind of A (MX or bf16)
+    mx_math, bf16_math = ExpertMath("a8w4", limit), ExpertMath("bf16", limit)
+    fp4_prepared = {True: TritonExperts(decoder=args.decoder).prepare_weights(fp4_all, mx_math),
+                    False: TritonExperts(decoder=args.decoder).prepare_weights(fp4_all, bf16_math)}
+    fp4_frag8 = None
+    if args.variants:  # the FP8-MMA design, measured beside the default (docs/triton.md)
+        fp4_frag8 = TritonExperts(decoder="frag8").prepare_weights(fp4_all, mx_math)
     torch.cuda.synchronize() if device.type == "cuda" else None
     print(f"weights ready ({time.time() - t_start:.1f}s)")
     for n_exp in args.experts:
         fp4 = slice_weights(fp4_all, n_exp)
-        fp4_prep = slice_weights(fp4_prepared, n_exp)
+        fp4_prep = {mx: slice_weights(w, n_exp) for mx, w in fp4_prepared.items()}
+        fp4_f8 = slice_weights(fp4_frag8, n_exp) if fp4_frag8 is not None else None
         bf16 = slice_weights(bf16_all, n_exp)
         for tokens in args.tokens:
             x, pairs = make_routing(tokens, n_exp, topk, hidden, device, args.seed + tokens)
@@ -359,10 +366,15 @@ def run(args: argparse.Namespace) -> int:
                 configs = [(args.decoder, None)]
                 if args.variants and scheme == "a8w4" and n_exp == args.experts[0]:
                     configs += [(args.decoder, v) for v in VARIANTS[bucket_class(p, n_exp)]]
-                    configs += [("split", None), ("dot_scaled", None)]
+                    configs += [("frag8", None), ("split", None), ("dot_scaled", None)]
                 for i, (decoder, cfg) in enumerate(configs):
                     prov = TritonExperts(capacity=p, decoder=decoder, config=cfg)
-                    weights = bf16 if wfmt == "bf16" else (fp4_prep if decoder == args.decoder else fp4)
+                    if wfmt == "bf16":
+                        weights = bf16
+                    elif decoder == args.decoder:
+                        weights = fp4_prep[a_fmt is not None]
+                    else:
+                        weights = fp4_f8 if decoder == "frag8" else fp4
                     mode = prov.resolve_decoder(wfmt, weights.storage)
                     used = cfg or default_config(p, n_exp, mode)
                     c = Case(n_exp, tokens, p, scheme, "triton", mode, describe(used),

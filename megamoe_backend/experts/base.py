@@ -71,9 +71,9 @@ class ExpertsProvider(ABC):
         """Capability predicate used by provider selection; overridden by hardware providers."""
         return True
 
-    def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
+    def prepare_weights(self, weights: ExpertWeights, math: ExpertMath | None = None) -> ExpertWeights:
         """Once per layer, before the first forward: weights in the storage this provider reads
-        fastest (e.g. MMA-fragment order). The default keeps them as they are."""
+        fastest for ``math`` (e.g. MMA-fragment order). The default keeps them as they are."""
         return weights
 
 

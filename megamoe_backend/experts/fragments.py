@@ -25,6 +25,14 @@ Scales become [E, N/16, K/64, 8 (g), 4 (block j, dr)] bytes holding s + 63 (the 
 
 Limits (checked here, once, with a clear error): N % 16 == 0, K % 64 == 0, every E8M0 weight scale
 in [58, 191] (2**-69 .. 2**64; outside it the shifted-scale trick would round or overflow).
+
+A second kind, "fp8", feeds the FP8 tensor cores (decoder ``frag8``, A8W4 / A4W4): the wgmma e4m3
+A fragment gives a lane, per 16 x 32 tile, 4 consecutive K of rows g and g+8 in one register each
+(K 4c .. 4c+3, and again at K + 16). One word holds those 8 weights; ``x & 0x9C9C9C9C`` gives the 4
+e4m3 bytes of row g and ``((x << 2) & 0x8C8C8C8C) | ((x >> 2) & 0x10101010)`` those of row g+8, each
+byte sign << 7 | magnitude << 2 = value * 2**-6 exactly (0.5 lands on the e4m3 subnormal 2**-7).
+Word j of a lane covers K 16 * j .. (with j = 2 * [K + 32] + [K + 16]); block scales stay row-major
+[E, N, K/32] (the kernel applies them per 32-wide K step on the fp32 accumulator).
 """
 
 from __future__ import annotations
@@ -34,19 +42,40 @@ from dataclasses import dataclass
 import torch
 
 FRAG_ROWS = 16  # rows per fragment block (one warp's wgmma slab)
-FRAG_K = 64  # K per fragment block (4 k16 steps, 16 bytes per lane)
+FRAG_K = 64  # K per fragment block (16 bytes per lane)
 FRAG_BYTES = FRAG_ROWS * FRAG_K // 2  # 512
-SCALE_MIN, SCALE_MAX = 58, 191
-SCALE_BIAS = 63  # stored scale byte = s + 63 = bf16 exponent field of 2**(s - 64)
+KINDS = ("bf16", "fp8")
+SCALE_MIN, SCALE_MAX = 58, 191  # bf16 kind
+FP8_SCALE_MAX = 248  # fp8 kind: the kernel builds 2**(s - 121) in fp32
+SCALE_BIAS = 63  # bf16 kind: stored scale byte = s + 63 = bf16 exponent field of 2**(s - 64)
 BF16_MASK = 0x81C081C0
 
-# (sign bit, [e1, e0, m] bits) of each nibble field in the word, in order X0 X1 X2 X3 Y0 Y1 Y2 Y3
-FIELDS = (
-    (15, (8, 7, 6)), (31, (24, 23, 22)),
-    (9, (2, 1, 0)), (25, (18, 17, 16)),
-    (3, (28, 27, 26)), (19, (12, 11, 10)),
-    (13, (14, 5, 4)), (29, (30, 21, 20)),
-)
+# (sign bit, [e1, e0, m] bits) of the 8 nibble fields of a word, per kind.
+# bf16: X0 X1 X2 X3 Y0 Y1 Y2 Y3 (X = K, Y = K + 8; r = 2 * dr + dk)
+# fp8:  X0..X3 (row g, K + i), Y0..Y3 (row g + 8, K + i)
+FIELDS = {
+    "bf16": (
+        (15, (8, 7, 6)), (31, (24, 23, 22)),
+        (9, (2, 1, 0)), (25, (18, 17, 16)),
+        (3, (28, 27, 26)), (19, (12, 11, 10)),
+        (13, (14, 5, 4)), (29, (30, 21, 20)),
+    ),
+    "fp8": tuple((7 + 8 * i, (4 + 8 * i, 3 + 8 * i, 2 + 8 * i)) for i in range(4))
+    + tuple((5 + 8 * i, (6 + 8 * i, 1 + 8 * i, 0 + 8 * i)) for i in range(4)),
+}
+
+
+def _block_map(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, K) inside a 16 x 64 block of each (lane, word, field): two int64 [32, 4, 8] tables."""
+    lane = torch.arange(32).view(32, 1, 1)
+    word = torch.arange(4).view(1, 4, 1)
+    field = torch.arange(8).view(1, 1, 8)
+    g, c = lane // 4, lane % 4
+    if kind == "bf16":  # word = k16 step; field = 4 h + 2 dr + dk
+        h, dr, dk = field // 4, (field // 2) % 2, field % 2
+        return (8 * dr + g).expand(32, 4, 8), (16 * word + 8 * h + 2 * c + dk).expand(32, 4, 8)
+    h, i = field // 4, field % 4  # fp8: field = 4 h + i, word j = 2 * b3 + b2
+    return (8 * h + g).expand(32, 4, 8), (32 * (word // 2) + 16 * (word % 2) + 4 * c + i).expand(32, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -54,12 +83,10 @@ class FragmentWeights:
     """One weight matrix stack [E, N, K] in fragment order (see the module docstring)."""
 
     words: torch.Tensor  # uint8 [E, N/16, K/64, 32, 16]
-    scales: torch.Tensor  # uint8 [E, N/16, K/64, 8, 4]  (s + 63)
+    scales: torch.Tensor  # bf16 kind: uint8 [E, N/16, K/64, 8, 4] (s + 63); fp8 kind: E8M0 [E, N, K/32]
     n: int
     k: int
-
-    def to(self, device) -> "FragmentWeights":
-        return FragmentWeights(self.words.to(device), self.scales.to(device), self.n, self.k)
+    kind: str = "bf16"
 
 
 def check_fragment_shape(name: str, n: int, k: int) -> None:
@@ -76,68 +103,80 @@ def _codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
 
 
-def to_fragments(name: str, packed: torch.Tensor, scales: torch.Tensor) -> FragmentWeights:
+def _check_scales(name: str, scales: torch.Tensor, kind: str) -> None:
+    lo, hi = (int(scales.min()), int(scales.max())) if scales.numel() else (SCALE_MIN, SCALE_MIN)
+    if kind == "bf16" and (lo < SCALE_MIN or hi > SCALE_MAX):
+        raise ValueError(
+            f"{name}_scale: E8M0 bytes span [{lo}, {hi}]; the frag decoder is exact only for [{SCALE_MIN}, {SCALE_MAX}] "
+            "(block scales 2**-69 .. 2**64): use decoder='split' or 'dot_scaled' for these weights"
+        )
+    if kind == "fp8" and hi > FP8_SCALE_MAX:
+        raise ValueError(f"{name}_scale: E8M0 bytes up to {hi} (NaN or > 2**121); the frag8 decoder takes <= {FP8_SCALE_MAX}")
+
+
+def to_fragments(name: str, packed: torch.Tensor, scales: torch.Tensor, kind: str = "bf16") -> FragmentWeights:
     """uint8 e2m1 [E, N, K/2] + E8M0 [E, N, K/32] -> FragmentWeights (pure torch, any device)."""
+    if kind not in KINDS:
+        raise ValueError(f"fragment kind {kind!r}; expected one of {KINDS}")
     e, n, k2 = packed.shape
     k = 2 * k2
     check_fragment_shape(name, n, k)
     if tuple(scales.shape) != (e, n, k // 32):
         raise ValueError(f"{name}_scale: expected [{e}, {n}, {k // 32}], got {tuple(scales.shape)}")
-    lo, hi = int(scales.min()) if scales.numel() else SCALE_MIN, int(scales.max()) if scales.numel() else SCALE_MIN
-    if lo < SCALE_MIN or hi > SCALE_MAX:
-        raise ValueError(
-            f"{name}_scale: E8M0 bytes span [{lo}, {hi}]; the frag decoder is exact only for [{SCALE_MIN}, {SCALE_MAX}] "
-            "(block scales 2**-69 .. 2**64): use decoder='split' or 'dot_scaled' for these weights"
-        )
+    _check_scales(name, scales, kind)
     if e > 1:  # one expert at a time: the int64 temporaries are 16x the packed bytes
-        parts = [to_fragments(name, packed[i : i + 1], scales[i : i + 1]) for i in range(e)]
-        return FragmentWeights(torch.cat([f.words for f in parts]), torch.cat([f.scales for f in parts]), n, k)
+        parts = [to_fragments(name, packed[i : i + 1], scales[i : i + 1], kind) for i in range(e)]
+        return FragmentWeights(torch.cat([f.words for f in parts]), torch.cat([f.scales for f in parts]), n, k, kind)
     rb, kb = n // FRAG_ROWS, k // FRAG_K
-    # codes[e, rb, dr, g, kb, step, h, c, dk]  (n = 16 rb + 8 dr + g, k = 64 kb + 16 step + 8 h + 2 c + dk)
-    codes = _codes(packed).reshape(e, rb, 2, 8, kb, 4, 2, 4, 2)
-    # -> [e, rb, kb, g, c, step, h, dr, dk]; field index f = 4 h + 2 dr + dk (X = h 0, Y = h 1)
-    codes = codes.permute(0, 1, 4, 3, 7, 5, 6, 2, 8).reshape(e, rb, kb, 8, 4, 4, 8)
+    blocks = _codes(packed).reshape(rb, FRAG_ROWS, kb, FRAG_K).permute(0, 2, 1, 3).to(torch.int64)  # [rb, kb, 16, 64]
+    rows, cols = (t.to(packed.device) for t in _block_map(kind))
+    codes = blocks[:, :, rows, cols]  # [rb, kb, 32 lanes, 4 words, 8 fields]
     word = torch.zeros(codes.shape[:-1], dtype=torch.int64, device=packed.device)
-    for f, (sign, mag) in enumerate(FIELDS):
-        c = codes[..., f].to(torch.int64)
+    for f, (sign, mag) in enumerate(FIELDS[kind]):
+        c = codes[..., f]
         word |= ((c >> 3) & 1) << sign
         for bit, src in zip(mag, (2, 1, 0)):
             word |= ((c >> src) & 1) << bit
-    # little-endian bytes of each word: [e, rb, kb, g, c, step, 4] -> [e, rb, kb, 32 lanes, 16]
-    words = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
-    words = words.reshape(e, rb, kb, 32, 16).contiguous()
+    words = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)  # little-endian
+    words = words.reshape(1, rb, kb, 32, 16).contiguous()
+    if kind == "fp8":
+        return FragmentWeights(words, scales.contiguous(), n, k, kind)
     # scales[e, rb, dr, g, kb, j] -> [e, rb, kb, g, j, dr]
     s = scales.reshape(e, rb, 2, 8, kb, 2).permute(0, 1, 4, 3, 5, 2).reshape(e, rb, kb, 8, 4)
-    return FragmentWeights(words, (s.to(torch.int32) + SCALE_BIAS).to(torch.uint8).contiguous(), n, k)
+    return FragmentWeights(words, (s.to(torch.int32) + SCALE_BIAS).to(torch.uint8).contiguous(), n, k, kind)
 
 
 def from_fragments(f: FragmentWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of to_fragments (tests): -> (packed [E, N, K/2], scales [E, N, K/32])."""
+    """Inverse of to_fragments (tests, as_rowmajor): -> (packed [E, N, K/2], scales [E, N, K/32])."""
     e, rb, kb = f.words.shape[:3]
-    b = f.words.to(torch.int64).reshape(e, rb, kb, 8, 4, 4, 4)
+    b = f.words.to(torch.int64).reshape(e, rb, kb, 32, 4, 4)
     word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
-    fields = []
-    for sign, mag in FIELDS:
+    codes = torch.zeros(e, rb, kb, FRAG_ROWS, FRAG_K, dtype=torch.int64, device=f.words.device)
+    rows, cols = (t.to(f.words.device) for t in _block_map(f.kind))
+    for fi, (sign, mag) in enumerate(FIELDS[f.kind]):
         c = ((word >> sign) & 1) << 3
         for bit, dst in zip(mag, (2, 1, 0)):
             c |= ((word >> bit) & 1) << dst
-        fields.append(c)
-    codes = torch.stack(fields, dim=-1).reshape(e, rb, kb, 8, 4, 4, 2, 2, 2)  # [.., g, c, step, h, dr, dk]
-    codes = codes.permute(0, 1, 7, 3, 2, 5, 6, 4, 8).reshape(e, f.n, f.k)
+        codes[:, :, :, rows[..., fi], cols[..., fi]] = c
+    codes = codes.permute(0, 1, 3, 2, 4).reshape(e, f.n, f.k)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    if f.kind == "fp8":
+        return packed, f.scales.clone()
     s = f.scales.to(torch.int32) - SCALE_BIAS
     s = s.reshape(e, rb, kb, 8, 2, 2).permute(0, 1, 5, 3, 2, 4).reshape(e, f.n, f.k // 32)
     return packed, s.to(torch.uint8)
 
 
-def decode_words_reference(words: torch.Tensor) -> torch.Tensor:
-    """What the kernel's PTX does to each 32-bit word, in torch (tests): uint8 [..., 4] ->
-    int32 [..., 4] holding the four masked bf16x2 registers (before the scale multiply)."""
+def decode_words_reference(words: torch.Tensor, kind: str = "bf16") -> torch.Tensor:
+    """What the kernel's PTX does to each 32-bit word, in torch (tests): uint8 [..., 4] -> int64 [..., R]:
+    bf16 kind: the four masked bf16x2 registers (before the scale multiply); fp8 kind: the two e4m3x4
+    registers (rows g and g + 8)."""
     b = words.to(torch.int64)
     x = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
-    m32 = 0xFFFFFFFF
+    if kind == "fp8":
+        return torch.stack((x & 0x9C9C9C9C, ((x << 2) & 0x8C8C8C8C) | ((x >> 2) & 0x10101010)), dim=-1)
     r0 = x & BF16_MASK
     r1 = (x << 6) & BF16_MASK
-    r2 = (((x << 12) | (x >> 20)) & m32) & BF16_MASK
+    r2 = (((x << 12) | (x >> 20)) & 0xFFFFFFFF) & BF16_MASK
     r3 = ((x << 2) & 0x80C080C0) | ((x >> 6) & 0x01000100)
     return torch.stack((r0, r1, r2, r3), dim=-1)

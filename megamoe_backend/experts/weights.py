@@ -11,9 +11,11 @@ GEMM1's output rows follow ``gate_up_layout``: "interleaved" = [g0, u0, g1, u1, 
 kernels expect), "plain" = [g0 .. g_{I-1}, u0 .. u_{I-1}] (HF checkpoints' gate_proj; up_proj).
 
 ``storage`` says how the MXFP4 bytes are ordered: "rowmajor" (checkpoint order, what every provider
-reads) or "fragments" (the same bytes re-laid as Hopper MMA register fragments by
-``as_fragments()``, what the Triton ``frag`` decoder reads; see experts/fragments.py). Fragment
-storage keeps the tensor shapes above, so a layer holds one copy of its weights either way.
+reads), "fragments" (the same bytes re-laid as Hopper bf16 MMA register fragments by
+``as_fragments()``, what the Triton ``frag`` decoder reads) or "fragments_fp8" (re-laid for the FP8
+MMA, ``as_fragments("fp8")``, the ``frag8`` decoder; scales stay row-major); see
+experts/fragments.py. Fragment storage keeps the tensor shapes above, so a layer holds one copy of
+its weights either way.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..formats import MX_BLOCK, MXTensor, dequantize_mx, quantize_mx
 
 WEIGHT_FORMATS = ("bf16", "mxfp4")
 GATE_UP_LAYOUTS = ("interleaved", "plain")
-STORAGES = ("rowmajor", "fragments")
+STORAGES = ("rowmajor", "fragments", "fragments_fp8")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class ExpertWeights:
     def __post_init__(self) -> None:
         if self.storage not in STORAGES:
             raise ValueError(f"ExpertWeights.storage={self.storage!r}; expected one of {STORAGES}")
-        if self.storage == "fragments" and (self.fmt != "mxfp4" or self.gate_up_layout != "interleaved"):
+        if self.storage != "rowmajor" and (self.fmt != "mxfp4" or self.gate_up_layout != "interleaved"):
             raise ValueError("fragment storage holds MXFP4 weights with interleaved gate/up rows only")
         if self.fmt not in WEIGHT_FORMATS:
             raise ValueError(f"ExpertWeights.fmt={self.fmt!r}; expected one of {WEIGHT_FORMATS}")
@@ -100,34 +102,39 @@ class ExpertWeights:
         return ExpertWeights(move(self.w1), move(self.w2), self.fmt, self.gate_up_layout, move(self.w1_scale), move(self.w2_scale),
                              self.storage)
 
-    def as_fragments(self) -> "ExpertWeights":
-        """MXFP4 weights in MMA-fragment byte order (gate/up interleaved first); raises ValueError
-        naming the tensor when a shape or a scale is outside what the frag decoder handles."""
+    def as_fragments(self, kind: str = "bf16") -> "ExpertWeights":
+        """MXFP4 weights in MMA-fragment byte order for ``kind`` "bf16" (frag decoder) or "fp8" (frag8),
+        gate/up interleaved first; raises ValueError naming the tensor when a shape or a scale is
+        outside what that decoder handles."""
         from .fragments import to_fragments
 
-        if self.storage == "fragments":
+        storage = "fragments" if kind == "bf16" else "fragments_fp8"
+        if self.storage == storage:
             return self
         if self.fmt != "mxfp4":
             raise ValueError(f"fragment storage is for MXFP4 weights, these are {self.fmt}")
-        w1, s1 = self.w1, self.w1_scale
-        if self.gate_up_layout == "plain":
+        src = self.as_rowmajor()
+        w1, s1 = src.w1, src.w1_scale
+        if src.gate_up_layout == "plain":
             w1, s1 = interleave_gate_up(w1), interleave_gate_up(s1)
-        f1, f2 = to_fragments("w1", w1, s1), to_fragments("w2", self.w2, self.w2_scale)
+        f1, f2 = to_fragments("w1", w1, s1, kind), to_fragments("w2", src.w2, src.w2_scale, kind)
         return ExpertWeights(f1.words.view(self.w1.shape), f2.words.view(self.w2.shape), "mxfp4", "interleaved",
-                             f1.scales.view(self.w1_scale.shape), f2.scales.view(self.w2_scale.shape), "fragments")
+                             f1.scales.view(self.w1_scale.shape), f2.scales.view(self.w2_scale.shape), storage)
 
     def as_rowmajor(self) -> "ExpertWeights":
         """Inverse of as_fragments (gate/up stay interleaved)."""
-        from .fragments import FragmentWeights, from_fragments
+        from .fragments import FRAG_K, FRAG_ROWS, FragmentWeights, from_fragments
 
         if self.storage == "rowmajor":
             return self
+        kind = "bf16" if self.storage == "fragments" else "fp8"
         out = []
         for w, s in ((self.w1, self.w1_scale), (self.w2, self.w2_scale)):
             e, n, k2 = w.shape
             k = 2 * k2
-            f = FragmentWeights(w.view(e, n // 16, k // 64, 32, 16), s.view(e, n // 16, k // 64, 8, 4), n, k)
-            out.extend(from_fragments(f))
+            words = w.view(e, n // FRAG_ROWS, k // FRAG_K, 32, 16)
+            scales = s.view(e, n // FRAG_ROWS, k // FRAG_K, 8, 4) if kind == "bf16" else s
+            out.extend(from_fragments(FragmentWeights(words, scales, n, k, kind)))
         return ExpertWeights(out[0], out[2], "mxfp4", "interleaved", out[1], out[3])
 
 

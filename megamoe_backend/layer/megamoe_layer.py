@@ -74,7 +74,7 @@ class MegaMoELayer:
             return
         self.fused = None
         self.provider = provider or make_provider(plan.backends.provider, capacity=plan.mtpr * plan.topk * plan.ep_size)
-        self.weights = self.provider.prepare_weights(weights)
+        self.weights = self.provider.prepare_weights(weights, plan.math)
         if transport is None:
             key = transport_key(plan.layout_key(), group, self.device)
             is_new = key not in cached_transport_keys()

@@ -96,3 +96,26 @@ def test_fragment_storage_rejects_what_it_cannot_hold():
         type(m)(m.w1, m.w2, "mxfp4", "plain", m.w1_scale, m.w2_scale, "fragments")
     with pytest.raises(ValueError, match="storage"):
         type(m)(m.w1, m.w2, "mxfp4", "plain", m.w1_scale, m.w2_scale, "columns")
+
+
+def test_fp8_kind_decodes_to_exact_e4m3():
+    """fp8 kind: the two registers of each word are e4m3 bytes (torch.float8_e4m3fn) of value * 2**-6."""
+    packed, scales = _random_mxfp4(2, 32, 128, seed=3)
+    packed[1, 3, :8] = torch.arange(0, 256, 32, dtype=torch.uint8) | torch.arange(8, dtype=torch.uint8)  # all 16 codes
+    f = to_fragments("w", packed, scales, kind="fp8")
+    assert torch.equal(f.scales, scales)  # row-major, untouched
+    back_p, back_s = from_fragments(f)
+    assert torch.equal(back_p, packed) and torch.equal(back_s, scales)
+    e, rb, kb = f.words.shape[:3]
+    regs = decode_words_reference(f.words.reshape(e, rb, kb, 32, 4, 4), kind="fp8")  # [.., lane, word, 2]
+    byts = torch.stack([(regs >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)  # [.., lane, word, h, i]
+    vals = byts.view(torch.float8_e4m3fn).double() * 2.0**6
+    # lane = 4 g + c, word = 2 b3 + b2 -> n = 8 h + g, k = 32 b3 + 16 b2 + 4 c + i
+    vals = vals.reshape(e, rb, kb, 8, 4, 2, 2, 2, 4).permute(0, 1, 7, 3, 2, 5, 6, 4, 8).reshape(e, 32, 128)
+    want = dequantize_mx(MXTensor(packed.reshape(-1, 64), scales.reshape(-1, 4), "fp4")).reshape(2, 32, 128).double()
+    got = vals * torch.pow(2.0, scales.double() - 127).repeat_interleave(32, dim=-1)
+    assert torch.equal(got, want)
+    bad = scales.clone()
+    bad[0, 0, 0] = 255
+    with pytest.raises(ValueError, match="frag8 decoder takes <= 248"):
+        to_fragments("w", packed, bad, kind="fp8")

@@ -187,6 +187,8 @@ CASES = [
     ("frag", "a8w4", "mxfp4", "interleaved", 10.0),
     ("frag", "a4w4", "mxfp4", "plain", None),
     ("frag", "bf16", "mxfp4", "interleaved", 1.0),
+    ("frag8", "a8w4", "mxfp4", "plain", 10.0),
+    ("frag8", "a4w4", "mxfp4", "interleaved", None),
     ("split", "a8w4", "mxfp4", "interleaved", 10.0),
     ("split", "a4w4", "mxfp4", "plain", None),
     ("split", "bf16", "mxfp4", "interleaved", 1.0),
@@ -204,8 +206,8 @@ def test_experts_match_reference(decoder, quant, wfmt, layout, limit):
     ref = TorchReferenceExperts().forward(a, pairs, weights, math)
     out = torch.full((len(pairs), weights.hidden), float("nan"))
     prov = K["provider"].TritonExperts(decoder=decoder)
-    used = prov.prepare_weights(weights)  # fragment storage for frag, unchanged otherwise
-    assert used.storage == ("fragments" if decoder == "frag" else "rowmajor")
+    used = prov.prepare_weights(weights, math)  # fragment storage for frag / frag8, unchanged otherwise
+    assert used.storage == {"frag": "fragments", "frag8": "fragments_fp8"}.get(decoder, "rowmajor")
     prov.forward(a, pairs, used, math, out=out)
     assert torch.isfinite(out).all(), "an output element was never written"
     # Products are exact in every decoder; only fp32 summation order differs from the fp64 reference.
@@ -271,6 +273,15 @@ def test_bad_inputs_raise_clear_errors():
     assert te().prepare_weights(tiny).storage == "rowmajor"  # auto falls back to split
     with pytest.raises(ValueError, match="multiple of 64"):
         te(decoder="frag").prepare_weights(tiny)
+    with pytest.raises(ValueError, match="needs MX activations"):
+        te(decoder="frag8").prepare_weights(weights, ExpertMath("bf16"))
+    assert te().prepare_weights(weights, math).storage == "fragments"  # auto: bf16 fragments for any A
+    f8 = te(decoder="frag8").prepare_weights(weights, math)
+    assert f8.storage == "fragments_fp8"
+    with pytest.raises(ValueError, match="needs MX activations"):  # fp8 fragments, bf16 activations
+        te().forward(x, pairs, f8, ExpertMath("bf16"))
+    with pytest.raises(ValueError, match="fp8 fragment storage"):
+        te(decoder="frag").forward(x, pairs, f8, math)
 
 
 def test_provider_selection_on_cpu_is_the_reference():

@@ -49,3 +49,35 @@ def gather_split_kernel(
         v = tl.reshape(tl.join(lo, hi), [NB, BK])  # natural K order
         kk = blk[:, None] * BK + tl.arange(0, BK)[None, :]
         tl.store(out_ptr + r * stride_om + kk, v.to(tl.bfloat16), mask=bmask)
+
+
+@triton.jit
+def gather_e4m3_kernel(
+    sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, os_ptr, stride_osm, K,
+    A_FMT: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr,
+):
+    """Received MX rows -> expert-sorted e4m3 bytes + E8M0 scales (the frag8 decoder's A operand).
+
+    fp8 rows are copied; fp4 rows become e4m3 bytes sign << 7 | code << 2 (value * 2**-6, exact) with
+    the scale byte raised by 6 (0xFF stays NaN). Padding rows get zero bytes and scale 127.
+    """
+    r = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * NB + tl.arange(0, NB)
+    bmask = (blk < K // BK)[:, None]
+    pair = tl.load(sorted_pair_ptr + r)
+    valid = pair >= 0
+    src = tl.load(pair_row_ptr + tl.maximum(pair, 0)).to(tl.int64)
+    m = bmask & valid
+    kk = blk[:, None] * BK + tl.arange(0, BK)[None, :]  # [NB, BK]
+    sb = blk[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :]
+    s = tl.load(as_ptr + src * stride_asm + sb, mask=m, other=127)
+    if A_FMT == "fp8":
+        v = tl.load(a_ptr + src * stride_am + kk, mask=m, other=0)
+    else:
+        j = tl.arange(0, BK // 2)
+        b = tl.load(a_ptr + src * stride_am + blk[:, None] * (BK // 2) + j[None, :], mask=m, other=0).to(tl.int32)
+        codes = tl.reshape(tl.join(b & 0xF, b >> 4), [NB, BK])
+        v = (((codes & 8) << 4) | ((codes & 7) << 2)).to(tl.uint8)
+        s = tl.where(s == 255, 255, tl.minimum(s.to(tl.int32) + 6, 254)).to(tl.uint8)
+    tl.store(out_ptr + r * stride_om + kk, v, mask=bmask)
+    tl.store(os_ptr + r * stride_osm + sb, s, mask=bmask)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import frag_mainloop, mx_mainloop, tile_coords
+from .mainloop import frag8_mainloop, frag_mainloop, mx_mainloop, tile_coords
 from .mxjit import fake_quant_blocks, round_bf16
-from .quant import quantize_blocks
+from .quant import quantize_blocks, quantize_blocks_e4m3
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def gemm1_swiglu_kernel(
     if expert < 0:
         return
     rows = pid_m * BM + tl.arange(0, BM)
-    if DECODE == "split" or DECODE == "frag":  # A was gathered into sorted order already (gather.py)
+    if DECODE == "split" or DECODE == "frag" or DECODE == "frag8":  # A was gathered into sorted order (gather.py)
         a_rows = rows
         valid = rows >= 0
     else:
@@ -49,7 +49,12 @@ def gemm1_swiglu_kernel(
         w_rows = n
     e64 = expert.to(tl.int64)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    if DECODE == "frag":  # fragment-ordered W1 is always gate/up interleaved (fragments.py)
+    if DECODE == "frag8":  # FP8 tensor cores; fragment-ordered W1 is always gate/up interleaved
+        acc = frag8_mainloop(
+            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, stride_wsn, pid_n * (BN // 16), (2 * I) // 16,
+            a_ptr, a_rows, valid, stride_am, as_ptr, stride_asm, K, USE_ASM, BN, BM, BK, F32_DOT,
+        )
+    elif DECODE == "frag":  # fragment-ordered W1 is always gate/up interleaved (fragments.py)
         acc = frag_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), (2 * I) // 16,
             a_ptr, a_rows, valid, stride_am, K, USE_ASM, BN, BM, BK, F32_DOT,
@@ -82,6 +87,11 @@ def gemm1_swiglu_kernel(
         else:
             dest = cols
         tl.store(o_ptr + r64 * stride_om + dest[None, :], v.to(tl.bfloat16), mask=cmask)
+    elif DECODE == "frag8":  # A2 as e4m3 bytes + E8M0 scales (fp4 values as value * 2**-6, scale + 6)
+        payload, scales = quantize_blocks_e4m3(tl.reshape(act, [BM * (BN // 64), 32]), A_FMT)
+        sc = pid_n * (BN // 64) + tl.arange(0, BN // 64)
+        tl.store(os_ptr + r64 * stride_osm + sc[None, :], tl.reshape(scales, [BM, BN // 64]), mask=(sc < I // 32)[None, :])
+        tl.store(o_ptr + r64 * stride_om + cols[None, :], tl.reshape(payload, [BM, BN // 2]), mask=cmask)
     elif A_FMT == "bf16":
         tl.store(o_ptr + r64 * stride_om + cols[None, :], round_bf16(act).to(tl.bfloat16), mask=cmask)
     else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import frag_mainloop, mx_mainloop, tile_coords
+from .mainloop import frag8_mainloop, frag_mainloop, mx_mainloop, tile_coords
 
 
 @triton.jit
@@ -34,7 +34,12 @@ def gemm2_weighted_kernel(
     nmask = n < N
     e64 = expert.to(tl.int64)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    if DECODE == "frag":
+    if DECODE == "frag8":
+        acc = frag8_mainloop(
+            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, stride_wsn, pid_n * (BN // 16), N // 16,
+            a_ptr, rows, rows >= 0, stride_am, as_ptr, stride_asm, K, USE_ASM, BN, BM, BK, F32_DOT,
+        )
+    elif DECODE == "frag":
         acc = frag_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), N // 16,
             a_ptr, rows, rows >= 0, stride_am, K, USE_ASM, BN, BM, BK, F32_DOT,

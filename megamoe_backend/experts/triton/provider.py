@@ -17,7 +17,7 @@ from ..weights import ExpertWeights
 from . import triton_available
 from .config import TileConfig, default_config, interpreting, reduction_block
 
-DECODERS = ("auto", "frag", "split", "dot_scaled", "manual")
+DECODERS = ("auto", "frag8", "frag", "split", "dot_scaled", "manual")
 # What "auto" resolves to for row-major MXFP4 weights on a CUDA GPU (H200 measurements in
 # docs/triton.md); weights that went through prepare_weights() are in fragment order and use "frag".
 GPU_DEFAULT_DECODER = "split"
@@ -28,10 +28,12 @@ class TritonExperts(ExpertsProvider):
 
     capacity: most (row, expert) pairs one forward may carry (e.g. MTPR x top-k x ep_size); a larger
         batch raises instead of dropping rows. None: no limit (eager use).
-    decoder: how MXFP4 weights are decoded (mainloop.py): "frag" (weights re-laid as MMA register
-        fragments by prepare_weights, 13 instructions per 8 weights; the fastest), "split" (PTX decode
-        of row-major weights, A pre-split), "dot_scaled" (tl.dot_scaled), "manual" (explicit Triton
-        decode), "auto" (frag when prepare_weights could re-lay the weights, else split on CUDA).
+    decoder: how MXFP4 weights are decoded (mainloop.py): "frag" (weights re-laid as bf16 MMA register
+        fragments by prepare_weights, 13 instructions per 8 weights; the fastest), "frag8" (FP8 tensor
+        cores, e4m3 fragments, 5 instructions per 8 weights, A8W4 / A4W4 only; measured slower on H200
+        because every 32-wide K step waits for its own wgmma, docs/triton.md), "split" (PTX decode of
+        row-major weights, A pre-split), "dot_scaled" (tl.dot_scaled), "manual" (explicit Triton
+        decode), "auto" (frag when prepare_weights could re-lay the weights, else split).
         Under TRITON_INTERPRET=1 frag and split run their portable decode; dot_scaled is unavailable.
     config: fixed TileConfig, else chosen per bucket by config.default_config.
     """
@@ -56,25 +58,35 @@ class TritonExperts(ExpertsProvider):
             return False
         return torch.cuda.get_device_capability(device) >= (9, 0)
 
-    def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
-        """MXFP4 weights -> fragment storage for the frag decoder (once per layer, same memory).
+    def prepare_weights(self, weights: ExpertWeights, math: ExpertMath | None = None) -> ExpertWeights:
+        """MXFP4 weights -> fragment storage (once per layer, same memory): bf16 MMA fragments (frag;
+        what "auto" picks, the fastest on H200 in every bucket) or, for decoder="frag8", FP8 MMA
+        fragments (needs MX activations in ``math``).
 
         decoder="auto" keeps row-major weights (split decoder) when a shape or scale is outside what
-        fragments handle (N % 16, K % 64, E8M0 scales in [58, 191]); decoder="frag" raises instead.
+        fragments handle (N % 16, K % 64, E8M0 scale range); decoder="frag" / "frag8" raise instead.
         """
-        if weights.fmt != "mxfp4" or self.decoder not in ("auto", "frag"):
+        if weights.fmt != "mxfp4" or self.decoder not in ("auto", "frag", "frag8"):
             return weights
         if self.decoder == "auto" and torch.version.hip is not None:
             return weights
+        if self.decoder == "frag8" and math is not None and math.a_format not in ("fp8", "fp4"):
+            raise ValueError(f"decoder='frag8' needs MX activations (A8W4 / A4W4); quant={math.quant} has bf16 A")
+        kind = "fp8" if self.decoder == "frag8" else "bf16"
         try:
-            return weights.as_fragments()
+            return weights.as_fragments(kind)
         except ValueError:
-            if self.decoder == "frag":
+            if self.decoder != "auto":
                 raise
             return weights
 
     def resolve_decoder(self, weights_fmt: str, storage: str = "rowmajor") -> str:
         """The mainloop DECODE mode for these weights on this backend."""
+        if storage == "fragments_fp8":
+            if self.decoder not in ("auto", "frag8"):
+                raise ValueError(f"weights are in fp8 fragment storage (prepare_weights); decoder={self.decoder!r} cannot "
+                                 "read them: use decoder='frag8' or pass weights.as_rowmajor()")
+            return "frag8"
         if storage == "fragments":
             if self.decoder not in ("auto", "frag"):
                 raise ValueError(f"weights are in fragment storage (prepare_weights); decoder={self.decoder!r} reads row-major "
@@ -89,17 +101,17 @@ class TritonExperts(ExpertsProvider):
                 return "split"
             # the split decoder's inline PTX is NVIDIA-only; ROCm builds of Triton get tl.dot_scaled (untested here)
             return "dot_scaled" if torch.version.hip is not None else GPU_DEFAULT_DECODER
-        if self.decoder in ("split", "frag") and torch.version.hip is not None and not interpreting():
+        if self.decoder in ("split", "frag", "frag8") and torch.version.hip is not None and not interpreting():
             raise ValueError(f"decoder={self.decoder!r} uses NVIDIA PTX; use 'dot_scaled' or 'manual' on ROCm")
-        if self.decoder == "frag":
-            raise ValueError("decoder='frag' reads weights in fragment storage: pass TritonExperts.prepare_weights(weights)")
+        if self.decoder in ("frag", "frag8"):
+            raise ValueError(f"decoder={self.decoder!r} reads weights in fragment storage: pass TritonExperts.prepare_weights(weights)")
         return self.decoder
 
     def forward(
         self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """See ExpertsProvider.forward; ``out`` optionally supplies the fp32 [P, H] result buffer."""
-        from .gather import gather_split_kernel
+        from .gather import gather_e4m3_kernel, gather_split_kernel
         from .gemm1 import gemm1_swiglu_kernel
         from .gemm2 import gemm2_weighted_kernel
         from .layout import build_layout
@@ -134,9 +146,24 @@ class TritonExperts(ExpertsProvider):
         rows = layout.num_rows
         pair_row = pairs.row.to(torch.int32)
         a_data, a_scale = _operand(x, a_fmt, mode == "dot_scaled")
-        if mode == "frag" and (bk1 < 64 or bk2 < 64):
-            raise ValueError(f"decoder='frag' needs block_k >= 64 dividing hidden={hidden} and intermediate={inter}")
-        if mode in ("split", "frag"):
+        if mode in ("frag", "frag8") and (bk1 < 64 or bk2 < 64):
+            raise ValueError(f"decoder={mode!r} needs block_k >= 64 dividing hidden={hidden} and intermediate={inter}")
+        if mode == "frag8":
+            bk1, bk2 = min(bk1, 128), min(bk2, 128)
+            if a_fmt not in ("fp8", "fp4"):
+                raise ValueError(f"decoder='frag8' needs MX activations (A8W4 / A4W4); quant={math.quant} has bf16 A")
+            a8 = torch.empty(rows, hidden, dtype=torch.uint8, device=device)
+            a8_scale = torch.empty(rows, hidden // MX_BLOCK, dtype=torch.uint8, device=device)
+            nb = 8
+            gather_e4m3_kernel[(rows, triton.cdiv(hidden // bk1, nb))](
+                layout.sorted_pair, pair_row, a_data, a_data.stride(0), a_scale, a_scale.stride(0),
+                a8, a8.stride(0), a8_scale, a8_scale.stride(0), hidden, A_FMT=a_fmt, BK=bk1, NB=nb,
+            )
+            e4m3 = torch.uint8 if interpreting() else torch.float8_e4m3fn  # typed for the FP8 MMA loads
+            a_data, a_scale = a8.view(e4m3), a8_scale
+            a2 = torch.empty(rows, inter, dtype=torch.uint8, device=device)
+            a2_scale = torch.empty(rows, inter // MX_BLOCK, dtype=torch.uint8, device=device)
+        elif mode in ("split", "frag"):
             a_split = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
             nb = 8
             gather_split_kernel[(rows, triton.cdiv(hidden // bk1, nb))](
@@ -168,7 +195,9 @@ class TritonExperts(ExpertsProvider):
             W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
             BN=cfg.block_n1, BK=bk1, BK2=bk2, **common,
         )
-        if mode in ("split", "frag"):
+        if mode == "frag8":
+            a2_data, a2_s, a2_fmt = a2.view(e4m3), a2_scale, a_fmt
+        elif mode in ("split", "frag"):
             a2_data, a2_s, a2_fmt = a2, a2, "bf16"
         else:
             a2_data, a2_s = _operand(MXTensor(a2, a2_scale, a_fmt) if a_fmt != "bf16" else a2, a_fmt, mode == "dot_scaled")
