@@ -2,15 +2,17 @@
 
 Checked here against the torch formats / TorchReferenceExperts: the MX quantisation kernel (bit-exact
 bytes, wire rows), the sync-free expert layout, GEMM1 + SwiGLU (+ limit) + A2 re-quantisation and
-GEMM2 x route weight for the "split" and "manual" decoders, gate/up interleaved and plain, bf16 and
-MXFP4 weights, bf16 / fp8 / fp4 A operands, NaN isolation, bad-input errors, and a bench smoke run.
+GEMM2 x route weight for the "frag", "frag8", "split" and "manual" decoders, gate/up interleaved and
+plain, bf16 and MXFP4 weights (row-major and fragment storage), bf16 / fp8 / fp4 A operands, NaN
+isolation, bad-input errors, and a bench smoke run.
 
 What the interpreter cannot run (covered by tests/triton/test_gpu_experts.py on the H200):
 - the "dot_scaled" decoder: the interpreter has no tl.dot_scaled;
-- the PTX e2m1 decode of the "split" decoder (tl.inline_asm_elementwise is not interpreted): the
-  interpreter runs the same split data flow with the portable decode (mxjit.decode_fp4_split,
-  USE_ASM=False), which produces identical values;
-- bf16 tensor-core MMA (the interpreter's bf16 dot is broken, so kernels widen to fp32 there:
+- the PTX e2m1 decodes of the "split", "frag" and "frag8" decoders (tl.inline_asm_elementwise is not
+  interpreted): the interpreter runs the same data flow with the portable decodes (USE_ASM=False in
+  mxjit.decode_fp4_split / decode_fp4_frag / decode_fp4_frag8), which produce identical values; the
+  PTX bit tricks themselves are emulated in torch by tests/core/test_fragments.py;
+- bf16 / fp8 tensor-core MMA (the interpreter's bf16 dot is broken, so kernels widen to fp32 there:
   F32_DOT), CUDA-graph capture, register/shared-memory limits and all timing.
 These tests skip on machines with CUDA (the GPU module covers them there, without the interpreter).
 """
