@@ -16,17 +16,23 @@ from .mxjit import decode_e2m1, decode_e4m3, decode_e8m0
 
 
 @triton.jit
-def gather_split_kernel(
-    sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, K,
-    A_FMT: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr = True,
-):
+def _program_rows(sorted_pair_ptr, pair_row_ptr, K, BK: tl.constexpr, NB: tl.constexpr):
+    """This program's sorted row r, its NB K-blocks, and the received row it copies (src; padding
+    rows read row 0 under a false mask m)."""
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * NB + tl.arange(0, NB)
     bmask = (blk < K // BK)[:, None]
     pair = tl.load(sorted_pair_ptr + r)
-    valid = pair >= 0
     src = tl.load(pair_row_ptr + tl.maximum(pair, 0)).to(tl.int64)
-    m = bmask & valid
+    return r, blk, bmask, src, bmask & (pair >= 0)
+
+
+@triton.jit
+def gather_split_kernel(
+    sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, K,
+    A_FMT: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr = True,
+):
+    r, blk, bmask, src, m = _program_rows(sorted_pair_ptr, pair_row_ptr, K, BK, NB)
     j = tl.arange(0, BK // 2)
     kev = blk[:, None] * BK + 2 * j[None, :]  # [NB, BK // 2] even K index of each pair
     if A_FMT == "bf16":
@@ -61,13 +67,7 @@ def gather_e4m3_kernel(
     fp8 rows are copied; fp4 rows become e4m3 bytes sign << 7 | code << 2 (value * 2**-6, exact) with
     the scale byte raised by 6 (0xFF stays NaN). Padding rows get zero bytes and scale 127.
     """
-    r = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1) * NB + tl.arange(0, NB)
-    bmask = (blk < K // BK)[:, None]
-    pair = tl.load(sorted_pair_ptr + r)
-    valid = pair >= 0
-    src = tl.load(pair_row_ptr + tl.maximum(pair, 0)).to(tl.int64)
-    m = bmask & valid
+    r, blk, bmask, src, m = _program_rows(sorted_pair_ptr, pair_row_ptr, K, BK, NB)
     kk = blk[:, None] * BK + tl.arange(0, BK)[None, :]  # [NB, BK]
     sb = blk[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :]
     s = tl.load(as_ptr + src * stride_asm + sb, mask=m, other=127)
