@@ -325,14 +325,14 @@ def run(args: argparse.Namespace) -> int:
     variants: list[Case] = []
     max_e = max(args.experts)
     fp4_all, bf16_all = make_weights(max_e, hidden, inter, device, args.seed)
-    # the layer calls prepare_weights once per layer (fragment storage when it applies); it depends on
-    # the activation format, so one prepared copy per kind of A (MX or bf16)
-    mx_math, bf16_math = ExpertMath("a8w4", limit), ExpertMath("bf16", limit)
-    fp4_prepared = {True: TritonExperts(decoder=args.decoder).prepare_weights(fp4_all, mx_math),
-                    False: TritonExperts(decoder=args.decoder).prepare_weights(fp4_all, bf16_math)}
+    # the layer calls prepare_weights once per layer; only frag8 depends on the activation format (it
+    # takes MX activations only, so bf16-A schemes keep row-major weights and report the decoder error)
+    mx_math = ExpertMath("a8w4", limit)
+    fp4_mx = TritonExperts(decoder=args.decoder).prepare_weights(fp4_all, mx_math)
+    fp4_prepared = {True: fp4_mx, False: fp4_all if args.decoder == "frag8" else fp4_mx}
     fp4_frag8 = None
     if args.variants:  # the FP8-MMA design, measured beside the default (docs/triton.md)
-        fp4_frag8 = TritonExperts(decoder="frag8").prepare_weights(fp4_all, mx_math)
+        fp4_frag8 = fp4_mx if args.decoder == "frag8" else TritonExperts(decoder="frag8").prepare_weights(fp4_all, mx_math)
     torch.cuda.synchronize() if device.type == "cuda" else None
     print(f"weights ready ({time.time() - t_start:.1f}s)")
     for n_exp in args.experts:

@@ -43,7 +43,6 @@ import torch
 
 FRAG_ROWS = 16  # rows per fragment block (one warp's wgmma slab)
 FRAG_K = 64  # K per fragment block (16 bytes per lane)
-FRAG_BYTES = FRAG_ROWS * FRAG_K // 2  # 512
 KINDS = ("bf16", "fp8")
 SCALE_MIN, SCALE_MAX = 58, 191  # bf16 kind
 FP8_SCALE_MAX = 248  # fp8 kind: the kernel builds 2**(s - 121) in fp32

@@ -13,33 +13,19 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from megamoe_backend.experts import ExpertMath, ExpertPairs, TorchReferenceExperts, quantize_expert_weights  # noqa: E402
+from megamoe_backend.experts import ExpertMath, ExpertPairs, TorchReferenceExperts  # noqa: E402
 from megamoe_backend.experts.triton.provider import TritonExperts  # noqa: E402
 from megamoe_backend.experts.triton.quant import encode_wire_rows, quantize_rows  # noqa: E402
 from megamoe_backend.formats import MXTensor, dequantize_mx, quantize_mx  # noqa: E402
 from megamoe_backend.formats.wire import encode_mx_rows  # noqa: E402
+from expert_problems import make_problem, rel_l2  # noqa: E402
 
 DEV = torch.device("cuda")
 SCHEMES = [("a8w4", "mxfp4"), ("a4w4", "mxfp4"), ("bf16", "mxfp4"), ("bf16", "bf16"), ("a8w4", "bf16")]
 
 
-def _problem(n_exp, hidden, inter, tokens, topk, wfmt, layout="interleaved", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(n_exp, 2 * inter, hidden, generator=g) / hidden**0.5
-    w2 = torch.randn(n_exp, hidden, inter, generator=g) / inter**0.5
-    weights = quantize_expert_weights(w1, w2, wfmt, layout)
-    x = (torch.randn(tokens, hidden, generator=g) * 2).to(torch.bfloat16)
-    ids = torch.rand(tokens, n_exp, generator=g).topk(topk, dim=1).indices
-    pairs = ExpertPairs(torch.arange(tokens).repeat_interleave(topk), ids.reshape(-1).contiguous(), torch.rand(tokens * topk, generator=g))
-    return weights, x, pairs
-
-
 def _to(dev, weights, x, pairs):
     return weights.to(dev), x.to(dev), ExpertPairs(pairs.row.to(dev), pairs.slot.to(dev), pairs.weight.to(dev))
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
@@ -80,7 +66,7 @@ CASES += [("manual", "a8w4", "mxfp4", "interleaved", 10.0)]
 
 @pytest.mark.parametrize("decoder,quant,wfmt,layout,limit", CASES)
 def test_small_matches_reference(decoder, quant, wfmt, layout, limit):
-    weights, x, pairs = _problem(6, 256, 192, 40, 3, wfmt, layout)
+    weights, x, pairs = make_problem(wfmt, layout, n_exp=6, hidden=256, inter=192, tokens=40, topk=3)
     math = ExpertMath(quant, limit)
     a = x if math.a_format is None else quantize_mx(x, math.a_format)
     ref = TorchReferenceExperts().forward(a, pairs, weights, math)
@@ -93,11 +79,11 @@ def test_small_matches_reference(decoder, quant, wfmt, layout, limit):
     prov.forward(ad, pd, wd, math, out=out)
     assert torch.isfinite(out).all(), "some output element was never written"
     # MX paths: products are exact, only fp32 summation order differs; A2 rounding can flip rarely.
-    assert _rel(out.cpu(), ref) < 2e-3
+    assert rel_l2(out.cpu(), ref) < 2e-3
 
 
 def test_graph_capture_and_capacity():
-    weights, x, pairs = _problem(8, 256, 128, 32, 4, "mxfp4")
+    weights, x, pairs = make_problem("mxfp4", n_exp=8, hidden=256, inter=128, tokens=32, topk=4)
     wd, xd, pd = _to(DEV, weights, x, pairs)
     math = ExpertMath("a8w4", 10.0)
     a = quantize_rows(xd, "fp8")
@@ -116,7 +102,7 @@ def test_graph_capture_and_capacity():
     pd.slot.copy_(torch.flip(pd.slot, [0]))  # new routing, same sizes: replay must follow it
     g.replay()
     torch.cuda.synchronize()
-    assert _rel(captured, prov.forward(a, pd, wd, math)) < 1e-6
+    assert rel_l2(captured, prov.forward(a, pd, wd, math)) < 1e-6
     assert not torch.equal(captured, eager)
     with pytest.raises(ValueError, match="capacity"):
         TritonExperts(capacity=len(pairs) - 1).forward(a, pd, wd, math)
@@ -130,7 +116,7 @@ def test_dsv4_pro_shapes(quant, decoder):
     """8 experts at hidden 7168 / intermediate 3072; the exact-math reference in fp64 on the GPU.
     auto + prepare_weights = frag; frag8 = FP8 MMA (MX activations only: its per-32 partial sums round
     inside the tensor core, ~1e-3 vs the exact reference); split reads row-major weights."""
-    weights, x, pairs = _problem(8, 7168, 3072, 64, 6, "mxfp4", seed=1)
+    weights, x, pairs = make_problem("mxfp4", n_exp=8, hidden=7168, inter=3072, tokens=64, topk=6, seed=1)
     wd, xd, pd = _to(DEV, weights, x, pairs)
     math = ExpertMath(quant, 10.0)
     a = xd if math.a_format is None else quantize_rows(xd, math.a_format)
@@ -138,6 +124,6 @@ def test_dsv4_pro_shapes(quant, decoder):
     prepared = prov.prepare_weights(wd, math)
     out = prov.forward(a, pd, prepared, math)
     ref = TorchReferenceExperts().forward(a, pd, wd, math)
-    assert _rel(out, ref) < 2e-3
+    assert rel_l2(out, ref) < 2e-3
     if prepared.storage == "fragments_fp8":
-        print(f"frag8 {quant}: relL2 vs exact reference {_rel(out, ref):.2e}")
+        print(f"frag8 {quant}: relL2 vs exact reference {rel_l2(out, ref):.2e}")

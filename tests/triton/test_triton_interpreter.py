@@ -52,6 +52,7 @@ from megamoe_backend.experts import (  # noqa: E402
 )
 from megamoe_backend.formats import dequantize_mx, quantize_mx  # noqa: E402
 from megamoe_backend.formats.wire import encode_mx_rows  # noqa: E402
+from expert_problems import make_problem, rel_l2  # noqa: E402
 
 _MODULES = ("mxjit", "quant", "mainloop", "gather", "layout", "config", "gemm1", "gemm2", "provider")
 
@@ -170,19 +171,8 @@ def test_layout_capacity_and_range_errors():
 
 
 # ----------------------------------------------------------------------------------------- experts
-def _problem(wfmt, layout="interleaved", n_exp=3, hidden=64, inter=64, tokens=6, topk=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(n_exp, 2 * inter, hidden, generator=g) / hidden**0.5
-    w2 = torch.randn(n_exp, hidden, inter, generator=g) / inter**0.5
-    weights = quantize_expert_weights(w1, w2, wfmt, layout)
-    x = (torch.randn(tokens, hidden, generator=g) * 2).to(torch.bfloat16)
-    ids = torch.rand(tokens, n_exp, generator=g).topk(topk, dim=1).indices
-    pairs = ExpertPairs(torch.arange(tokens).repeat_interleave(topk), ids.reshape(-1).contiguous(), torch.rand(tokens * topk, generator=g))
-    return weights, x, pairs
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
+_problem = make_problem
+_rel = rel_l2
 
 
 CASES = [

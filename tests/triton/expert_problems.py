@@ -1,0 +1,23 @@
+"""Random expert problems shared by the interpreter and GPU test modules (no Triton import here)."""
+
+from __future__ import annotations
+
+import torch
+
+from megamoe_backend.experts import ExpertPairs, quantize_expert_weights
+
+
+def make_problem(wfmt, layout="interleaved", n_exp=3, hidden=64, inter=64, tokens=6, topk=2, seed=0):
+    """(ExpertWeights in ``wfmt``, bf16 tokens [tokens, hidden], top-k ExpertPairs) on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(n_exp, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(n_exp, hidden, inter, generator=g) / inter**0.5
+    weights = quantize_expert_weights(w1, w2, wfmt, layout)
+    x = (torch.randn(tokens, hidden, generator=g) * 2).to(torch.bfloat16)
+    ids = torch.rand(tokens, n_exp, generator=g).topk(topk, dim=1).indices
+    pairs = ExpertPairs(torch.arange(tokens).repeat_interleave(topk), ids.reshape(-1).contiguous(), torch.rand(tokens * topk, generator=g))
+    return weights, x, pairs
+
+
+def rel_l2(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
