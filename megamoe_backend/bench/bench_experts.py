@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..experts import ExpertMath, ExpertPairs, ExpertWeights, swiglu
-from ..experts.triton.config import TileConfig, bucket_index, default_config, interpreting
+from ..experts.triton.config import TileConfig, bucket_class, default_config, interpreting
 from ..formats import MX_BLOCK, dequantize_mx, fake_quantize
 
 # Datasheet ceilings of an H200 SXM (dense); the run also measures a copy and a bf16 GEMM.
@@ -48,18 +48,19 @@ SCHEMES = {  # name -> (ExpertMath.quant, weight format)
 # bucket class; the split and dot_scaled decoders (row-major weights) run beside them on their defaults.
 VARIANTS = {
     "decode": [
+        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3),
+        TileConfig(block_m=16, block_n1=256, block_n2=256, block_k=64, num_warps=4, num_stages=4),
+        TileConfig(block_m=16, block_n1=256, block_n2=256, block_k=128, num_warps=4, num_stages=3),
         TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
-        TileConfig(block_m=16, block_n1=64, block_n2=64, block_k=128, num_warps=4, num_stages=6),
-        TileConfig(block_m=16, block_n1=256, block_n2=256, block_k=128, num_warps=8, num_stages=3),
     ],
     "mid": [
-        TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=3),
+        TileConfig(block_m=32, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
+        TileConfig(block_m=32, block_n1=256, block_n2=256, block_k=128, num_warps=4, num_stages=3),
         TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
-        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3),
     ],
     "prefill": [
         TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=3),
-        TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3),
+        TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
         TileConfig(block_m=128, block_n1=256, block_n2=256, block_k=128, num_warps=8, num_stages=3),
     ],
 }
@@ -270,10 +271,6 @@ def measure_ceilings(device: torch.device) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- run
-def bucket_class(pairs: int, n_exp: int) -> str:
-    return ("decode", "mid", "prefill")[bucket_index(pairs, n_exp, "frag")]
-
-
 def describe(cfg: TileConfig | None) -> str:
     if cfg is None:
         return ""

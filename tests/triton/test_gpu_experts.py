@@ -54,6 +54,16 @@ def test_quant_bit_identical_gpu(fmt):
         assert torch.equal(encode_wire_rows(xx.to(DEV), fmt).cpu()[:, : got_data.shape[1]][finite], encode_mx_rows(ref)[:, : got_data.shape[1]][finite])
 
 
+@pytest.mark.parametrize("p,e,bm", [(48, 192, 16), (768, 192, 16), (6144, 192, 64), (49152, 192, 128), (49152, 384, 16)])
+def test_layout_triton_equals_torch_gpu(p, e, bm):
+    """The Triton layout build at serving sizes (8..8192 tokens x top-6) equals the torch build."""
+    from megamoe_backend.experts.triton.layout import build_layout, build_layout_torch
+
+    slot = torch.randint(0, e, (p,), device=DEV, generator=torch.Generator(device=DEV).manual_seed(p))
+    got, ref = build_layout(slot, e, bm), build_layout_torch(slot, e, bm)
+    assert torch.equal(got.tile_expert, ref.tile_expert) and torch.equal(got.sorted_pair, ref.sorted_pair)
+
+
 # "frag" (the GPU default for prepared MXFP4 weights) and "split" (row-major weights) on every scheme
 # and layout; the other decoders on a few (they compile slowly and are covered on every scheme by the
 # interpreter tests).

@@ -54,7 +54,7 @@ from megamoe_backend.formats import dequantize_mx, quantize_mx  # noqa: E402
 from megamoe_backend.formats.wire import encode_mx_rows  # noqa: E402
 from expert_problems import make_problem, rel_l2  # noqa: E402
 
-_MODULES = ("mxjit", "quant", "mainloop", "gather", "layout", "config", "gemm1", "gemm2", "provider")
+_MODULES = ("mxjit", "quant", "mainloop", "gather", "layout_kernels", "layout", "config", "gemm1", "gemm2", "provider")
 
 
 def _kernels():
@@ -161,6 +161,18 @@ def test_layout_sorted_padded_and_static():
         real = rows[rows >= 0]
         assert torch.equal(real, torch.nonzero(slot == e).squeeze(1).to(torch.int32))
         assert (rows[real.numel():] == -1).all()
+
+
+@pytest.mark.parametrize("p,e,bm", [(0, 3, 16), (1, 1, 16), (300, 7, 16), (1000, 192, 16), (513, 200, 64), (2000, 384, 32)])
+def test_layout_triton_build_equals_torch_reference(p, e, bm):
+    """The three-launch Triton build (chunked counting sort) gives the torch build's layout exactly,
+    across chunk boundaries (128 pairs), experts with no pairs, E not a power of two and P = 0."""
+    slot = torch.randint(0, e, (p,), generator=torch.Generator().manual_seed(p))
+    got = K["layout"].build_layout(slot, e, bm)  # interpreter: the Triton path
+    ref = K["layout"].build_layout_torch(slot, e, bm)
+    assert got.num_tiles == ref.num_tiles
+    assert torch.equal(got.tile_expert, ref.tile_expert)
+    assert torch.equal(got.sorted_pair, ref.sorted_pair)
 
 
 def test_layout_capacity_and_range_errors():

@@ -53,12 +53,16 @@ BUCKETS: tuple[tuple[float, TileConfig], ...] = (
     (48.0, TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=3)),
     (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
 )
-# Fragment-ordered weights (frag decoder). At decode sizes the tensor-core issue rate of the small
-# m64n16k16 wgmma is the limit (docs/triton.md), so BM=16 is kept up to 16 rows per expert and the mid
-# bucket uses BM=32 with 4 warps (H200 sweep: 4.5 ms vs 5.5 ms for BM=64 at 1024 tokens x 192 experts).
+# Fragment-ordered weights (frag decoder); H200 sweeps in docs/triton.md. At decode sizes the kernels
+# are instruction-issue bound (ncu: ~73 % issue slots busy at 128 tokens), so from ~1 row per expert
+# on the tile is 256 weight rows x 64 K: four m64 wgmmas share each k16 step's descriptor / arrive /
+# wait (2.9 instructions per weight instead of 3.0) at 126 registers. A handful of tokens over all
+# experts (T = 8) keeps BN 128 (twice the programs: better tail). Mid sizes: BM 64, one tile per
+# expert at ~32 rows (BM 32 decodes each weight tile twice for a third of the experts).
 FRAG_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
-    (16.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
-    (48.0, TileConfig(block_m=32, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4)),
+    (1.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
+    (16.0, TileConfig(block_m=16, block_n1=256, block_n2=256, block_k=64, num_warps=4, num_stages=4)),
+    (48.0, TileConfig(block_m=64, block_n1=256, block_n2=256, block_k=64, num_warps=4, num_stages=4)),
     (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
 )
 # FP8-MMA fragments (frag8, opt-in): BM=128 spills (two fp32 tiles live per 32-wide K step), so the
@@ -82,10 +86,16 @@ def _table(decoder: str) -> tuple[tuple[float, TileConfig], ...]:
 
 
 def bucket_index(num_pairs: int, num_experts: int, decoder: str = "split") -> int:
-    """0 decode, 1 mid, 2 prefill: which row of the decoder's bucket table a batch falls in."""
+    """Which row of the decoder's bucket table a batch falls in (by average rows per expert)."""
     table = _table(decoder)
     avg = num_pairs / max(1, num_experts)
     for i, (limit, _) in enumerate(table):
         if avg <= limit:
             return i
     return len(table) - 1
+
+
+def bucket_class(num_pairs: int, num_experts: int) -> str:
+    """decode (<= 16 rows per expert: weight streaming), mid (<= 48) or prefill (MMA-bound)."""
+    avg = num_pairs / max(1, num_experts)
+    return "decode" if avg <= 16 else "mid" if avg <= 48 else "prefill"

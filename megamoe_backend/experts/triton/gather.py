@@ -1,10 +1,12 @@
 """Gather received rows into expert-sorted order as bf16 (for the split decoder each BK block is
 stored [even | odd] along K; SPLIT=False keeps natural K order, what the frag decoder reads).
 
+One program per sorted row and NB K-blocks (the provider passes all of K in one program).
+
 Why: the "split" GEMM decoder turns each packed e2m1 byte of W into a low-nibble (even K) and a
 high-nibble (odd K) value; with A stored the same way, both MMAs read contiguous, pipelined A tiles
 and W never needs an in-register interleave. MX rows are dequantised here exactly (e4m3 / e2m1 times
-a power-of-two scale fits bf16), padding rows become zeros.
+a power-of-two scale fits bf16). Padding rows are skipped: the GEMMs mask them by sorted_pair < 0.
 """
 
 from __future__ import annotations
@@ -17,44 +19,62 @@ from .mxjit import decode_e2m1, decode_e4m3, decode_e8m0
 
 @triton.jit
 def _program_rows(sorted_pair_ptr, pair_row_ptr, K, BK: tl.constexpr, NB: tl.constexpr):
-    """This program's sorted row r, its NB K-blocks, and the received row it copies (src; padding
-    rows read row 0 under a false mask m)."""
+    """This program's sorted row r, its NB K-blocks (valid under bmask), the received row it copies
+    (src) and its pair index (< 0: a padding row, which the caller skips)."""
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * NB + tl.arange(0, NB)
     bmask = (blk < K // BK)[:, None]
     pair = tl.load(sorted_pair_ptr + r)
     src = tl.load(pair_row_ptr + tl.maximum(pair, 0)).to(tl.int64)
-    return r, blk, bmask, src, bmask & (pair >= 0)
+    return r, blk, bmask, src, pair
 
 
 @triton.jit
 def gather_split_kernel(
     sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, K,
     A_FMT: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr = True,
+    HW_CVT: tl.constexpr = False,
 ):
-    r, blk, bmask, src, m = _program_rows(sorted_pair_ptr, pair_row_ptr, K, BK, NB)
-    j = tl.arange(0, BK // 2)
-    kev = blk[:, None] * BK + 2 * j[None, :]  # [NB, BK // 2] even K index of each pair
-    if A_FMT == "bf16":
-        lo = tl.load(a_ptr + src * stride_am + kev, mask=m, other=0.0).to(tl.float32)
-        hi = tl.load(a_ptr + src * stride_am + kev + 1, mask=m, other=0.0).to(tl.float32)
-    else:
-        s = decode_e8m0(tl.load(as_ptr + src * stride_asm + kev // 32, mask=m, other=127))
-        if A_FMT == "fp8":
-            lo = decode_e4m3(tl.load(a_ptr + src * stride_am + kev, mask=m, other=0)) * s
-            hi = decode_e4m3(tl.load(a_ptr + src * stride_am + kev + 1, mask=m, other=0)) * s
-        else:
-            b = tl.load(a_ptr + src * stride_am + kev // 2, mask=m, other=0)
-            lo = decode_e2m1(b) * s
-            hi = decode_e2m1(b >> 4) * s
+    r, blk, m, src, pair = _program_rows(sorted_pair_ptr, pair_row_ptr, K, BK, NB)
+    if pair < 0:
+        return  # padding row: the GEMMs mask it out (never read), so it is not written
     if SPLIT:
+        j = tl.arange(0, BK // 2)
+        kev = blk[:, None] * BK + 2 * j[None, :]  # [NB, BK // 2] even K index of each pair
+        if A_FMT == "bf16":
+            lo = tl.load(a_ptr + src * stride_am + kev, mask=m, other=0.0).to(tl.float32)
+            hi = tl.load(a_ptr + src * stride_am + kev + 1, mask=m, other=0.0).to(tl.float32)
+        else:
+            s = decode_e8m0(tl.load(as_ptr + src * stride_asm + kev // 32, mask=m, other=127))
+            if A_FMT == "fp8":
+                lo = decode_e4m3(tl.load(a_ptr + src * stride_am + kev, mask=m, other=0)) * s
+                hi = decode_e4m3(tl.load(a_ptr + src * stride_am + kev + 1, mask=m, other=0)) * s
+            else:
+                b = tl.load(a_ptr + src * stride_am + kev // 2, mask=m, other=0)
+                lo = decode_e2m1(b) * s
+                hi = decode_e2m1(b >> 4) * s
         base = out_ptr + r * stride_om + blk[:, None] * BK + j[None, :]
-        tl.store(base, lo.to(tl.bfloat16), mask=bmask)
-        tl.store(base + BK // 2, hi.to(tl.bfloat16), mask=bmask)
-    else:
-        v = tl.reshape(tl.join(lo, hi), [NB, BK])  # natural K order
-        kk = blk[:, None] * BK + tl.arange(0, BK)[None, :]
-        tl.store(out_ptr + r * stride_om + kk, v.to(tl.bfloat16), mask=bmask)
+        tl.store(base, lo.to(tl.bfloat16), mask=m)
+        tl.store(base + BK // 2, hi.to(tl.bfloat16), mask=m)
+    else:  # natural K order (frag): contiguous loads, one scale per 32 values
+        kk = blk[:, None] * BK + tl.arange(0, BK)[None, :]  # [NB, BK]
+        if A_FMT == "bf16":
+            v = tl.load(a_ptr + src * stride_am + kk, mask=m, other=0.0)
+        else:
+            sb = blk[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :]
+            s = decode_e8m0(tl.load(as_ptr + src * stride_asm + sb, mask=m, other=127))  # [NB, BK // 32]
+            if A_FMT == "fp8":
+                b = tl.load(a_ptr + src * stride_am + kk, mask=m, other=0)
+                if HW_CVT:  # the GPU's e4m3 -> f16 conversion (exact); the integer decode is ALU-bound here
+                    x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                else:
+                    x = decode_e4m3(b)
+            else:
+                j = tl.arange(0, BK // 2)
+                b = tl.load(a_ptr + src * stride_am + blk[:, None] * (BK // 2) + j[None, :], mask=m, other=0)
+                x = tl.reshape(tl.join(decode_e2m1(b), decode_e2m1(b >> 4)), [NB, BK])
+            v = tl.reshape(tl.reshape(x, [NB, BK // 32, 32]) * s[:, :, None], [NB, BK])
+        tl.store(out_ptr + r * stride_om + kk, v.to(tl.bfloat16), mask=m)
 
 
 @triton.jit
@@ -65,9 +85,11 @@ def gather_e4m3_kernel(
     """Received MX rows -> expert-sorted e4m3 bytes + E8M0 scales (the frag8 decoder's A operand).
 
     fp8 rows are copied; fp4 rows become e4m3 bytes sign << 7 | code << 2 (value * 2**-6, exact) with
-    the scale byte raised by 6 (0xFF stays NaN). Padding rows get zero bytes and scale 127.
+    the scale byte raised by 6 (0xFF stays NaN). Padding rows are skipped (the GEMMs mask them).
     """
-    r, blk, bmask, src, m = _program_rows(sorted_pair_ptr, pair_row_ptr, K, BK, NB)
+    r, blk, m, src, pair = _program_rows(sorted_pair_ptr, pair_row_ptr, K, BK, NB)
+    if pair < 0:
+        return
     kk = blk[:, None] * BK + tl.arange(0, BK)[None, :]  # [NB, BK]
     sb = blk[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :]
     s = tl.load(as_ptr + src * stride_asm + sb, mask=m, other=127)
@@ -79,5 +101,5 @@ def gather_e4m3_kernel(
         codes = tl.reshape(tl.join(b & 0xF, b >> 4), [NB, BK])
         v = (((codes & 8) << 4) | ((codes & 7) << 2)).to(tl.uint8)
         s = tl.where(s == 255, 255, tl.minimum(s.to(tl.int32) + 6, 254)).to(tl.uint8)
-    tl.store(out_ptr + r * stride_om + kk, v, mask=bmask)
-    tl.store(os_ptr + r * stride_osm + sb, s, mask=bmask)
+    tl.store(out_ptr + r * stride_om + kk, v, mask=m)
+    tl.store(os_ptr + r * stride_osm + sb, s, mask=m)

@@ -34,12 +34,11 @@ def gemm1_swiglu_kernel(
     if expert < 0:
         return
     rows = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_pair_ptr + rows)
+    valid = pair >= 0  # padding rows of the tile are masked: their A is never read (L2 traffic at decode)
     if DECODE == "split" or DECODE == "frag" or DECODE == "frag8":  # A was gathered into sorted order (gather.py)
         a_rows = rows
-        valid = rows >= 0
     else:
-        pair = tl.load(sorted_pair_ptr + rows)
-        valid = pair >= 0
         a_rows = tl.load(pair_row_ptr + pair, mask=valid, other=0)
 
     n = pid_n * BN + tl.arange(0, BN)  # interleaved GEMM1 output index: 2 * i + (0 gate | 1 up)

@@ -30,6 +30,8 @@ def gemm2_weighted_kernel(
     if expert < 0:
         return
     rows = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_pair_ptr + rows)
+    valid = pair >= 0  # padding rows of the tile: A2 never read, nothing stored
     n = pid_n * BN + tl.arange(0, BN)
     nmask = n < N
     e64 = expert.to(tl.int64)
@@ -37,22 +39,20 @@ def gemm2_weighted_kernel(
     if DECODE == "frag8":
         acc = frag8_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, stride_wsn, pid_n * (BN // 16), N // 16,
-            a_ptr, rows, rows >= 0, stride_am, as_ptr, stride_asm, K, USE_ASM, BN, BM, BK, F32_DOT,
+            a_ptr, rows, valid, stride_am, as_ptr, stride_asm, K, USE_ASM, BN, BM, BK, F32_DOT,
         )
     elif DECODE == "frag":
         acc = frag_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), N // 16,
-            a_ptr, rows, rows >= 0, stride_am, K, USE_ASM, BN, BM, BK, F32_DOT,
+            a_ptr, rows, valid, stride_am, K, USE_ASM, BN, BM, BK, F32_DOT,
         )
     else:
         acc = mx_mainloop(
             acc,
             w_ptr + e64 * stride_we, n, nmask, stride_wn, ws_ptr + e64 * stride_wse, stride_wsn,
-            a_ptr, rows, rows >= 0, stride_am, as_ptr, stride_asm,
+            a_ptr, rows, valid, stride_am, as_ptr, stride_asm,
             K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
         )
-    pair = tl.load(sorted_pair_ptr + rows)
-    valid = pair >= 0
     wt = tl.load(route_w_ptr + pair, mask=valid, other=0.0)
     out = acc * wt[None, :]
     p64 = pair.to(tl.int64)[None, :]

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import interpreting
+
 
 @dataclass(frozen=True)
 class ExpertLayout:
@@ -39,7 +41,9 @@ def build_layout(slot: torch.Tensor, num_experts: int, block_m: int, capacity: i
 
     ``capacity`` is the most pairs this layout may ever hold (MTPR-derived); more pairs raise
     instead of being dropped. Slots must lie in [0, num_experts) (checked only on CPU tensors, where
-    the check costs no device synchronisation).
+    the check costs no device synchronisation). On CUDA (and under the Triton interpreter) three
+    small Triton launches build it (`layout_kernels.py`); otherwise torch ops do (`build_layout_torch`,
+    also the tests' reference). Both keep the pairs' order within an expert, so they agree exactly.
     """
     if slot.dim() != 1:
         raise ValueError(f"pairs.slot must be 1-D [P], got shape {tuple(slot.shape)}")
@@ -51,6 +55,18 @@ def build_layout(slot: torch.Tensor, num_experts: int, block_m: int, capacity: i
         )
     if slot.device.type == "cpu" and p and (int(slot.min()) < 0 or int(slot.max()) >= num_experts):
         raise ValueError(f"pairs.slot out of range [0, {num_experts}): min {int(slot.min())}, max {int(slot.max())}")
+    if slot.device.type == "cuda" or interpreting():
+        from .layout_kernels import build_layout_triton
+
+        n_tiles = max_tiles(p, num_experts, block_m)
+        tile_expert, sorted_pair = build_layout_triton(slot, num_experts, block_m, n_tiles)
+        return ExpertLayout(block_m=block_m, num_tiles=n_tiles, tile_expert=tile_expert, sorted_pair=sorted_pair)
+    return build_layout_torch(slot, num_experts, block_m)
+
+
+def build_layout_torch(slot: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
+    """The same layout from torch ops (about a dozen launches; the reference for the Triton build)."""
+    p = slot.shape[0]
     dev = slot.device
     n_tiles = max_tiles(p, num_experts, block_m)
     slot = slot.to(torch.int64)

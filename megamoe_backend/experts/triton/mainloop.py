@@ -160,22 +160,35 @@ def frag_mainloop(
     16-row block of the tile, num_rb: N / 16. One 128-bit load per lane and 64-wide K chunk; the
     decode yields the wgmma A registers directly, the reshapes below only rename them.
     """
+    # K >= BK always (K % 64 == 0, BK shrunk to divide K): without this the compiler keeps a
+    # zero-trip path that writes the accumulators and ptxas then serialises every wgmma (C7515)
+    tl.assume(K >= BK)
     RB: tl.constexpr = BN // 16
     KB: tl.constexpr = BK // 64
-    rb = rb0 + tl.arange(0, RB)
-    rmask = (rb < num_rb)[None, :]
-    chunk = rb.to(tl.int64)[None, :] * (K // 64) + tl.arange(0, KB)[:, None]  # [KB, RB] chunk index at k0 = 0
-    lane = tl.arange(0, 32)
-    w_off = chunk[:, :, None, None] * 512 + (lane * 16)[None, None, :, None] + tl.arange(0, 16)[None, None, None, :]
-    s_off = chunk[:, :, None, None] * 32 + (tl.arange(0, 8) * 4)[None, None, :, None] + tl.arange(0, 4)[None, None, None, :]
-    wm = rmask[:, :, None, None]
+    # The loads are 2-D [16-byte pieces, 16]: as 4-D tensors Triton's coalescing spread one warp's
+    # lanes over 16 chunks 512 bytes apart (8-way shared-memory bank conflicts on every cp.async
+    # write, 4x the L2 sectors for the scales); as rows, consecutive lanes take consecutive pieces.
+    # Row r of the words: chunk (kb, rb) = r // 32, lane r % 32; row r of the scales: chunk r // 2,
+    # half r % 2 (lanes g = 4 (r % 2) .. + 3). The reshapes after the loads are register renames.
+    piece = tl.arange(0, KB * RB * 32)
+    kb_w = piece // (RB * 32)
+    rb_w = rb0 + (piece // 32) % RB
+    w_off = (rb_w.to(tl.int64) * (K // 64) + kb_w) * 512 + (piece % 32) * 16
+    w_off = w_off[:, None] + tl.arange(0, 16)[None, :]
+    wm = (rb_w < num_rb)[:, None]
+    half = tl.arange(0, KB * RB * 2)
+    kb_s = half // (RB * 2)
+    rb_s = rb0 + (half // 2) % RB
+    s_off = (rb_s.to(tl.int64) * (K // 64) + kb_s) * 32 + (half % 2) * 16
+    s_off = s_off[:, None] + tl.arange(0, 16)[None, :]
+    sm = (rb_s < num_rb)[:, None]
     ar = a_rows.to(tl.int64)[None, :]
     am = a_mask[None, :]
     kk = tl.arange(0, BK)
     for k0 in range(0, K, BK):
         step = k0 // 64
-        words = tl.load(w_ptr + w_off + step * 512, mask=wm, other=0)  # [KB, RB, 32, 16]
-        s8 = tl.load(ws_ptr + s_off + step * 32, mask=wm, other=0)  # [KB, RB, 8 (g), 4 (j, dr)]
+        words = tl.reshape(tl.load(w_ptr + w_off + step * 512, mask=wm, other=0), [KB, RB, 32, 16])
+        s8 = tl.reshape(tl.load(ws_ptr + s_off + step * 32, mask=sm, other=0), [KB, RB, 8, 4])  # g, (j, dr)
         pair = s8.to(tl.int32) * 0x00800080  # bf16x2 bits of 2**(s - 64), both halves
         pair = tl.broadcast_to(tl.reshape(pair, [KB, RB, 8, 1, 2, 1, 2, 1]), [KB, RB, 8, 4, 2, 2, 2, 2])
         pair = tl.reshape(pair, [KB, RB, 32, 16])

@@ -165,10 +165,11 @@ class TritonExperts(ExpertsProvider):
             a2_scale = torch.empty(rows, inter // MX_BLOCK, dtype=torch.uint8, device=device)
         elif mode in ("split", "frag"):
             a_split = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
-            nb = 8
-            gather_split_kernel[(rows, triton.cdiv(hidden // bk1, nb))](
+            nb = triton.next_power_of_2(hidden // bk1)  # one program per row: padding rows exit at once
+            gather_split_kernel[(rows, 1)](
                 layout.sorted_pair, pair_row, a_data, a_data.stride(0), a_scale, a_scale.stride(0),
                 a_split, a_split.stride(0), hidden, A_FMT=a_fmt, BK=bk1, NB=nb, SPLIT=mode == "split",
+                HW_CVT=use_asm, num_warps=8,
             )
             a_data = a_scale = a_split
             a2 = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
