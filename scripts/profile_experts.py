@@ -28,6 +28,8 @@ def main() -> int:
     ap.add_argument("--variant", choices=["base", "nodecode"], default="base")
     ap.add_argument("--decoder", choices=["frag", "frag8"], default="frag")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the configs interleaved this many times (A/B against drift in clocks / power)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -55,24 +57,27 @@ def main() -> int:
     for tokens in args.tokens:
         x, pairs = make_routing(tokens, args.experts, 6, 7168, dev, tokens)
         a = quantize_rows(x, "fp8")
-        for cfg in configs:
-            prov = TritonExperts(capacity=len(pairs), decoder=args.decoder, config=cfg)
+        provs = [TritonExperts(capacity=len(pairs), decoder=args.decoder, config=cfg) for cfg in configs]
+        for prov in provs:
             for _ in range(3):
                 prov.forward(a, pairs, fp4, math)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.iters):
-                    prov.forward(a, pairs, fp4, math)
-                torch.cuda.synchronize()
-            per_kernel = collections.defaultdict(float)
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    per_kernel[ev.name.split("(")[0][:48]] += ev.device_time / args.iters
-            row = {"variant": args.variant, "decoder": args.decoder, "experts": args.experts, "tokens": tokens,
-                   "config": None if cfg is None else list(vars(cfg).values()),
-                   "kernels_us": {k: round(v, 1) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+        torch.cuda.synchronize()
+        for rnd in range(args.rounds):
+            for cfg, prov in zip(configs, provs):
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(args.iters):
+                        prov.forward(a, pairs, fp4, math)
+                    torch.cuda.synchronize()
+                per_kernel = collections.defaultdict(float)
+                for ev in prof.events():
+                    if ev.device_type == torch.autograd.DeviceType.CUDA:
+                        per_kernel[ev.name.split("(")[0][:48]] += ev.device_time / args.iters
+                row = {"variant": args.variant, "decoder": args.decoder, "experts": args.experts, "tokens": tokens,
+                       "round": rnd, "config": None if cfg is None else list(vars(cfg).values()),
+                       "total_us": round(sum(per_kernel.values()), 1),
+                       "kernels_us": {k: round(v, 1) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -177,6 +177,7 @@ def forward_scenario(rank: int, world: int, fmt: str) -> dict:
         "wire": runtime.plan.dispatch.name,
         "tensors_loaded": loaded,
         "sglang_params_released": released,
+        "converted_copy_released": getattr(layer, "_megamoe_weights", "missing") is None,
         "num_local_experts": layer.num_local_experts,
         "ep_rank": int(layer.moe_ep_rank),
         "transport": runtime.transport.name,

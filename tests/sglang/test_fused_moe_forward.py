@@ -86,6 +86,7 @@ def test_world1_runs_through_megamoe_and_matches_core(world1, fmt):
     }[fmt]
     assert r["tensors_loaded"] == 3 * 8 * (1 if fmt == "bf16" else 2)  # weights (+ scales) of 8 experts
     assert r["sglang_params_released"]  # MegaMoE holds the only (converted) copy
+    assert r["converted_copy_released"]  # ... and only the runtime's (prepared) one after the first forward
     assert r["out_shape"] == [5, 64] and r["out_dtype"] == "torch.bfloat16"
     assert r["equal_to_core_layer"], r["rel_l2_vs_core_layer"]
     assert r["rel_l2_vs_fp32_reference"] < REF_TOL[fmt]

@@ -150,6 +150,17 @@ def tile_coords(pid, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _fragment_pieces(rb0, num_rb, K, KB: tl.constexpr, RB: tl.constexpr, PIECES: tl.constexpr, CHUNK: tl.constexpr):
+    """Byte offsets [KB * RB * PIECES, 16] at k0 = 0 (+ the row mask) of a tile's 16-byte pieces of a
+    fragment array with CHUNK bytes per (16-row block, 64-wide K chunk): row r is piece r % PIECES of
+    chunk (kb, rb) = (r // (RB * PIECES), rb0 + r // PIECES % RB)."""
+    r = tl.arange(0, KB * RB * PIECES)
+    rb = rb0 + (r // PIECES) % RB
+    off = (rb.to(tl.int64) * (K // 64) + r // (RB * PIECES)) * CHUNK + (r % PIECES) * 16
+    return off[:, None] + tl.arange(0, 16)[None, :], (rb < num_rb)[:, None]
+
+
+@triton.jit
 def frag_mainloop(
     acc, w_ptr, ws_ptr, rb0, num_rb, a_ptr, a_rows, a_mask, stride_am, K,
     USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
@@ -160,28 +171,19 @@ def frag_mainloop(
     16-row block of the tile, num_rb: N / 16. One 128-bit load per lane and 64-wide K chunk; the
     decode yields the wgmma A registers directly, the reshapes below only rename them.
     """
-    # K >= BK always (K % 64 == 0, BK shrunk to divide K): without this the compiler keeps a
-    # zero-trip path that writes the accumulators and ptxas then serialises every wgmma (C7515)
+    # K >= BK always (K % 64 == 0, BK shrunk to divide K). Without it LLVM may keep a zero-trip path
+    # that writes the accumulators, and ptxas then serialises every wgmma (C7515): GEMM1 did so at
+    # commit ce681ac. tests/triton/test_sass.py checks the compiled loops.
     tl.assume(K >= BK)
     RB: tl.constexpr = BN // 16
     KB: tl.constexpr = BK // 64
     # The loads are 2-D [16-byte pieces, 16]: as 4-D tensors Triton's coalescing spread one warp's
     # lanes over 16 chunks 512 bytes apart (8-way shared-memory bank conflicts on every cp.async
     # write, 4x the L2 sectors for the scales); as rows, consecutive lanes take consecutive pieces.
-    # Row r of the words: chunk (kb, rb) = r // 32, lane r % 32; row r of the scales: chunk r // 2,
-    # half r % 2 (lanes g = 4 (r % 2) .. + 3). The reshapes after the loads are register renames.
-    piece = tl.arange(0, KB * RB * 32)
-    kb_w = piece // (RB * 32)
-    rb_w = rb0 + (piece // 32) % RB
-    w_off = (rb_w.to(tl.int64) * (K // 64) + kb_w) * 512 + (piece % 32) * 16
-    w_off = w_off[:, None] + tl.arange(0, 16)[None, :]
-    wm = (rb_w < num_rb)[:, None]
-    half = tl.arange(0, KB * RB * 2)
-    kb_s = half // (RB * 2)
-    rb_s = rb0 + (half // 2) % RB
-    s_off = (rb_s.to(tl.int64) * (K // 64) + kb_s) * 32 + (half % 2) * 16
-    s_off = s_off[:, None] + tl.arange(0, 16)[None, :]
-    sm = (rb_s < num_rb)[:, None]
+    # Words: 32 pieces (lanes) per chunk; scales: 2 pieces (g 0-3, g 4-7). The reshapes after the
+    # loads are register renames.
+    w_off, wm = _fragment_pieces(rb0, num_rb, K, KB, RB, 32, 512)
+    s_off, sm = _fragment_pieces(rb0, num_rb, K, KB, RB, 2, 32)
     ar = a_rows.to(tl.int64)[None, :]
     am = a_mask[None, :]
     kk = tl.arange(0, BK)

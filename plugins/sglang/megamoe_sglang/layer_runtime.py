@@ -55,4 +55,8 @@ def megamoe_runner_for(layer: Any, group: Any = "sglang") -> tuple[Any, MegaMoEQ
     )
     runner = MoeRunner(resolve_moe_runner_backend(BACKEND_NAME), layer.moe_runner_config)
     layer._megamoe_ep = (runner, MegaMoEQuantInfo(runtime=runtime))
+    # the runtime holds the weights in the layout its experts provider prepared (on CUDA the Triton
+    # provider re-lays MXFP4 as MMA fragments: new tensors); the converted copy would double the
+    # experts' memory
+    layer._megamoe_weights = None
     return layer._megamoe_ep

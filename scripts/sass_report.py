@@ -1,0 +1,137 @@
+"""Compile the frag expert GEMMs for sm_90a on any machine (no GPU) and report what ptxas made of them.
+
+Why: the H200 speed of these kernels hinges on properties visible only in the machine code — e.g.
+ptxas silently serialising every wgmma (info C7515) when the compiler leaves a path that writes the
+accumulators inside the MMA pipeline (GEMM1 at commit ce681ac: 25-42 % of its stall samples at
+1024 / 8192 tokens), register spills, or the instruction count of the K loop. Triton's
+wheel ships ptxas and nvdisasm, so CI checks these without a GPU (tests/triton/test_sass.py).
+
+    python3 scripts/sass_report.py            # table for the default tile of every frag bucket
+    python3 scripts/sass_report.py --json r.json
+
+Must run without TRITON_INTERPRET (the kernels must be JIT functions, not interpreted ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _tools() -> tuple[str, str]:
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return str(bin_dir / "ptxas"), str(bin_dir / "nvdisasm")
+
+
+def compile_gemm(which: str, cfg, a_fmt: str = "fp8"):
+    """triton.compile of gemm1_swiglu_kernel / gemm2_weighted_kernel with the frag decoder, as the
+    provider launches them (DSV4-Pro K: 7168 for GEMM1, 3072 for GEMM2; divisibility 16 hints)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megamoe_backend.experts.triton.config import reduction_block
+    from megamoe_backend.experts.triton.gemm1 import gemm1_swiglu_kernel
+    from megamoe_backend.experts.triton.gemm2 import gemm2_weighted_kernel
+
+    if which == "gemm1":
+        fn, k = gemm1_swiglu_kernel, 7168
+        ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "pair_row_ptr": "*i32", "a_ptr": "*bf16",
+                "as_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "o_ptr": "*bf16", "os_ptr": "*bf16"}
+        const = dict(W_FMT="mxfp4", A_FMT=a_fmt, PLAIN=False, HAS_LIMIT=True, DECODE="frag", USE_ASM=True,
+                     BN=cfg.block_n1, BM=cfg.block_m, BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m,
+                     F32_DOT=False, BK2=reduction_block(3072, cfg.block_k))
+        sig = {n: ("constexpr" if n in const else "fp32" if n == "limit" else ptrs.get(n, "i32")) for n in fn.arg_names}
+        divisible = set(ptrs) | {"K", "I"}
+    else:
+        fn, k = gemm2_weighted_kernel, 3072
+        ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "route_w_ptr": "*fp32", "a_ptr": "*bf16",
+                "as_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*fp32"}
+        const = dict(W_FMT="mxfp4", A_FMT="bf16", DECODE="frag", USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
+                     BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False)
+        sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
+        divisible = set(ptrs) | {"K", "N"}
+    names = fn.arg_names
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible or n.startswith("stride")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def _k_loop(sass: str) -> list[str]:
+    """Instructions of the longest backward-branch loop (the K loop)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^\s*\.(L_x_\d+):", l))}
+    best: list[str] = []
+    for i, l in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", l)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            body = [x for x in lines[labels[m.group(1)]: i + 1] if re.match(r"\s*/\*[0-9a-f]+\*/", x)]
+            best = max(best, body, key=len)
+    return best
+
+
+def report(which: str, cfg) -> dict:
+    ptxas, nvdisasm = _tools()
+    kernel = compile_gemm(which, cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        Path(ptx).write_text(kernel.asm["ptx"])
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True).stderr
+        Path(cubin).write_bytes(kernel.asm["cubin"])  # disassemble what Triton itself produced
+        sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
+    loop = _k_loop(sass)
+    ops = collections.Counter()
+    for line in loop:
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)
+        if m:
+            ops[m.group(2).split(".")[0]] += 1
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", info)]
+    block_k = {"gemm1": 7168, "gemm2": 3072}[which]
+    from megamoe_backend.experts.triton.config import reduction_block
+
+    weights_per_thread = cfg.block_n1 if which == "gemm1" else cfg.block_n2
+    weights_per_thread = weights_per_thread * reduction_block(block_k, cfg.block_k) // (32 * cfg.num_warps)
+    return {
+        "kernel": which,
+        "config": [cfg.block_m, cfg.block_n1 if which == "gemm1" else cfg.block_n2, cfg.block_k, cfg.num_warps, cfg.num_stages],
+        "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+        "spill_bytes": sum(spills),
+        "wgmma_serialized": "C7515" in info or "C7510" in info,
+        "loop_instructions": sum(ops.values()),
+        "loop_hgmma": ops["HGMMA"],
+        "loop_full_wgmma_waits": sum("DEPBAR.LE gsb0, 0x0" in x for x in loop),
+        "loop_instructions_per_weight": round(sum(ops.values()) / max(1, weights_per_thread), 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("sass_report: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)", file=sys.stderr)
+        return 2
+    from megamoe_backend.experts.triton.config import FRAG_BUCKETS
+
+    rows = [report(which, cfg) for _, cfg in FRAG_BUCKETS for which in ("gemm1", "gemm2")]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
