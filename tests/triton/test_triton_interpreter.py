@@ -175,6 +175,21 @@ def test_layout_triton_build_equals_torch_reference(p, e, bm):
     assert torch.equal(got.sorted_pair, ref.sorted_pair)
 
 
+def test_layout_triton_build_ignores_out_of_range_slots():
+    """Device slots are validated by the layer (a CPU tensor raises below); the kernels themselves
+    must never index out of bounds on a bad one: that pair simply gets no row."""
+    slot = torch.tensor([0, 2, 7, 1, -3, 2, 0])
+    tile_expert, sorted_pair = K["layout_kernels"].build_layout_triton(slot, 3, 4, K["layout"].max_tiles(7, 3, 4))
+    ref = K["layout"].build_layout_torch(torch.tensor([0, 2, 1, 2, 0]), 3, 4)
+    keep = torch.tensor([0, 1, 3, 5, 6], dtype=torch.int32)  # the in-range pairs, renumbered like ref
+    got = torch.where(sorted_pair >= 0, sorted_pair, -1)
+    placed = got[got >= 0]
+    assert sorted(placed.tolist()) == keep.tolist()
+    assert torch.equal(tile_expert[: ref.num_tiles], ref.tile_expert)
+    mapped = torch.where(got >= 0, torch.searchsorted(keep, got.clamp(min=0)).to(torch.int32), -1)
+    assert torch.equal(mapped[: ref.sorted_pair.numel()], ref.sorted_pair)
+
+
 def test_layout_capacity_and_range_errors():
     with pytest.raises(ValueError, match="capacity"):
         K["layout"].build_layout(torch.zeros(9, dtype=torch.int64), 2, 4, capacity=8)

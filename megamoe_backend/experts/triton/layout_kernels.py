@@ -22,11 +22,19 @@ CHUNK = 128  # pairs per chunk: the in-chunk rank is a CHUNK x CHUNK comparison
 
 
 @triton.jit
-def _chunk_histogram(slot_ptr, P, hist_ptr, E_PAD: tl.constexpr, CH: tl.constexpr):
-    c = tl.program_id(0)
-    i = c * CH + tl.arange(0, CH)
-    s = tl.load(slot_ptr + i, mask=i < P, other=E_PAD - 1).to(tl.int32)  # past P: the spare last bin
-    tl.store(hist_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.histogram(s, E_PAD))
+def _chunk_slots(slot_ptr, P, E, E_PAD: tl.constexpr, CH: tl.constexpr):
+    """This chunk's pair indices and slots; past P, and any slot outside [0, E), read as the spare
+    last bin E_PAD - 1, which no tile uses (the layer validates slots first; this only keeps a bad
+    slot from indexing out of bounds: such a pair gets no row)."""
+    i = tl.program_id(0) * CH + tl.arange(0, CH)
+    s = tl.load(slot_ptr + i, mask=i < P, other=E_PAD - 1).to(tl.int32)
+    return i, tl.where((s >= 0) & (s < E), s, E_PAD - 1)
+
+
+@triton.jit
+def _chunk_histogram(slot_ptr, P, E, hist_ptr, E_PAD: tl.constexpr, CH: tl.constexpr):
+    _, s = _chunk_slots(slot_ptr, P, E, E_PAD, CH)
+    tl.store(hist_ptr + tl.program_id(0) * E_PAD + tl.arange(0, E_PAD), tl.histogram(s, E_PAD))
 
 
 @triton.jit
@@ -66,16 +74,14 @@ def _plan(
 
 
 @triton.jit
-def _scatter(slot_ptr, P, base_ptr, sorted_pair_ptr, E_PAD: tl.constexpr, CH: tl.constexpr):
-    c = tl.program_id(0)
+def _scatter(slot_ptr, P, E, base_ptr, sorted_pair_ptr, E_PAD: tl.constexpr, CH: tl.constexpr):
+    i, s = _chunk_slots(slot_ptr, P, E, E_PAD, CH)
     j = tl.arange(0, CH)
-    i = c * CH + j
-    valid = i < P
-    s = tl.load(slot_ptr + i, mask=valid, other=E_PAD - 1).to(tl.int32)
+    placed = s < E
     earlier = (s[:, None] == s[None, :]) & (j[None, :] < j[:, None])
     rank = tl.sum(earlier.to(tl.int32), 1)
-    row = tl.load(base_ptr + c * E_PAD + s, mask=valid, other=0) + rank
-    tl.store(sorted_pair_ptr + row, i, mask=valid)
+    row = tl.load(base_ptr + tl.program_id(0) * E_PAD + s, mask=placed, other=0) + rank
+    tl.store(sorted_pair_ptr + row, i, mask=placed)
 
 
 def build_layout_triton(slot: torch.Tensor, num_experts: int, block_m: int, num_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +95,8 @@ def build_layout_triton(slot: torch.Tensor, num_experts: int, block_m: int, num_
     tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=dev)
     sorted_pair = torch.empty(num_tiles * block_m, dtype=torch.int32, device=dev)
     slot = slot.contiguous()
-    _chunk_histogram[(nc,)](slot, p, hist, E_PAD=e_pad, CH=CHUNK)
+    _chunk_histogram[(nc,)](slot, p, num_experts, hist, E_PAD=e_pad, CH=CHUNK)
     _plan[(1,)](hist, base, nc, num_experts, block_m, num_tiles, tile_expert, sorted_pair,
                 E_PAD=e_pad, CB=max(1, min(32, 8192 // e_pad)), TB=max(16, min(64, 8192 // e_pad)), num_warps=8)
-    _scatter[(nc,)](slot, p, base, sorted_pair, E_PAD=e_pad, CH=CHUNK)
+    _scatter[(nc,)](slot, p, num_experts, base, sorted_pair, E_PAD=e_pad, CH=CHUNK)
     return tile_expert, sorted_pair
