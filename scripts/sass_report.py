@@ -1,4 +1,4 @@
-"""Compile the frag expert GEMMs for sm_90a on any machine (no GPU) and report what ptxas made of them.
+"""Compile the expert GEMMs (frag and split decoders) for sm_90a on any machine (no GPU) and report what ptxas made of them.
 
 Why: the H200 speed of these kernels hinges on properties visible only in the machine code — e.g.
 ptxas silently serialising every wgmma (info C7515) when the compiler leaves a path that writes the
@@ -6,7 +6,7 @@ accumulators inside the MMA pipeline (GEMM1 at commit ce681ac: 25-42 % of its st
 1024 / 8192 tokens), register spills, or the instruction count of the K loop. Triton's
 wheel ships ptxas and nvdisasm, so CI checks these without a GPU (tests/triton/test_sass.py).
 
-    python3 scripts/sass_report.py            # table for the default tile of every frag bucket
+    python3 scripts/sass_report.py            # the default tile of every frag / split bucket
     python3 scripts/sass_report.py --json r.json
 
 Must run without TRITON_INTERPRET (the kernels must be JIT functions, not interpreted ones).
@@ -34,9 +34,9 @@ def _tools() -> tuple[str, str]:
     return str(bin_dir / "ptxas"), str(bin_dir / "nvdisasm")
 
 
-def compile_gemm(which: str, cfg, a_fmt: str = "fp8"):
-    """triton.compile of gemm1_swiglu_kernel / gemm2_weighted_kernel with the frag decoder, as the
-    provider launches them (DSV4-Pro K: 7168 for GEMM1, 3072 for GEMM2; divisibility 16 hints)."""
+def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8"):
+    """triton.compile of gemm1_swiglu_kernel / gemm2_weighted_kernel with the frag or split decoder
+    (both read bf16 A gathered by gather.py), as the provider launches them (DSV4-Pro K: 7168 for GEMM1, 3072 for GEMM2; divisibility 16 hints)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -49,7 +49,7 @@ def compile_gemm(which: str, cfg, a_fmt: str = "fp8"):
         fn, k = gemm1_swiglu_kernel, 7168
         ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "pair_row_ptr": "*i32", "a_ptr": "*bf16",
                 "as_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "o_ptr": "*bf16", "os_ptr": "*bf16"}
-        const = dict(W_FMT="mxfp4", A_FMT=a_fmt, PLAIN=False, HAS_LIMIT=True, DECODE="frag", USE_ASM=True,
+        const = dict(W_FMT="mxfp4", A_FMT=a_fmt, PLAIN=False, HAS_LIMIT=True, DECODE=decoder, USE_ASM=True,
                      BN=cfg.block_n1, BM=cfg.block_m, BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m,
                      F32_DOT=False, BK2=reduction_block(3072, cfg.block_k))
         sig = {n: ("constexpr" if n in const else "fp32" if n == "limit" else ptrs.get(n, "i32")) for n in fn.arg_names}
@@ -58,7 +58,7 @@ def compile_gemm(which: str, cfg, a_fmt: str = "fp8"):
         fn, k = gemm2_weighted_kernel, 3072
         ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "route_w_ptr": "*fp32", "a_ptr": "*bf16",
                 "as_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*fp32"}
-        const = dict(W_FMT="mxfp4", A_FMT="bf16", DECODE="frag", USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
+        const = dict(W_FMT="mxfp4", A_FMT="bf16", DECODE=decoder, USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
                      BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False)
         sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "N"}
@@ -82,9 +82,9 @@ def _k_loop(sass: str) -> list[str]:
     return best
 
 
-def report(which: str, cfg) -> dict:
+def report(which: str, cfg, decoder: str = "frag") -> dict:
     ptxas, nvdisasm = _tools()
-    kernel = compile_gemm(which, cfg)
+    kernel = compile_gemm(which, cfg, decoder)
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         Path(ptx).write_text(kernel.asm["ptx"])
@@ -105,6 +105,7 @@ def report(which: str, cfg) -> dict:
     weights_per_thread = weights_per_thread * reduction_block(block_k, cfg.block_k) // (32 * cfg.num_warps)
     return {
         "kernel": which,
+        "decoder": decoder,
         "config": [cfg.block_m, cfg.block_n1 if which == "gemm1" else cfg.block_n2, cfg.block_k, cfg.num_warps, cfg.num_stages],
         "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
         "spill_bytes": sum(spills),
@@ -123,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("sass_report: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)", file=sys.stderr)
         return 2
-    from megamoe_backend.experts.triton.config import FRAG_BUCKETS
+    from megamoe_backend.experts.triton.config import BUCKETS, FRAG_BUCKETS
 
-    rows = [report(which, cfg) for _, cfg in FRAG_BUCKETS for which in ("gemm1", "gemm2")]
+    tables = (("frag", FRAG_BUCKETS), ("split", BUCKETS))  # split: row-major MXFP4 the frag layout refuses
+    rows = [report(which, cfg, decoder) for decoder, table in tables for _, cfg in table for which in ("gemm1", "gemm2")]
     for r in rows:
         print(json.dumps(r), flush=True)
     if args.json:

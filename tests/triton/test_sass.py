@@ -1,9 +1,12 @@
-"""The frag GEMMs compiled for sm_90a (no GPU needed: Triton's own ptxas / nvdisasm) keep their
-wgmma pipeline: ptxas does not serialise the wgmmas (info C7515) and the K loop never waits for all
-of them, for the default tile of every token bucket. At commit ce681ac GEMM1 at the mid and prefill
-tiles failed both checks (one full wait after each of its 16 wgmmas per iteration; 25-42 % of its
-stall samples on the H200); `tl.assume(K >= BK)` in the mainloop removes that, and so (by luck of
-LLVM's block placement) does reading the tile's pair mask before the loop: this test pins it.
+"""The expert GEMMs compiled for sm_90a (no GPU needed: Triton's own ptxas / nvdisasm) keep their
+wgmma pipeline, for the default tile of every token bucket of the frag decoder (the GPU default) and
+of the split decoder (row-major MXFP4 that the fragment layout refuses): ptxas does not serialise the
+wgmmas (info C7515), and the frag K loop never waits for all of them.
+
+Why: when LLVM keeps a zero-trip path that writes the accumulators, ptxas serialises the loop (one
+full wait after every wgmma; 25-42 % of frag GEMM1's stall samples on the H200). That happened to
+frag GEMM1 at the mid / prefill tiles (commit ce681ac) and to split GEMM1 (mid) / GEMM2 (prefill)
+up to commit 8873e5a; `mainloop.assume_k_loop_runs`, called by both kernels, removes it.
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ def sass_rows(tmp_path_factory):
 
 
 def test_every_bucket_compiles_both_gemms(sass_rows):
-    from megamoe_backend.experts.triton.config import FRAG_BUCKETS
+    from megamoe_backend.experts.triton.config import BUCKETS, FRAG_BUCKETS
 
-    assert len(sass_rows) == 2 * len(FRAG_BUCKETS)
+    assert len(sass_rows) == 2 * (len(FRAG_BUCKETS) + len(BUCKETS))
     for row in sass_rows:
         assert row["loop_hgmma"] > 0, row  # the K loop really runs on wgmma (not an mma.sync fallback)
 
@@ -44,10 +47,12 @@ def test_every_bucket_compiles_both_gemms(sass_rows):
 def test_wgmma_pipeline_not_serialised(sass_rows):
     for row in sass_rows:
         assert not row["wgmma_serialized"], row
-        assert row["loop_full_wgmma_waits"] == 0, row
+        # frag: no full wait in the loop; split issues two dots per step and Triton waits once for both
+        assert row["loop_full_wgmma_waits"] <= (0 if row["decoder"] == "frag" else 1), row
 
 
 def test_decode_loop_stays_lean(sass_rows):
-    """Instructions per decoded weight in the K loop (2.8-3.6 today; ~6 before the frag layout)."""
+    """Instructions per decoded weight in the frag K loop (2.8-3.6 today; split, the row-major
+    fallback, takes ~6)."""
     for row in sass_rows:
-        assert row["loop_instructions_per_weight"] < 4.0, row
+        assert row["loop_instructions_per_weight"] < (4.0 if row["decoder"] == "frag" else 7.0), row

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import frag8_mainloop, frag_mainloop, mx_mainloop, tile_coords
+from .mainloop import assume_k_loop_runs, frag8_mainloop, frag_mainloop, mx_mainloop, tile_coords
 from .mxjit import fake_quant_blocks, round_bf16
 from .quant import quantize_blocks, quantize_blocks_e4m3
 
@@ -47,6 +47,7 @@ def gemm1_swiglu_kernel(
     else:
         w_rows = n
     e64 = expert.to(tl.int64)
+    assume_k_loop_runs(K, BK)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if DECODE == "frag8":  # FP8 tensor cores; fragment-ordered W1 is always gate/up interleaved
         acc = frag8_mainloop(

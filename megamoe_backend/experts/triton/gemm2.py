@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import frag8_mainloop, frag_mainloop, mx_mainloop, tile_coords
+from .mainloop import assume_k_loop_runs, frag8_mainloop, frag_mainloop, mx_mainloop, tile_coords
 
 
 @triton.jit
@@ -35,6 +35,7 @@ def gemm2_weighted_kernel(
     n = pid_n * BN + tl.arange(0, BN)
     nmask = n < N
     e64 = expert.to(tl.int64)
+    assume_k_loop_runs(K, BK)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if DECODE == "frag8":
         acc = frag8_mainloop(

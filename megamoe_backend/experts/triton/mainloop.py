@@ -138,6 +138,16 @@ def mx_mainloop(
 
 
 @triton.jit
+def assume_k_loop_runs(K, BK: tl.constexpr):
+    """Tell the compiler the K loop runs at least once (true: BK is shrunk to divide K, K >= 32).
+    Without it LLVM may keep a zero-trip path that writes the accumulators, and ptxas then
+    serialises every wgmma of the loop (info C7515): frag GEMM1 did so at commit ce681ac, split
+    GEMM1 / GEMM2 up to 8873e5a. Called by both GEMM kernels before any mainloop; tests/triton/test_sass.py
+    checks the compiled loops."""
+    tl.assume(K >= BK)
+
+
+@triton.jit
 def tile_coords(pid, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
     """Grouped ordering: GROUP_M consecutive M tiles (usually one expert) share each weight tile in L2."""
     per_group = GROUP_M * num_n_tiles
@@ -171,10 +181,6 @@ def frag_mainloop(
     16-row block of the tile, num_rb: N / 16. One 128-bit load per lane and 64-wide K chunk; the
     decode yields the wgmma A registers directly, the reshapes below only rename them.
     """
-    # K >= BK always (K % 64 == 0, BK shrunk to divide K). Without it LLVM may keep a zero-trip path
-    # that writes the accumulators, and ptxas then serialises every wgmma (C7515): GEMM1 did so at
-    # commit ce681ac. tests/triton/test_sass.py checks the compiled loops.
-    tl.assume(K >= BK)
     RB: tl.constexpr = BN // 16
     KB: tl.constexpr = BK // 64
     # The loads are 2-D [16-byte pieces, 16]: as 4-D tensors Triton's coalescing spread one warp's
