@@ -70,8 +70,8 @@ class TritonExperts(ExpertsProvider):
             return weights
         if self.decoder == "auto" and torch.version.hip is not None:
             return weights
-        if self.decoder == "frag8" and math is not None and math.a_format not in ("fp8", "fp4"):
-            raise ValueError(f"decoder='frag8' needs MX activations (A8W4 / A4W4); quant={math.quant} has bf16 A")
+        if self.decoder == "frag8" and math is not None:
+            _require_mx_activations(math)
         kind = "fp8" if self.decoder == "frag8" else "bf16"
         try:
             return weights.as_fragments(kind)
@@ -150,8 +150,7 @@ class TritonExperts(ExpertsProvider):
             raise ValueError(f"decoder={mode!r} needs block_k >= 64 dividing hidden={hidden} and intermediate={inter}")
         if mode == "frag8":
             bk1, bk2 = min(bk1, 128), min(bk2, 128)
-            if a_fmt not in ("fp8", "fp4"):
-                raise ValueError(f"decoder='frag8' needs MX activations (A8W4 / A4W4); quant={math.quant} has bf16 A")
+            _require_mx_activations(math)
             a8 = torch.empty(rows, hidden, dtype=torch.uint8, device=device)
             a8_scale = torch.empty(rows, hidden // MX_BLOCK, dtype=torch.uint8, device=device)
             nb = 8
@@ -213,6 +212,12 @@ class TritonExperts(ExpertsProvider):
             W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, **common,
         )
         return out
+
+
+def _require_mx_activations(math: ExpertMath) -> None:
+    """frag8 feeds e4m3 activations to the FP8 tensor cores: only A8W4 / A4W4 have them."""
+    if math.a_format not in ("fp8", "fp4"):
+        raise ValueError(f"decoder='frag8' needs MX activations (A8W4 / A4W4); quant={math.quant} has bf16 A")
 
 
 def _operand(x, a_fmt: str, dot_scaled: bool) -> tuple[torch.Tensor, torch.Tensor]:
