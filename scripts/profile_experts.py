@@ -7,6 +7,8 @@ the time that remains is what the decode does not cost.
 
     PYTHONPATH=. python3 scripts/profile_experts.py --tokens 8 128 --config 16,128,128,128,4,3 \\
         --json $OUT/profile.json
+    # interleaved A/B of decoders: each decoder's bucket default plus extra frag8 tiles
+    PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag frag8 --config frag8:16,256,256,64,4,4 --rounds 3
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=192)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 128, 1024])
     ap.add_argument("--config", action="append", default=[],
-                    help="block_m,block_n1,block_n2,block_k,num_warps,num_stages (repeatable; default: the bucket's)")
+                    help="[decoder:]block_m,block_n1,block_n2,block_k,num_warps,num_stages (repeatable; without a "
+                         "decoder prefix it applies to every decoder; each decoder also runs its bucket default)")
     ap.add_argument("--variant", choices=["base", "nodecode"], default="base")
-    ap.add_argument("--decoder", choices=["frag", "frag8"], default="frag")
+    ap.add_argument("--decoder", choices=["frag", "frag8"], nargs="+", default=["frag"])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the configs interleaved this many times (A/B against drift in clocks / power)")
@@ -51,28 +54,35 @@ def main() -> int:
     fp4, bf16 = make_weights(args.experts, 7168, 3072, dev, 0)
     del bf16
     math = ExpertMath("a8w4", 10.0)
-    fp4 = TritonExperts(decoder=args.decoder).prepare_weights(fp4, math)
-    configs = [TileConfig(*map(int, c.split(","))) for c in args.config] or [None]
+    prepared = {d: TritonExperts(decoder=d).prepare_weights(fp4, math) for d in args.decoder}
+    del fp4
+    runs = []  # (decoder, config or None = the bucket default)
+    for d in args.decoder:
+        runs.append((d, None))
+        for c in args.config:
+            dec, _, spec = c.rpartition(":")
+            if dec in ("", d):
+                runs.append((d, TileConfig(*map(int, spec.split(",")))))
     rows = []
     for tokens in args.tokens:
         x, pairs = make_routing(tokens, args.experts, 6, 7168, dev, tokens)
         a = quantize_rows(x, "fp8")
-        provs = [TritonExperts(capacity=len(pairs), decoder=args.decoder, config=cfg) for cfg in configs]
+        provs = [TritonExperts(capacity=len(pairs), decoder=d, config=cfg) for d, cfg in runs]
         for prov in provs:
             for _ in range(3):
-                prov.forward(a, pairs, fp4, math)
+                prov.forward(a, pairs, prepared[prov.decoder], math)
         torch.cuda.synchronize()
         for rnd in range(args.rounds):
-            for cfg, prov in zip(configs, provs):
+            for (dec, cfg), prov in zip(runs, provs):
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     for _ in range(args.iters):
-                        prov.forward(a, pairs, fp4, math)
+                        prov.forward(a, pairs, prepared[dec], math)
                     torch.cuda.synchronize()
                 per_kernel = collections.defaultdict(float)
                 for ev in prof.events():
                     if ev.device_type == torch.autograd.DeviceType.CUDA:
                         per_kernel[ev.name.split("(")[0][:48]] += ev.device_time / args.iters
-                row = {"variant": args.variant, "decoder": args.decoder, "experts": args.experts, "tokens": tokens,
+                row = {"variant": args.variant, "decoder": dec, "experts": args.experts, "tokens": tokens,
                        "round": rnd, "config": None if cfg is None else list(vars(cfg).values()),
                        "total_us": round(sum(per_kernel.values()), 1),
                        "kernels_us": {k: round(v, 1) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])}}

@@ -1,4 +1,4 @@
-"""Compile the expert GEMMs (frag and split decoders) for sm_90a on any machine (no GPU) and report what ptxas made of them.
+"""Compile the expert GEMMs (frag, frag8 and split decoders) for sm_90a on any machine (no GPU) and report what ptxas made of them.
 
 Why: the H200 speed of these kernels hinges on properties visible only in the machine code — e.g.
 ptxas silently serialising every wgmma (info C7515) when the compiler leaves a path that writes the
@@ -6,7 +6,7 @@ accumulators inside the MMA pipeline (GEMM1 at commit ce681ac: 25-42 % of its st
 1024 / 8192 tokens), register spills, or the instruction count of the K loop. Triton's
 wheel ships ptxas and nvdisasm, so CI checks these without a GPU (tests/triton/test_sass.py).
 
-    python3 scripts/sass_report.py            # the default tile of every frag / split bucket
+    python3 scripts/sass_report.py            # the default tile of every frag / frag8 / split bucket
     python3 scripts/sass_report.py --json r.json
 
 Must run without TRITON_INTERPRET (the kernels must be JIT functions, not interpreted ones).
@@ -36,7 +36,8 @@ def _tools() -> tuple[str, str]:
 
 def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8"):
     """triton.compile of gemm1_swiglu_kernel / gemm2_weighted_kernel with the frag or split decoder
-    (both read bf16 A gathered by gather.py), as the provider launches them (DSV4-Pro K: 7168 for GEMM1, 3072 for GEMM2; divisibility 16 hints)."""
+    (both read bf16 A gathered by gather.py) or frag8 (e4m3 A), as the provider launches them (DSV4-Pro
+    K: 7168 for GEMM1, 3072 for GEMM2; divisibility 16 hints)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -45,10 +46,13 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8"):
     from megamoe_backend.experts.triton.gemm1 import gemm1_swiglu_kernel
     from megamoe_backend.experts.triton.gemm2 import gemm2_weighted_kernel
 
+    a_ty = "*fp8e4nv" if decoder == "frag8" else "*bf16"
+    o_ty = "*u8" if decoder == "frag8" else "*bf16"  # frag8: GEMM1 writes A2 in the MX wire format
+    rows = {"wrs_ptr": "*fp32", "ars_ptr": "*fp32"}
     if which == "gemm1":
         fn, k = gemm1_swiglu_kernel, 7168
-        ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "pair_row_ptr": "*i32", "a_ptr": "*bf16",
-                "as_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "o_ptr": "*bf16", "os_ptr": "*bf16"}
+        ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "pair_row_ptr": "*i32", "a_ptr": a_ty,
+                "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "o_ptr": o_ty, "os_ptr": "*u8", **rows}
         const = dict(W_FMT="mxfp4", A_FMT=a_fmt, PLAIN=False, HAS_LIMIT=True, DECODE=decoder, USE_ASM=True,
                      BN=cfg.block_n1, BM=cfg.block_m, BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m,
                      F32_DOT=False, BK2=reduction_block(3072, cfg.block_k))
@@ -56,9 +60,9 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8"):
         divisible = set(ptrs) | {"K", "I"}
     else:
         fn, k = gemm2_weighted_kernel, 3072
-        ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "route_w_ptr": "*fp32", "a_ptr": "*bf16",
-                "as_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*fp32"}
-        const = dict(W_FMT="mxfp4", A_FMT="bf16", DECODE=decoder, USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
+        ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "route_w_ptr": "*fp32", "a_ptr": a_ty,
+                "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*fp32", **rows}
+        const = dict(W_FMT="mxfp4", A_FMT="fp8" if decoder == "frag8" else "bf16", DECODE=decoder, USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
                      BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False)
         sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "N"}
@@ -111,7 +115,7 @@ def report(which: str, cfg, decoder: str = "frag") -> dict:
         "spill_bytes": sum(spills),
         "wgmma_serialized": "C7515" in info or "C7510" in info,
         "loop_instructions": sum(ops.values()),
-        "loop_hgmma": ops["HGMMA"],
+        "loop_hgmma": ops["HGMMA"] + ops["QGMMA"],  # bf16 / fp8 wgmma
         "loop_full_wgmma_waits": sum("DEPBAR.LE gsb0, 0x0" in x for x in loop),
         "loop_instructions_per_weight": round(sum(ops.values()) / max(1, weights_per_thread), 3),
     }
@@ -124,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("sass_report: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)", file=sys.stderr)
         return 2
-    from megamoe_backend.experts.triton.config import BUCKETS, FRAG_BUCKETS
+    from megamoe_backend.experts.triton.config import BUCKETS, FRAG8_BUCKETS, FRAG_BUCKETS
 
-    tables = (("frag", FRAG_BUCKETS), ("split", BUCKETS))  # split: row-major MXFP4 the frag layout refuses
+    tables = (("frag", FRAG_BUCKETS), ("frag8", FRAG8_BUCKETS), ("split", BUCKETS))  # split: row-major MXFP4 the frag layout refuses
     rows = [report(which, cfg, decoder) for decoder, table in tables for _, cfg in table for which in ("gemm1", "gemm2")]
     for r in rows:
         print(json.dumps(r), flush=True)

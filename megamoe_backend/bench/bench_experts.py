@@ -44,24 +44,20 @@ SCHEMES = {  # name -> (ExpertMath.quant, weight format)
     "bf16": ("bf16", "bf16"),
 }
 
-# Extra tile configs tried with --variants (scheme a8w4, first expert count, default decoder), per
-# bucket class; the split and dot_scaled decoders (row-major weights) run beside them on their defaults.
+# Extra tile configs tried with --variants (scheme a8w4, first expert count, default decoder = frag8),
+# per bucket class; the frag, split and dot_scaled decoders run beside them on their defaults.
 VARIANTS = {
     "decode": [
-        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3),
-        TileConfig(block_m=16, block_n1=256, block_n2=256, block_k=64, num_warps=4, num_stages=4),
         TileConfig(block_m=16, block_n1=256, block_n2=256, block_k=128, num_warps=4, num_stages=3),
-        TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
+        TileConfig(block_m=16, block_n1=256, block_n2=256, block_k=64, num_warps=4, num_stages=4),
     ],
     "mid": [
         TileConfig(block_m=32, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
-        TileConfig(block_m=32, block_n1=256, block_n2=256, block_k=128, num_warps=4, num_stages=3),
         TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
     ],
     "prefill": [
-        TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=3),
-        TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
-        TileConfig(block_m=128, block_n1=256, block_n2=256, block_k=128, num_warps=8, num_stages=3),
+        TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
+        TileConfig(block_m=128, block_n1=256, block_n2=256, block_k=128, num_warps=8, num_stages=4),
     ],
 }
 
@@ -322,20 +318,28 @@ def run(args: argparse.Namespace) -> int:
     variants: list[Case] = []
     max_e = max(args.experts)
     fp4_all, bf16_all = make_weights(max_e, hidden, inter, device, args.seed)
-    # the layer calls prepare_weights once per layer; only frag8 depends on the activation format (it
-    # takes MX activations only, so bf16-A schemes keep row-major weights and report the decoder error)
-    mx_math = ExpertMath("a8w4", limit)
-    fp4_mx = TritonExperts(decoder=args.decoder).prepare_weights(fp4_all, mx_math)
-    fp4_prepared = {True: fp4_mx, False: fp4_all if args.decoder == "frag8" else fp4_mx}
-    fp4_frag8 = None
-    if args.variants:  # the FP8-MMA design, measured beside the default (docs/triton.md)
-        fp4_frag8 = fp4_mx if args.decoder == "frag8" else TritonExperts(decoder="frag8").prepare_weights(fp4_all, mx_math)
+    # the layer calls prepare_weights once per layer with its math: "auto" re-lays MXFP4 weights as FP8
+    # fragments (frag8) for MX activations and as bf16 fragments (frag) for bf16 activations
+    by_kind = {}  # storage -> prepared weights (one copy each)
+
+    def prepared(decoder: str, math: ExpertMath) -> ExpertWeights:
+        want = {"frag": "fragments", "frag8": "fragments_fp8"}.get(decoder)
+        if want in by_kind:
+            return by_kind[want]
+        w = TritonExperts(decoder=decoder).prepare_weights(fp4_all, math) if decoder in ("auto", "frag", "frag8") else fp4_all
+        return by_kind.setdefault(w.storage, w)
+
+    mx_math, bf16_math = ExpertMath("a8w4", limit), ExpertMath("bf16", limit)
+    fp4_prepared = {True: prepared(args.decoder, mx_math), False: prepared(args.decoder if args.decoder != "frag8" else "split", bf16_math)}
+    if args.variants:  # the other fragment decoder, measured beside the default (docs/triton.md)
+        for d in ("frag", "frag8"):
+            prepared(d, mx_math)
     torch.cuda.synchronize() if device.type == "cuda" else None
     print(f"weights ready ({time.time() - t_start:.1f}s)")
     for n_exp in args.experts:
         fp4 = slice_weights(fp4_all, n_exp)
         fp4_prep = {mx: slice_weights(w, n_exp) for mx, w in fp4_prepared.items()}
-        fp4_f8 = slice_weights(fp4_frag8, n_exp) if fp4_frag8 is not None else None
+        kinds = {st: slice_weights(w, n_exp) for st, w in by_kind.items()}
         bf16 = slice_weights(bf16_all, n_exp)
         for tokens in args.tokens:
             x, pairs = make_routing(tokens, n_exp, topk, hidden, device, args.seed + tokens)
@@ -363,7 +367,9 @@ def run(args: argparse.Namespace) -> int:
                 configs = [(args.decoder, None)]
                 if args.variants and scheme == "a8w4" and n_exp == args.experts[0]:
                     configs += [(args.decoder, v) for v in VARIANTS[bucket_class(p, n_exp)]]
-                    configs += [("frag8", None), ("split", None), ("dot_scaled", None)]
+                    default_mode = TritonExperts(decoder=args.decoder).resolve_decoder(wfmt, fp4_prep[True].storage)
+                    configs += [(d, None) for d in ("frag", "frag8") if d != default_mode]
+                    configs += [("split", None), ("dot_scaled", None)]
                 for i, (decoder, cfg) in enumerate(configs):
                     prov = TritonExperts(capacity=p, decoder=decoder, config=cfg)
                     if wfmt == "bf16":
@@ -371,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
                     elif decoder == args.decoder:
                         weights = fp4_prep[a_fmt is not None]
                     else:
-                        weights = fp4_f8 if decoder == "frag8" else fp4
+                        weights = kinds.get({"frag": "fragments", "frag8": "fragments_fp8"}.get(decoder, "rowmajor"), fp4)
                     mode = prov.resolve_decoder(wfmt, weights.storage)
                     used = cfg or default_config(p, n_exp, mode)
                     c = Case(n_exp, tokens, p, scheme, "triton", mode, describe(used),
@@ -415,7 +421,8 @@ def slice_weights(w: ExpertWeights, n: int) -> ExpertWeights:
     if w.num_experts == n:
         return w
     cut = lambda t: None if t is None else t[:n]  # noqa: E731 - leading-dim slices stay contiguous
-    return ExpertWeights(cut(w.w1), cut(w.w2), w.fmt, w.gate_up_layout, cut(w.w1_scale), cut(w.w2_scale), w.storage)
+    return ExpertWeights(cut(w.w1), cut(w.w2), w.fmt, w.gate_up_layout, cut(w.w1_scale), cut(w.w2_scale), w.storage,
+                         cut(w.w1_row_scale), cut(w.w2_row_scale))
 
 
 def command_line() -> str:

@@ -26,13 +26,21 @@ Scales become [E, N/16, K/64, 8 (g), 4 (block j, dr)] bytes holding s + 63 (the 
 Limits (checked here, once, with a clear error): N % 16 == 0, K % 64 == 0, every E8M0 weight scale
 in [58, 191] (2**-69 .. 2**64; outside it the shifted-scale trick would round or overflow).
 
-A second kind, "fp8", feeds the FP8 tensor cores (decoder ``frag8``, A8W4 / A4W4): the wgmma e4m3
+A second kind, "fp8", feeds the FP8 tensor cores (decoder ``frag8``, A8W4 / A4W4) with one long
+K loop (no per-32 rescale of partial sums): the E8M0 block scales are folded into the decoded e4m3
+weights, relative to one power-of-two scale per weight row that the epilogue applies. The wgmma e4m3
 A fragment gives a lane, per 16 x 32 tile, 4 consecutive K of rows g and g+8 in one register each
-(K 4c .. 4c+3, and again at K + 16). One word holds those 8 weights; ``x & 0x9C9C9C9C`` gives the 4
-e4m3 bytes of row g and ``((x << 2) & 0x8C8C8C8C) | ((x >> 2) & 0x10101010)`` those of row g+8, each
-byte sign << 7 | magnitude << 2 = value * 2**-6 exactly (0.5 lands on the e4m3 subnormal 2**-7).
-Word j of a lane covers K 16 * j .. (with j = 2 * [K + 32] + [K + 16]); block scales stay row-major
-[E, N, K/32] (the kernel applies them per 32-wide K step on the fp32 accumulator).
+(K 4c .. 4c+3, and again at K + 16). One word holds those 8 weights, laid out for PRMT table lookups:
+row g's 3-bit magnitudes in nibbles 0-3 (bits 4i..4i+2) and signs at bits 8i+7, row g+8's
+magnitudes in nibbles 4-7 and signs at bits 8i+3, so that
+    X = prmt(lut_g, x & 0x7777) | (x & 0x80808080)
+    Y = prmt(lut_g8, (x >> 16) & 0x7777) | ((x << 4) & 0x80808080)
+where a lut is the 8 e4m3 bytes of the magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} x 2**(S - 5): the
+kernel builds it with two integer multiply-adds from the block's 4-bit S (FP8_LUT_LO/HI + 8 S x
+0x01010100 / 0x01010101). S = s - row_ref + 5 in [0, 11] with row_ref = max(s over the row) - 6, so
+every value e2m1 x 2**(S - 5) is a normal e4m3 number (exact), and the row keeps 2**(row_ref - 127)
+as an fp32 ``row_scale``. Limits (checked once, clear error): a row's block scales (of blocks with a
+non-zero value) span at most 11 binades, no NaN scale. S bytes use the bf16 kind's fragment order.
 """
 
 from __future__ import annotations
@@ -45,13 +53,14 @@ FRAG_ROWS = 16  # rows per fragment block (one warp's wgmma slab)
 FRAG_K = 64  # K per fragment block (16 bytes per lane)
 KINDS = ("bf16", "fp8")
 SCALE_MIN, SCALE_MAX = 58, 191  # bf16 kind
-FP8_SCALE_MAX = 248  # fp8 kind: the kernel builds 2**(s - 121) in fp32
+FP8_S_MAX = 11  # fp8 kind: S = s - row_ref + 5, S - 5 in [-5, 6] keeps e2m1 x 2**(S - 5) normal in e4m3
+FP8_LUT_LO, FP8_LUT_HI = 0x14100800, 0x24201C18  # e4m3 bytes of {0, .5, 1, 1.5} / {2, 3, 4, 6} x 2**-5
 SCALE_BIAS = 63  # bf16 kind: stored scale byte = s + 63 = bf16 exponent field of 2**(s - 64)
 BF16_MASK = 0x81C081C0
 
 # (sign bit, [e1, e0, m] bits) of the 8 nibble fields of a word, per kind.
 # bf16: X0 X1 X2 X3 Y0 Y1 Y2 Y3 (X = K, Y = K + 8; r = 2 * dr + dk)
-# fp8:  X0..X3 (row g, K + i), Y0..Y3 (row g + 8, K + i)
+# fp8:  X0..X3 (row g, K + i: mag in nibble i, sign 8i+7), Y0..Y3 (row g + 8: nibble 4 + i, sign 8i+3)
 FIELDS = {
     "bf16": (
         (15, (8, 7, 6)), (31, (24, 23, 22)),
@@ -59,8 +68,8 @@ FIELDS = {
         (3, (28, 27, 26)), (19, (12, 11, 10)),
         (13, (14, 5, 4)), (29, (30, 21, 20)),
     ),
-    "fp8": tuple((7 + 8 * i, (4 + 8 * i, 3 + 8 * i, 2 + 8 * i)) for i in range(4))
-    + tuple((5 + 8 * i, (6 + 8 * i, 1 + 8 * i, 0 + 8 * i)) for i in range(4)),
+    "fp8": tuple((7 + 8 * i, (4 * i + 2, 4 * i + 1, 4 * i)) for i in range(4))
+    + tuple((3 + 8 * i, (16 + 4 * i + 2, 16 + 4 * i + 1, 16 + 4 * i)) for i in range(4)),
 }
 
 
@@ -82,10 +91,11 @@ class FragmentWeights:
     """One weight matrix stack [E, N, K] in fragment order (see the module docstring)."""
 
     words: torch.Tensor  # uint8 [E, N/16, K/64, 32, 16]
-    scales: torch.Tensor  # bf16 kind: uint8 [E, N/16, K/64, 8, 4] (s + 63); fp8 kind: E8M0 [E, N, K/32]
+    scales: torch.Tensor  # uint8 [E, N/16, K/64, 8, 4]: bf16 kind s + 63; fp8 kind S = s - row_ref + 5
     n: int
     k: int
     kind: str = "bf16"
+    row_scale: torch.Tensor | None = None  # fp8 kind: fp32 [E, N] = 2**(row_ref - 127)
 
 
 def check_fragment_shape(name: str, n: int, k: int) -> None:
@@ -109,11 +119,28 @@ def _check_scales(name: str, scales: torch.Tensor, kind: str) -> None:
             f"{name}_scale: E8M0 bytes span [{lo}, {hi}]; the frag decoder is exact only for [{SCALE_MIN}, {SCALE_MAX}] "
             "(block scales 2**-69 .. 2**64): use decoder='split' or 'dot_scaled' for these weights"
         )
-    if kind == "fp8" and hi > FP8_SCALE_MAX:
-        raise ValueError(f"{name}_scale: E8M0 bytes up to {hi} (NaN or > 2**121); the frag8 decoder takes <= {FP8_SCALE_MAX}")
+    if kind == "fp8" and hi == 255:
+        raise ValueError(f"{name}_scale: E8M0 byte 255 (NaN); the frag8 decoder folds scales into e4m3 weights")
 
 
-def to_fragments(name: str, packed: torch.Tensor, scales: torch.Tensor, kind: str = "bf16") -> FragmentWeights:
+def _fp8_row_fold(name: str, codes: torch.Tensor, scales: torch.Tensor, expert0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes int [E, N, K], E8M0 [E, N, K/32] -> (S uint8 [E, N, K/32], row_scale fp32 [E, N]) of the fp8 kind."""
+    s = scales.to(torch.int32)
+    live = (codes & 7).reshape(*scales.shape, 32).ne(0).any(dim=-1)  # blocks holding a non-zero value
+    top = torch.where(live, s, 0).amax(dim=-1, keepdim=True)
+    ref = (top - 6).clamp_min(1)  # row_scale = 2**(ref - 127) stays a normal fp32
+    fold = torch.where(live, s - ref + 5, 0)
+    if fold.numel() and (int(fold.min()) < 0 or int(fold.max()) > FP8_S_MAX):
+        bad = (fold < 0).nonzero()[0].tolist()
+        raise ValueError(
+            f"{name}_scale: expert {expert0 + bad[0]} row {bad[1]} has block scales spanning more than {FP8_S_MAX} binades "
+            f"(block {bad[2]}: 2**{int(s[tuple(bad)]) - 127} vs row max 2**{int(top[bad[0], bad[1], 0]) - 127}); the frag8 decoder "
+            "folds them into e4m3 weights exactly only within that span: use decoder='frag' for these weights"
+        )
+    return fold.to(torch.uint8), torch.pow(2.0, (ref[..., 0] - 127).double()).float()
+
+
+def to_fragments(name: str, packed: torch.Tensor, scales: torch.Tensor, kind: str = "bf16", _expert0: int = 0) -> FragmentWeights:
     """uint8 e2m1 [E, N, K/2] + E8M0 [E, N, K/32] -> FragmentWeights (pure torch, any device)."""
     if kind not in KINDS:
         raise ValueError(f"fragment kind {kind!r}; expected one of {KINDS}")
@@ -124,8 +151,9 @@ def to_fragments(name: str, packed: torch.Tensor, scales: torch.Tensor, kind: st
         raise ValueError(f"{name}_scale: expected [{e}, {n}, {k // 32}], got {tuple(scales.shape)}")
     _check_scales(name, scales, kind)
     if e > 1:  # one expert at a time: the int64 temporaries are 16x the packed bytes
-        parts = [to_fragments(name, packed[i : i + 1], scales[i : i + 1], kind) for i in range(e)]
-        return FragmentWeights(torch.cat([f.words for f in parts]), torch.cat([f.scales for f in parts]), n, k, kind)
+        parts = [to_fragments(name, packed[i : i + 1], scales[i : i + 1], kind, i) for i in range(e)]
+        row_scale = torch.cat([f.row_scale for f in parts]) if kind == "fp8" else None
+        return FragmentWeights(torch.cat([f.words for f in parts]), torch.cat([f.scales for f in parts]), n, k, kind, row_scale)
     rb, kb = n // FRAG_ROWS, k // FRAG_K
     blocks = _codes(packed).reshape(rb, FRAG_ROWS, kb, FRAG_K).permute(0, 2, 1, 3).to(torch.int64)  # [rb, kb, 16, 64]
     rows, cols = (t.to(packed.device) for t in _block_map(kind))
@@ -138,11 +166,14 @@ def to_fragments(name: str, packed: torch.Tensor, scales: torch.Tensor, kind: st
             word |= ((c >> src) & 1) << bit
     words = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)  # little-endian
     words = words.reshape(1, rb, kb, 32, 16).contiguous()
+    row_scale = None
     if kind == "fp8":
-        return FragmentWeights(words, scales.contiguous(), n, k, kind)
+        stored, row_scale = _fp8_row_fold(name, _codes(packed).reshape(1, n, k), scales, _expert0)
+    else:
+        stored = (scales.to(torch.int32) + SCALE_BIAS).to(torch.uint8)
     # scales[e, rb, dr, g, kb, j] -> [e, rb, kb, g, j, dr]
-    s = scales.reshape(e, rb, 2, 8, kb, 2).permute(0, 1, 4, 3, 5, 2).reshape(e, rb, kb, 8, 4)
-    return FragmentWeights(words, (s.to(torch.int32) + SCALE_BIAS).to(torch.uint8).contiguous(), n, k, kind)
+    stored = stored.reshape(e, rb, 2, 8, kb, 2).permute(0, 1, 4, 3, 5, 2).reshape(e, rb, kb, 8, 4)
+    return FragmentWeights(words, stored.contiguous(), n, k, kind, row_scale)
 
 
 def from_fragments(f: FragmentWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,21 +190,39 @@ def from_fragments(f: FragmentWeights) -> tuple[torch.Tensor, torch.Tensor]:
         codes[:, :, :, rows[..., fi], cols[..., fi]] = c
     codes = codes.permute(0, 1, 3, 2, 4).reshape(e, f.n, f.k)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-    if f.kind == "fp8":
-        return packed, f.scales.clone()
-    s = f.scales.to(torch.int32) - SCALE_BIAS
-    s = s.reshape(e, rb, kb, 8, 2, 2).permute(0, 1, 5, 3, 2, 4).reshape(e, f.n, f.k // 32)
-    return packed, s.to(torch.uint8)
+    s = f.scales.to(torch.int32).reshape(e, rb, kb, 8, 2, 2).permute(0, 1, 5, 3, 2, 4).reshape(e, f.n, f.k // 32)
+    if f.kind == "bf16":
+        return packed, (s - SCALE_BIAS).to(torch.uint8)
+    # fp8 kind: s = S + row_ref - 5; a block without a non-zero value kept no scale (S = 0), so it gets
+    # the smallest byte its row can express there (its values are zero either way)
+    ref = torch.frexp(f.row_scale.double())[1].to(torch.int32) - 1 + 127  # row_scale = 2**(ref - 127)
+    return packed, (s + ref[..., None] - 5).clamp(0, 254).to(torch.uint8)
 
 
-def decode_words_reference(words: torch.Tensor, kind: str = "bf16") -> torch.Tensor:
+def fp8_luts(stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8-kind S bytes -> the two 32-bit PRMT tables (int64) the kernel builds from each."""
+    rep = stored.to(torch.int64) * 8
+    return FP8_LUT_LO + rep * 0x01010100, FP8_LUT_HI + rep * 0x01010101
+
+
+def _prmt(lo: torch.Tensor, hi: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """PTX prmt.b32 (default mode, selector nibbles < 8): byte i = byte sel[4i:4i+3] of {hi, lo}."""
+    table = lo | (hi << 32)
+    return sum((((table >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i)) for i in range(4))
+
+
+def decode_words_reference(words: torch.Tensor, kind: str = "bf16", luts=None) -> torch.Tensor:
     """What the kernel's PTX does to each 32-bit word, in torch (tests): uint8 [..., 4] -> int64 [..., R]:
     bf16 kind: the four masked bf16x2 registers (before the scale multiply); fp8 kind: the two e4m3x4
-    registers (rows g and g + 8)."""
+    registers (rows g and g + 8), given ``luts`` = ((lo_g, hi_g), (lo_g8, hi_g8)) from fp8_luts,
+    broadcastable to the words."""
     b = words.to(torch.int64)
     x = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
     if kind == "fp8":
-        return torch.stack((x & 0x9C9C9C9C, ((x << 2) & 0x8C8C8C8C) | ((x >> 2) & 0x10101010)), dim=-1)
+        (xlo, xhi), (ylo, yhi) = luts
+        r0 = _prmt(xlo, xhi, x & 0x7777) | (x & 0x80808080)
+        r1 = _prmt(ylo, yhi, (x >> 16) & 0x7777) | ((x << 4) & 0x80808080)
+        return torch.stack((r0, r1), dim=-1)
     r0 = x & BF16_MASK
     r1 = (x << 6) & BF16_MASK
     r2 = (((x << 12) | (x >> 20)) & 0xFFFFFFFF) & BF16_MASK

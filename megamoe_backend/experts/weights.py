@@ -13,9 +13,9 @@ kernels expect), "plain" = [g0 .. g_{I-1}, u0 .. u_{I-1}] (HF checkpoints' gate_
 ``storage`` says how the MXFP4 bytes are ordered: "rowmajor" (checkpoint order, what every provider
 reads), "fragments" (the same bytes re-laid as Hopper bf16 MMA register fragments by
 ``as_fragments()``, what the Triton ``frag`` decoder reads) or "fragments_fp8" (re-laid for the FP8
-MMA, ``as_fragments("fp8")``, the ``frag8`` decoder; scales stay row-major); see
-experts/fragments.py. Fragment storage keeps the tensor shapes above, so a layer holds one copy of
-its weights either way.
+MMA, ``as_fragments("fp8")``, the ``frag8`` decoder, which also keeps one fp32 power-of-two scale per
+weight row in ``w1_row_scale`` [E, 2I] / ``w2_row_scale`` [E, H]); see experts/fragments.py.
+Fragment storage keeps the tensor shapes above, so a layer holds one copy of its weights either way.
 """
 
 from __future__ import annotations
@@ -40,10 +40,18 @@ class ExpertWeights:
     w1_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
     storage: str = "rowmajor"
+    w1_row_scale: torch.Tensor | None = None  # fragments_fp8 only: fp32 [E, 2I]
+    w2_row_scale: torch.Tensor | None = None  # fragments_fp8 only: fp32 [E, H]
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGES:
             raise ValueError(f"ExpertWeights.storage={self.storage!r}; expected one of {STORAGES}")
+        for name, rows in (("w1_row_scale", self.w1.shape[:2]), ("w2_row_scale", self.w2.shape[:2])):
+            t = getattr(self, name)
+            if (t is not None) != (self.storage == "fragments_fp8"):
+                raise ValueError(f"ExpertWeights.{name} is set exactly for storage 'fragments_fp8' (storage={self.storage!r})")
+            if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != tuple(rows)):
+                raise ValueError(f"ExpertWeights.{name}: expected fp32 {tuple(rows)}, got {t.dtype} {tuple(t.shape)}")
         if self.storage != "rowmajor" and (self.fmt != "mxfp4" or self.gate_up_layout != "interleaved"):
             raise ValueError("fragment storage holds MXFP4 weights with interleaved gate/up rows only")
         if self.fmt not in WEIGHT_FORMATS:
@@ -100,7 +108,7 @@ class ExpertWeights:
     def to(self, device: torch.device | str) -> "ExpertWeights":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return ExpertWeights(move(self.w1), move(self.w2), self.fmt, self.gate_up_layout, move(self.w1_scale), move(self.w2_scale),
-                             self.storage)
+                             self.storage, move(self.w1_row_scale), move(self.w2_row_scale))
 
     def as_fragments(self, kind: str = "bf16") -> "ExpertWeights":
         """MXFP4 weights in MMA-fragment byte order for ``kind`` "bf16" (frag decoder) or "fp8" (frag8),
@@ -119,7 +127,8 @@ class ExpertWeights:
             w1, s1 = interleave_gate_up(w1), interleave_gate_up(s1)
         f1, f2 = to_fragments("w1", w1, s1, kind), to_fragments("w2", src.w2, src.w2_scale, kind)
         return ExpertWeights(f1.words.view(self.w1.shape), f2.words.view(self.w2.shape), "mxfp4", "interleaved",
-                             f1.scales.view(self.w1_scale.shape), f2.scales.view(self.w2_scale.shape), storage)
+                             f1.scales.view(self.w1_scale.shape), f2.scales.view(self.w2_scale.shape), storage,
+                             f1.row_scale, f2.row_scale)
 
     def as_rowmajor(self) -> "ExpertWeights":
         """Inverse of as_fragments (gate/up stay interleaved)."""
@@ -129,12 +138,12 @@ class ExpertWeights:
             return self
         kind = "bf16" if self.storage == "fragments" else "fp8"
         out = []
-        for w, s in ((self.w1, self.w1_scale), (self.w2, self.w2_scale)):
+        for w, s, rs in ((self.w1, self.w1_scale, self.w1_row_scale), (self.w2, self.w2_scale, self.w2_row_scale)):
             e, n, k2 = w.shape
             k = 2 * k2
             words = w.view(e, n // FRAG_ROWS, k // FRAG_K, 32, 16)
-            scales = s.view(e, n // FRAG_ROWS, k // FRAG_K, 8, 4) if kind == "bf16" else s
-            out.extend(from_fragments(FragmentWeights(words, scales, n, k, kind)))
+            scales = s.view(e, n // FRAG_ROWS, k // FRAG_K, 8, 4)
+            out.extend(from_fragments(FragmentWeights(words, scales, n, k, kind, rs)))
         return ExpertWeights(out[0], out[2], "mxfp4", "interleaved", out[1], out[3])
 
 

@@ -64,6 +64,8 @@ def test_layout_triton_equals_torch_gpu(p, e, bm):
     assert torch.equal(got.tile_expert, ref.tile_expert) and torch.equal(got.sorted_pair, ref.sorted_pair)
 
 
+FRAG8_TOL = 6e-3  # relL2 vs the exact reference allowed to frag8 (FP8 MMA accumulation; H200 measured 2.0e-3 / DSV4 in its test)
+
 # "frag" (the GPU default for prepared MXFP4 weights) and "split" (row-major weights) on every scheme
 # and layout; the other decoders on a few (they compile slowly and are covered on every scheme by the
 # interpreter tests).
@@ -89,7 +91,8 @@ def test_small_matches_reference(decoder, quant, wfmt, layout, limit):
     prov.forward(ad, pd, wd, math, out=out)
     assert torch.isfinite(out).all(), "some output element was never written"
     # MX paths: products are exact, only fp32 summation order differs; A2 rounding can flip rarely.
-    assert rel_l2(out.cpu(), ref) < 2e-3
+    # frag8: the FP8 tensor cores add their products with fewer bits than fp32 (measured 2.0e-3 here).
+    assert rel_l2(out.cpu(), ref) < (FRAG8_TOL if decoder == "frag8" else 2e-3)
 
 
 def test_graph_capture_and_capacity():
@@ -99,7 +102,7 @@ def test_graph_capture_and_capacity():
     a = quantize_rows(xd, "fp8")
     prov = TritonExperts(capacity=len(pairs))
     wd = prov.prepare_weights(wd, math)
-    assert wd.storage == "fragments"
+    assert wd.storage == "fragments_fp8"  # auto, MX activations: frag8
     eager = prov.forward(a, pd, wd, math)
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
@@ -118,14 +121,15 @@ def test_graph_capture_and_capacity():
         TritonExperts(capacity=len(pairs) - 1).forward(a, pd, wd, math)
 
 
-DSV4_CASES = [(q, d) for q in ("a8w4", "a4w4", "bf16") for d in ("auto", "frag8", "split") if not (q == "bf16" and d == "frag8")]
+DSV4_CASES = [(q, d) for q in ("a8w4", "a4w4", "bf16") for d in ("auto", "frag", "split")]
 
 
 @pytest.mark.parametrize("quant,decoder", DSV4_CASES)
 def test_dsv4_pro_shapes(quant, decoder):
     """8 experts at hidden 7168 / intermediate 3072; the exact-math reference in fp64 on the GPU.
-    auto + prepare_weights = frag; frag8 = FP8 MMA (MX activations only: its per-32 partial sums round
-    inside the tensor core, ~1e-3 vs the exact reference); split reads row-major weights."""
+    auto + prepare_weights = frag8 for MX activations (FP8 MMA: the tensor core adds products with
+    fewer bits than fp32, and A is re-expressed over one scale per row), frag for bf16 ones; frag on
+    every scheme; split reads row-major weights."""
     weights, x, pairs = make_problem("mxfp4", n_exp=8, hidden=7168, inter=3072, tokens=64, topk=6, seed=1)
     wd, xd, pd = _to(DEV, weights, x, pairs)
     math = ExpertMath(quant, 10.0)
@@ -134,6 +138,7 @@ def test_dsv4_pro_shapes(quant, decoder):
     prepared = prov.prepare_weights(wd, math)
     out = prov.forward(a, pd, prepared, math)
     ref = TorchReferenceExperts().forward(a, pd, wd, math)
-    assert rel_l2(out, ref) < 2e-3
-    if prepared.storage == "fragments_fp8":
-        print(f"frag8 {quant}: relL2 vs exact reference {rel_l2(out, ref):.2e}")
+    frag8 = prepared.storage == "fragments_fp8"
+    assert frag8 == (decoder == "auto" and quant != "bf16")
+    assert rel_l2(out, ref) < (FRAG8_TOL if frag8 else 2e-3)
+    print(f"{prepared.storage} {quant}: relL2 vs exact reference {rel_l2(out, ref):.2e}")

@@ -50,7 +50,7 @@ from megamoe_backend.experts import (  # noqa: E402
     TorchReferenceExperts,
     quantize_expert_weights,
 )
-from megamoe_backend.formats import dequantize_mx, quantize_mx  # noqa: E402
+from megamoe_backend.formats import MXTensor, dequantize_mx, quantize_mx  # noqa: E402
 from megamoe_backend.formats.wire import encode_mx_rows  # noqa: E402
 from expert_problems import make_problem, rel_l2  # noqa: E402
 
@@ -294,13 +294,53 @@ def test_bad_inputs_raise_clear_errors():
         te(decoder="frag").prepare_weights(tiny)
     with pytest.raises(ValueError, match="needs MX activations"):
         te(decoder="frag8").prepare_weights(weights, ExpertMath("bf16"))
-    assert te().prepare_weights(weights, math).storage == "fragments"  # auto: bf16 fragments for any A
+    assert te().prepare_weights(weights, math).storage == "fragments_fp8"  # auto: FP8 fragments for MX A
+    assert te().prepare_weights(weights, ExpertMath("bf16")).storage == "fragments"  # bf16 fragments for bf16 A
+    assert te().prepare_weights(weights).storage == "fragments"  # activations unknown: bf16 fragments
+    wide = quantize_expert_weights(torch.randn(2, 128, 64), torch.randn(2, 64, 64), "mxfp4")
+    wide.w2[1, 5, 16:32] = 0x11  # every value 0.5 ...
+    wide.w2_scale[1, 5, 1] = int(wide.w2_scale[1, 5, 0]) - 13  # ... 13 binades below the row's other block
+    assert te().prepare_weights(wide, math).storage == "fragments"  # auto: frag8 cannot fold it, frag can
+    with pytest.raises(ValueError, match=r"w2_scale: expert 1 row 5 has block scales spanning more than 11 binades"):
+        te(decoder="frag8").prepare_weights(wide, math)
     f8 = te(decoder="frag8").prepare_weights(weights, math)
     assert f8.storage == "fragments_fp8"
     with pytest.raises(ValueError, match="needs MX activations"):  # fp8 fragments, bf16 activations
         te().forward(x, pairs, f8, ExpertMath("bf16"))
     with pytest.raises(ValueError, match="fp8 fragment storage"):
         te(decoder="frag").forward(x, pairs, f8, math)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_rowscale_e4m3_matches_torch(fmt):
+    """frag8's A operand: MX rows -> e4m3 bytes over one power-of-two scale per row, checked against
+    torch's own float8_e4m3fn rounding of value / 2**(s_max - 127); block scales up to 20 binades
+    below the row's largest (the smallest values underflow or lose low bits, as documented), a NaN
+    block makes the row scale NaN, padding rows are skipped."""
+    g = torch.Generator().manual_seed(7)
+    rows, k = 5, 256
+    x = torch.randn(rows, k, generator=g) * torch.pow(2.0, -torch.randint(0, 21, (rows, k // 32), generator=g).float()).repeat_interleave(32, 1)
+    x[3, 40] = float("nan")
+    mx = quantize_mx(x, fmt)
+    sorted_pair = torch.tensor([2, -1, 0, 4, 3, 1], dtype=torch.int32)  # sorted row -> pair (-1: padding)
+    pair_row = torch.tensor([4, 0, 1, 2, 3], dtype=torch.int32)  # pair -> received row
+    out = torch.full((6, k), 0xAB, dtype=torch.uint8)
+    rs = torch.full((6,), -1.0)
+    K["gather"].rowscale_e4m3_kernel[(6,)](
+        sorted_pair, pair_row, mx.data, mx.data.stride(0), mx.scales, mx.scales.stride(0), out, out.stride(0), rs, k,
+        A_FMT=fmt, GATHER=True, NB=k // 32, HW_CVT=False,
+    )
+    assert torch.equal(out[1], torch.full((k,), 0xAB, dtype=torch.uint8)) and rs[1] == -1.0  # padding row untouched
+    for r, pr in ((0, 2), (2, 0), (3, 4), (4, 3), (5, 1)):
+        src = int(pair_row[pr])
+        smax = int(mx.scales[src].max())
+        if smax == 255:
+            assert torch.isnan(rs[r])
+            continue
+        assert rs[r] == 2.0 ** (smax - 127)
+        vals = dequantize_mx(MXTensor(mx.data[src : src + 1], mx.scales[src : src + 1], fmt))[0].double()
+        want = (vals / 2.0 ** (smax - 127)).float().to(torch.float8_e4m3fn).float()
+        assert torch.equal(out[r].view(torch.float8_e4m3fn).float(), want), f"sorted row {r}"  # -0 == +0
 
 
 def test_provider_selection_on_cpu_is_the_reference():

@@ -65,12 +65,13 @@ FRAG_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
     (48.0, TileConfig(block_m=64, block_n1=256, block_n2=256, block_k=64, num_warps=4, num_stages=4)),
     (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
 )
-# FP8-MMA fragments (frag8, opt-in): BM=128 spills (two fp32 tiles live per 32-wide K step), so the
-# prefill bucket uses BM=64 (H200: 29.5 ms vs 36.5 ms for BM=32 at 8192 tokens x 192 experts).
+# FP8-MMA fragments (frag8, the default for A8W4 / A4W4): one chained K loop like frag, K steps of 128
+# (four k32 wgmmas per m64 slab). H200 interleaved A/B (docs/triton.md): BN 128 at decode sizes (BN 256
+# within 1 %), BM 64 x BN 256 at mid sizes (one tile per expert), BM 128 x BN 128 for prefill.
 FRAG8_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
-    (16.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
-    (48.0, TileConfig(block_m=32, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4)),
-    (float("inf"), TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
+    (16.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4)),
+    (48.0, TileConfig(block_m=64, block_n1=256, block_n2=256, block_k=128, num_warps=4, num_stages=3)),
+    (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
 )
 INTERPRETER_CONFIG = TileConfig(block_m=16, block_n1=64, block_n2=32, block_k=64, num_warps=4, num_stages=1, group_m=2)
 

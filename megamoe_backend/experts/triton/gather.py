@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mxjit import decode_e2m1, decode_e4m3, decode_e8m0
+from .mxjit import decode_e2m1, decode_e4m3, decode_e8m0, encode_e4m3, pow2
 
 
 @triton.jit
@@ -78,28 +78,46 @@ def gather_split_kernel(
 
 
 @triton.jit
-def gather_e4m3_kernel(
-    sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, os_ptr, stride_osm, K,
-    A_FMT: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr,
+def rowscale_e4m3_kernel(
+    sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K,
+    A_FMT: tl.constexpr, GATHER: tl.constexpr, NB: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """Received MX rows -> expert-sorted e4m3 bytes + E8M0 scales (the frag8 decoder's A operand).
+    """MX rows (fp8 bytes or packed fp4, E8M0 per 32) -> e4m3 bytes over ONE power-of-two scale per
+    row (rs_ptr, fp32): the frag8 decoder's A operand, so its K loop needs no per-32 rescale.
 
-    fp8 rows are copied; fp4 rows become e4m3 bytes sign << 7 | code << 2 (value * 2**-6, exact) with
-    the scale byte raised by 6 (0xFF stays NaN). Padding rows are skipped (the GEMMs mask them).
+    One program per sorted row (all of K; NB >= K / 32 blocks). GATHER: the row is copied from the
+    received buffer through the layout (GEMM1's A); else rows are already sorted (GEMM2's A2, which
+    may be rescaled in place). The row scale is 2**(s_max - 127) (NaN if any block is NaN); a block
+    d binades below s_max is shifted down by 2**-d and rounded to e4m3 (RNE): exact for fp4 values
+    while d <= 7 and for fp8 values >= 2**(d - 6), the smallest lose low bits. Padding rows skipped.
     """
-    r, blk, m, src, pair = _program_rows(sorted_pair_ptr, pair_row_ptr, K, BK, NB)
+    r = tl.program_id(0).to(tl.int64)
+    pair = tl.load(sorted_pair_ptr + r)
     if pair < 0:
         return
-    kk = blk[:, None] * BK + tl.arange(0, BK)[None, :]  # [NB, BK]
-    sb = blk[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :]
-    s = tl.load(as_ptr + src * stride_asm + sb, mask=m, other=127)
-    if A_FMT == "fp8":
-        v = tl.load(a_ptr + src * stride_am + kk, mask=m, other=0)
+    if GATHER:
+        src = tl.load(pair_row_ptr + pair).to(tl.int64)
     else:
-        j = tl.arange(0, BK // 2)
-        b = tl.load(a_ptr + src * stride_am + blk[:, None] * (BK // 2) + j[None, :], mask=m, other=0).to(tl.int32)
-        codes = tl.reshape(tl.join(b & 0xF, b >> 4), [NB, BK])
-        v = (((codes & 8) << 4) | ((codes & 7) << 2)).to(tl.uint8)
-        s = tl.where(s == 255, 255, tl.minimum(s.to(tl.int32) + 6, 254)).to(tl.uint8)
-    tl.store(out_ptr + r * stride_om + kk, v, mask=m)
-    tl.store(os_ptr + r * stride_osm + sb, s, mask=m)
+        src = r
+    blk = tl.arange(0, NB)
+    bm = blk < K // 32
+    s = tl.load(as_ptr + src * stride_asm + blk, mask=bm, other=0).to(tl.int32)
+    smax = tl.max(s, axis=0)
+    kk = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+    if A_FMT == "fp8":
+        b = tl.load(a_ptr + src * stride_am + kk, mask=bm[:, None], other=0)
+        if HW_CVT:
+            q = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            q = decode_e4m3(b)
+    else:
+        b = tl.load(a_ptr + src * stride_am + blk[:, None] * 16 + tl.arange(0, 16)[None, :], mask=bm[:, None], other=0)
+        q = tl.reshape(tl.join(decode_e2m1(b), decode_e2m1(b >> 4)), [NB, 32])
+    shift = s - smax  # <= 0; below 2**-126 every value underflows e4m3 anyway
+    v = q * tl.where(shift >= -126, ((shift + 127) << 23).to(tl.float32, bitcast=True), 0.0)[:, None]
+    if HW_CVT:
+        e4 = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        e4 = encode_e4m3(v)
+    tl.store(out_ptr + r * stride_om + kk, e4, mask=bm[:, None])
+    tl.store(rs_ptr + r, tl.where(smax == 255, float("nan"), pow2(smax - 127)))

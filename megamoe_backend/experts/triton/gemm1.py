@@ -14,14 +14,14 @@ import triton.language as tl
 
 from .mainloop import assume_k_loop_runs, frag8_mainloop, frag_mainloop, mx_mainloop, tile_coords
 from .mxjit import fake_quant_blocks, round_bf16
-from .quant import quantize_blocks, quantize_blocks_e4m3
+from .quant import quantize_blocks
 
 
 @triton.jit
 def gemm1_swiglu_kernel(
     tile_expert_ptr, sorted_pair_ptr, pair_row_ptr, num_m_tiles,
     a_ptr, stride_am, as_ptr, stride_asm,
-    w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn,
+    w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr,
     o_ptr, stride_om, os_ptr, stride_osm,
     K, I, limit,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr, PLAIN: tl.constexpr, HAS_LIMIT: tl.constexpr,
@@ -49,11 +49,14 @@ def gemm1_swiglu_kernel(
     e64 = expert.to(tl.int64)
     assume_k_loop_runs(K, BK)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    if DECODE == "frag8":  # FP8 tensor cores; fragment-ordered W1 is always gate/up interleaved
+    if DECODE == "frag8":  # FP8 tensor cores on row-scaled operands; W1 fragments are gate/up interleaved
         acc = frag8_mainloop(
-            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, stride_wsn, pid_n * (BN // 16), (2 * I) // 16,
-            a_ptr, a_rows, valid, stride_am, as_ptr, stride_asm, K, USE_ASM, BN, BM, BK, F32_DOT,
+            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), (2 * I) // 16,
+            a_ptr, a_rows, valid, stride_am, K, USE_ASM, BN, BM, BK, F32_DOT,
         )
+        w_scale = tl.load(wrs_ptr + e64 * stride_wrse + n, mask=n < 2 * I, other=0.0)
+        a_scale = tl.load(ars_ptr + rows, mask=valid, other=0.0)
+        acc = acc * w_scale[:, None] * a_scale[None, :]
     elif DECODE == "frag":  # fragment-ordered W1 is always gate/up interleaved (fragments.py)
         acc = frag_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), (2 * I) // 16,
@@ -87,11 +90,6 @@ def gemm1_swiglu_kernel(
         else:
             dest = cols
         tl.store(o_ptr + r64 * stride_om + dest[None, :], v.to(tl.bfloat16), mask=cmask)
-    elif DECODE == "frag8":  # A2 as e4m3 bytes + E8M0 scales (fp4 values as value * 2**-6, scale + 6)
-        payload, scales = quantize_blocks_e4m3(tl.reshape(act, [BM * (BN // 64), 32]), A_FMT)
-        sc = pid_n * (BN // 64) + tl.arange(0, BN // 64)
-        tl.store(os_ptr + r64 * stride_osm + sc[None, :], tl.reshape(scales, [BM, BN // 64]), mask=(sc < I // 32)[None, :])
-        tl.store(o_ptr + r64 * stride_om + cols[None, :], tl.reshape(payload, [BM, BN // 2]), mask=cmask)
     elif A_FMT == "bf16":
         tl.store(o_ptr + r64 * stride_om + cols[None, :], round_bf16(act).to(tl.bfloat16), mask=cmask)
     else:

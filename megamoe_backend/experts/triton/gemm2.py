@@ -17,7 +17,7 @@ from .mainloop import assume_k_loop_runs, frag8_mainloop, frag_mainloop, mx_main
 def gemm2_weighted_kernel(
     tile_expert_ptr, sorted_pair_ptr, route_w_ptr, num_m_tiles,
     a_ptr, stride_am, as_ptr, stride_asm,
-    w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn,
+    w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr,
     out_ptr, stride_om,
     K, N,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr,
@@ -39,9 +39,12 @@ def gemm2_weighted_kernel(
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if DECODE == "frag8":
         acc = frag8_mainloop(
-            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, stride_wsn, pid_n * (BN // 16), N // 16,
-            a_ptr, rows, valid, stride_am, as_ptr, stride_asm, K, USE_ASM, BN, BM, BK, F32_DOT,
+            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), N // 16,
+            a_ptr, rows, valid, stride_am, K, USE_ASM, BN, BM, BK, F32_DOT,
         )
+        w_scale = tl.load(wrs_ptr + e64 * stride_wrse + n, mask=nmask, other=0.0)
+        a_scale = tl.load(ars_ptr + rows, mask=valid, other=0.0)
+        acc = acc * w_scale[:, None] * a_scale[None, :]
     elif DECODE == "frag":
         acc = frag_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), N // 16,

@@ -29,9 +29,12 @@ from .mxjit import (
     decode_fp4_frag,
     decode_fp4_frag8,
     decode_fp4_split,
-    e4m3_scale,
     scale_bf16_shifted,
 )
+from .. import fragments
+
+_LUT_LO = tl.constexpr(fragments.FP8_LUT_LO)
+_LUT_HI = tl.constexpr(fragments.FP8_LUT_HI)
 
 
 @triton.jit
@@ -209,67 +212,44 @@ def frag_mainloop(
 
 
 @triton.jit
-def _e4m3_dot(w, a, F32_DOT: tl.constexpr):
-    """[BN, 32] e4m3 bytes (uint8) x [32, BM] e4m3 (float8e4nv; uint8 in the interpreter) -> fp32, one
-    FP8 wgmma from a zero accumulator."""
-    if F32_DOT:  # the interpreter: exact integer decode, fp32 dot
-        return tl.dot(decode_e4m3(w), decode_e4m3(a), input_precision="ieee")
-    return tl.dot(w.to(tl.float8e4nv, bitcast=True), a)
+def _e4m3_mma(w, a, acc, F32_DOT: tl.constexpr):
+    """acc += [BN, BK] e4m3 bytes (uint8) x [BK, BM] e4m3 (float8e4nv; uint8 in the interpreter) on the
+    FP8 tensor cores (the interpreter: exact integer decode, fp32 dot)."""
+    if F32_DOT:
+        return tl.dot(decode_e4m3(w), decode_e4m3(a), acc, input_precision="ieee")
+    return tl.dot(w.to(tl.float8e4nv, bitcast=True), a, acc)
 
 
 @triton.jit
 def frag8_mainloop(
-    acc, w_ptr, ws_ptr, stride_wsn, rb0, num_rb, a_ptr, a_rows, a_mask, stride_am, as_ptr, stride_asm, K,
+    acc, w_ptr, ws_ptr, rb0, num_rb, a_ptr, a_rows, a_mask, stride_am, K,
     USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    """acc[BN, BM] += W[BN, K] @ A[BM, K]^T on the FP8 tensor cores, both operands e4m3 with 1x32 scales.
+    """acc[BN, BM] += W'[BN, K] @ A'[BM, K]^T on the FP8 tensor cores, one K loop like frag_mainloop.
 
-    w_ptr: this expert's fp8-kind fragment words [N/16, K/64, 32, 16]; ws_ptr: its row-major E8M0
-    scales [N, K/32]; A: expert-sorted e4m3 bytes [rows, K] with E8M0 scales [rows, K/32] (for an
-    MXFP4 A the bytes are value * 2**-6 and the scale byte is s + 6, see gather.py), typed float8e4nv
-    so the loads land in the MMA's shared layout directly (uint8 under the interpreter). Each 32-wide K
-    step is one wgmma from zero, rescaled into the fp32 accumulator by its two block scales.
+    W' = the weights / their row_scale, block scales folded in by the decode (fragments.py, fp8
+    kind): w_ptr / ws_ptr are this expert's words [N/16, K/64, 32, 16] / S bytes [N/16, K/64, 8, 4].
+    A' = expert-sorted e4m3 rows over one power-of-two scale per row (gather.py), typed float8e4nv so
+    the loads land in the MMA's shared layout (uint8 under the interpreter). The caller multiplies by
+    both row scales. No partial sum is rescaled inside the loop, so the wgmmas chain like bf16 ones.
     """
     RB: tl.constexpr = BN // 16
-    NS: tl.constexpr = BK // 32  # 32-wide K steps per iteration
-    tl.static_assert(NS == 2 or NS == 4, "frag8 takes block_k 64 or 128")
-    rb = rb0 + tl.arange(0, RB)
-    lane = tl.arange(0, 32)
-    # one 32-wide K step of a 16 x 64 block = 8 bytes per lane (words b3 * 2 + {0, 1}); loading each
-    # step separately keeps bytes 0..3 of a word in consecutive registers (the PTX takes 4 at a time)
-    w_off = rb.to(tl.int64)[:, None, None] * (K // 64) * 512 + (lane * 16)[None, :, None] + tl.arange(0, 8)[None, None, :]
-    wm = (rb < num_rb)[:, None, None]
-    w_rows = rb0 * 16 + tl.arange(0, BN)
-    wmask = (w_rows < num_rb * 16)[:, None]
+    KB: tl.constexpr = BK // 64
+    w_off, wm = _fragment_pieces(rb0, num_rb, K, KB, RB, 32, 512)
+    s_off, sm = _fragment_pieces(rb0, num_rb, K, KB, RB, 2, 32)
     ar = a_rows.to(tl.int64)[None, :]
     am = a_mask[None, :]
-    kk = tl.arange(0, 32)
-    ks = tl.arange(0, NS)
+    kk = tl.arange(0, BK)
     for k0 in range(0, K, BK):
-        # block scales of the whole step, [BN | BM, NS], one column per 32-wide K step
-        sw = e4m3_scale(tl.load(ws_ptr + w_rows.to(tl.int64)[:, None] * stride_wsn + (k0 // 32 + ks)[None, :], mask=wmask, other=0), 6, False)
-        sa = e4m3_scale(tl.load(as_ptr + a_rows.to(tl.int64)[:, None] * stride_asm + (k0 // 32 + ks)[None, :],
-                                mask=a_mask[:, None], other=0), 0, True)
-        if NS == 2:
-            sw0, sw1 = tl.split(sw)
-            sa0, sa1 = tl.split(sa)
-            sws = (sw0, sw1)
-            sas = (sa0, sa1)
-        else:  # column 2 * a + b: split b, then a (register-only)
-            swl, swh = tl.split(tl.reshape(sw, [BN, 2, 2]))
-            sal, sah = tl.split(tl.reshape(sa, [BM, 2, 2]))
-            sw0, sw2 = tl.split(swl)
-            sw1, sw3 = tl.split(swh)
-            sa0, sa2 = tl.split(sal)
-            sa1, sa3 = tl.split(sah)
-            sws = (sw0, sw1, sw2, sw3)
-            sas = (sa0, sa1, sa2, sa3)
-        for j in tl.static_range(NS):
-            k = k0 + 32 * j
-            words = tl.load(w_ptr + w_off + (k // 64) * 512 + (j % 2) * 8, mask=wm, other=0)  # [RB, 32, 8]
-            x, y = decode_fp4_frag8(words, USE_ASM)  # rows g / g + 8
-            w = tl.reshape(tl.join(x, y), [RB, 8, 4, 2, 4, 2])  # rb g c b2 i h
-            w = tl.reshape(tl.permute(w, [0, 5, 1, 3, 2, 4]), [BN, 32])  # (rb h g) x (b2 c i)
-            a = tl.load(a_ptr + ar * stride_am + (k + kk)[:, None], mask=am, other=0.0)
-            acc = acc + _e4m3_dot(w, a, F32_DOT) * (sws[j][:, None] * sas[j][None, :])
+        step = k0 // 64
+        words = tl.reshape(tl.load(w_ptr + w_off + step * 512, mask=wm, other=0), [KB, RB, 32, 16])
+        rep = tl.reshape(tl.load(ws_ptr + s_off + step * 32, mask=sm, other=0), [KB, RB, 8, 4]).to(tl.int32) * 8
+        # the PRMT tables of each (g, j, dr): e4m3 bytes of {0, .5, .., 6} x 2**(S - 5)
+        lut = tl.join(rep * 0x01010100 + _LUT_LO, rep * 0x01010101 + _LUT_HI)  # [.., g, (j, dr), lo/hi]
+        lut = tl.broadcast_to(tl.reshape(lut, [KB, RB, 8, 1, 2, 1, 4]), [KB, RB, 8, 4, 2, 2, 4])  # g c j b2 (dr lohi)
+        x, y = decode_fp4_frag8(words, tl.reshape(lut, [KB, RB, 32, 16]), USE_ASM)
+        w = tl.reshape(tl.join(x, y), [KB, RB, 8, 4, 2, 2, 4, 2])  # kb rb g c j b2 i dr
+        w = tl.reshape(tl.permute(w, [1, 7, 2, 0, 4, 5, 3, 6]), [BN, BK])  # (rb dr g) x (kb j b2 c i)
+        a = tl.load(a_ptr + ar * stride_am + (k0 + kk)[:, None], mask=am, other=0.0)
+        acc = _e4m3_mma(w, a, acc, F32_DOT)
     return acc

@@ -280,49 +280,54 @@ def decode_fp4_frag(words, pairs, USE_ASM: tl.constexpr):
     return x, y
 
 
-# One 32-bit word of an fp8-kind fragment block -> the e4m3x4 registers of rows g ($0) and g+8 ($1)
-# of one lane's wgmma e4m3 A fragment; each byte is value * 2**-6 exactly (see fragments.py).
+# One 32-bit word of an fp8-kind fragment block + its two PRMT tables -> the e4m3x4 registers of rows
+# g ($0) and g+8 ($1) of one lane's wgmma e4m3 A fragment, block scale folded in (see fragments.py).
+# $3/$4: table of row g (entries 0-3 / 4-7), $5/$6: of row g+8.
 _FRAG8_ASM = tl.constexpr("""
 {
-.reg .b32 a, b;
-and.b32 $0, $2, 0x9C9C9C9C;
-shl.b32 a, $2, 2;
-and.b32 a, a, 0x8C8C8C8C;
-shr.b32 b, $2, 2;
-and.b32 b, b, 0x10101010;
-or.b32 $1, a, b;
+.reg .b32 s, t;
+and.b32 s, $2, 0x7777;
+prmt.b32 s, $3, $4, s;
+and.b32 t, $2, 0x80808080;
+or.b32 $0, s, t;
+shr.b32 s, $2, 16;
+and.b32 s, s, 0x7777;
+prmt.b32 s, $5, $6, s;
+shl.b32 t, $2, 4;
+and.b32 t, t, 0x80808080;
+or.b32 $1, s, t;
 }
 """)
 
 
 @triton.jit
-def decode_fp4_frag8(words, USE_ASM: tl.constexpr):
-    """fp8-kind fragment words uint8 [R, 32, 8] (two words per lane) -> (rows g, rows g+8) e4m3 bytes,
-    uint8 of the same shape. The PTX takes 4 consecutive register elements: bytes 0..3 of a word."""
-    if USE_ASM:
-        x, y = tl.inline_asm_elementwise(_FRAG8_ASM, "=r,=r,r", [words], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-    else:
-        shape: tl.constexpr = words.shape
-        b = tl.reshape(words.to(tl.int64), [shape[0], shape[1], 2, 4])
-        sh = (tl.arange(0, 4) * 8).to(tl.int64)
-        w = tl.sum(b << sh[None, None, None, :], axis=3)  # [R, 32, 2] one word per 16-K step
-        r0 = w & 0x9C9C9C9C
-        r1 = ((w << 2) & 0x8C8C8C8C) | ((w >> 2) & 0x10101010)
-        x = tl.reshape((r0[:, :, :, None] >> sh[None, None, None, :]) & 0xFF, shape).to(tl.uint8)
-        y = tl.reshape((r1[:, :, :, None] >> sh[None, None, None, :]) & 0xFF, shape).to(tl.uint8)
-    return x, y
+def _prmt_lookup(table, sel):
+    """PRMT with selector nibbles < 8, in integer ops: byte i = byte (sel >> 4 i) & 7 of the int64 table."""
+    out = tl.zeros_like(sel)
+    for i in tl.static_range(4):
+        out |= ((table >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i)
+    return out
 
 
 @triton.jit
-def e4m3_scale(s, BIAS: tl.constexpr, NAN_CHECK: tl.constexpr):
-    """E8M0 byte tensor -> fp32 2**(s - 127 + BIAS) built straight in the exponent field (one integer op).
-
-    For the frag8 decoder's per-32 block factors: weights (BIAS 6, bytes <= 248 checked at
-    prepare time) never overflow; activations (BIAS 0) map 0xFF to NaN when NAN_CHECK and the byte 0
-    (2**-127, an fp32 subnormal) to 0.
-    """
-    si = s.to(tl.int32)
-    v = ((si + BIAS) << 23).to(tl.float32, bitcast=True)
-    if NAN_CHECK:
-        v = tl.where(si == 255, float("nan"), v)
-    return v
+def decode_fp4_frag8(words, luts, USE_ASM: tl.constexpr):
+    """fp8-kind fragment words uint8 [..., 16] (4 words per lane) + int32 tables [..., 16] (for each
+    word: lo / hi of row g, lo / hi of row g+8) -> (rows g, rows g+8) e4m3 bytes, uint8 [..., 16].
+    The PTX takes 4 consecutive register elements: bytes 0..3 of a word."""
+    if USE_ASM:
+        x, y = tl.inline_asm_elementwise(_FRAG8_ASM, "=r,=r,r,r,r,r,r", [words, luts], dtype=(tl.uint8, tl.uint8),
+                                         is_pure=True, pack=4)
+    else:
+        shape: tl.constexpr = words.shape
+        n: tl.constexpr = shape[0] * shape[1] * shape[2] * 4
+        sh = (tl.arange(0, 4) * 8).to(tl.int64)
+        w = tl.sum(tl.reshape(words.to(tl.int64), [n, 4]) << sh[None, :], axis=1)  # one word per row
+        t = tl.reshape(luts.to(tl.int64) & 0xFFFFFFFF, [n, 2, 2])
+        lo, hi = tl.split(t)  # [n, 2]: row g, row g + 8
+        lo_x, lo_y = tl.split(lo)
+        hi_x, hi_y = tl.split(hi)
+        r0 = _prmt_lookup(lo_x | (hi_x << 32), w & 0x7777) | (w & 0x80808080)
+        r1 = _prmt_lookup(lo_y | (hi_y << 32), (w >> 16) & 0x7777) | ((w << 4) & 0x80808080)
+        x = tl.reshape((r0[:, None] >> sh[None, :]) & 0xFF, shape).to(tl.uint8)
+        y = tl.reshape((r1[:, None] >> sh[None, :]) & 0xFF, shape).to(tl.uint8)
+    return x, y

@@ -28,12 +28,12 @@ class TritonExperts(ExpertsProvider):
 
     capacity: most (row, expert) pairs one forward may carry (e.g. MTPR x top-k x ep_size); a larger
         batch raises instead of dropping rows. None: no limit (eager use).
-    decoder: how MXFP4 weights are decoded (mainloop.py): "frag" (weights re-laid as bf16 MMA register
-        fragments by prepare_weights, 13 instructions per 8 weights; the fastest), "frag8" (FP8 tensor
-        cores, e4m3 fragments, 5 instructions per 8 weights, A8W4 / A4W4 only; measured slower on H200
-        because every 32-wide K step waits for its own wgmma, docs/triton.md), "split" (PTX decode of
-        row-major weights, A pre-split), "dot_scaled" (tl.dot_scaled), "manual" (explicit Triton
-        decode), "auto" (frag when prepare_weights could re-lay the weights, else split).
+    decoder: how MXFP4 weights are decoded (mainloop.py): "frag8" (A8W4 / A4W4: FP8 tensor cores,
+        weights re-laid as e4m3 MMA fragments with the block scales folded in by PRMT table lookups,
+        activations over one scale per row; the fastest), "frag" (bf16 MMA register fragments, 13
+        instructions per 8 weights, exact; any activations), "split" (PTX decode of row-major weights,
+        A pre-split), "dot_scaled" (tl.dot_scaled), "manual" (explicit Triton decode), "auto" (what
+        prepare_weights could re-lay the weights for: frag8, else frag, else split).
         Under TRITON_INTERPRET=1 frag and split run their portable decode; dot_scaled is unavailable.
     config: fixed TileConfig, else chosen per bucket by config.default_config.
     """
@@ -59,11 +59,12 @@ class TritonExperts(ExpertsProvider):
         return torch.cuda.get_device_capability(device) >= (9, 0)
 
     def prepare_weights(self, weights: ExpertWeights, math: ExpertMath | None = None) -> ExpertWeights:
-        """MXFP4 weights -> fragment storage (once per layer, same memory): bf16 MMA fragments (frag;
-        what "auto" picks, the fastest on H200 in every bucket) or, for decoder="frag8", FP8 MMA
-        fragments (needs MX activations in ``math``).
+        """MXFP4 weights -> fragment storage (once per layer, same memory plus one fp32 per row for
+        frag8): FP8 MMA fragments (frag8) when ``math`` has MX activations (A8W4 / A4W4; what "auto"
+        picks there, the fastest on H200 in every bucket), else bf16 MMA fragments (frag).
 
-        decoder="auto" keeps row-major weights (split decoder) when a shape or scale is outside what
+        decoder="auto" falls back to bf16 fragments when a row's block scales span more than frag8
+        folds exactly, and to row-major weights (split decoder) when a shape or scale is outside what
         fragments handle (N % 16, K % 64, E8M0 scale range); decoder="frag" / "frag8" raise instead.
         """
         if weights.fmt != "mxfp4" or self.decoder not in ("auto", "frag", "frag8"):
@@ -72,13 +73,15 @@ class TritonExperts(ExpertsProvider):
             return weights
         if self.decoder == "frag8" and math is not None:
             _require_mx_activations(math)
-        kind = "fp8" if self.decoder == "frag8" else "bf16"
-        try:
-            return weights.as_fragments(kind)
-        except ValueError:
-            if self.decoder != "auto":
-                raise
-            return weights
+        mx = math is not None and math.a_format in ("fp8", "fp4")
+        kinds = {"frag8": ["fp8"], "frag": ["bf16"], "auto": ["fp8", "bf16"] if mx else ["bf16"]}[self.decoder]
+        for kind in kinds:
+            try:
+                return weights.as_fragments(kind)
+            except ValueError:
+                if self.decoder != "auto":
+                    raise
+        return weights
 
     def resolve_decoder(self, weights_fmt: str, storage: str = "rowmajor") -> str:
         """The mainloop DECODE mode for these weights on this backend."""
@@ -111,7 +114,7 @@ class TritonExperts(ExpertsProvider):
         self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """See ExpertsProvider.forward; ``out`` optionally supplies the fp32 [P, H] result buffer."""
-        from .gather import gather_e4m3_kernel, gather_split_kernel
+        from .gather import gather_split_kernel, rowscale_e4m3_kernel
         from .gemm1 import gemm1_swiglu_kernel
         from .gemm2 import gemm2_weighted_kernel
         from .layout import build_layout
@@ -148,19 +151,22 @@ class TritonExperts(ExpertsProvider):
         a_data, a_scale = _operand(x, a_fmt, mode == "dot_scaled")
         if mode in ("frag", "frag8") and (bk1 < 64 or bk2 < 64):
             raise ValueError(f"decoder={mode!r} needs block_k >= 64 dividing hidden={hidden} and intermediate={inter}")
+        a_rs = w1_rs = w2_rs = out  # row scales: frag8 only (the kernels ignore them otherwise)
         if mode == "frag8":
             bk1, bk2 = min(bk1, 128), min(bk2, 128)
             _require_mx_activations(math)
             a8 = torch.empty(rows, hidden, dtype=torch.uint8, device=device)
-            a8_scale = torch.empty(rows, hidden // MX_BLOCK, dtype=torch.uint8, device=device)
-            nb = 8
-            gather_e4m3_kernel[(rows, triton.cdiv(hidden // bk1, nb))](
+            a_rs = torch.empty(rows, dtype=torch.float32, device=device)
+            rowscale_e4m3_kernel[(rows,)](
                 layout.sorted_pair, pair_row, a_data, a_data.stride(0), a_scale, a_scale.stride(0),
-                a8, a8.stride(0), a8_scale, a8_scale.stride(0), hidden, A_FMT=a_fmt, BK=bk1, NB=nb,
+                a8, a8.stride(0), a_rs, hidden, A_FMT=a_fmt, GATHER=True,
+                NB=triton.next_power_of_2(hidden // MX_BLOCK), HW_CVT=use_asm, num_warps=8,
             )
             e4m3 = torch.uint8 if interpreting() else torch.float8_e4m3fn  # typed for the FP8 MMA loads
-            a_data, a_scale = a8.view(e4m3), a8_scale
-            a2 = torch.empty(rows, inter, dtype=torch.uint8, device=device)
+            a_data, a_scale = a8.view(e4m3), a8
+            w1_rs, w2_rs = weights.w1_row_scale, weights.w2_row_scale
+            # GEMM1 writes A2 in the A format (MX per 32, as the reference); rowscale_e4m3 then re-scales it
+            a2 = torch.empty(rows, inter if a_fmt == "fp8" else inter // 2, dtype=torch.uint8, device=device)
             a2_scale = torch.empty(rows, inter // MX_BLOCK, dtype=torch.uint8, device=device)
         elif mode in ("split", "frag"):
             a_split = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
@@ -190,13 +196,21 @@ class TritonExperts(ExpertsProvider):
             layout.tile_expert, layout.sorted_pair, pair_row, layout.num_tiles,
             a_data, a_data.stride(0), a_scale, a_scale.stride(0),
             weights.w1, weights.w1.stride(0), weights.w1.stride(1), w1s, w1s.stride(0), w1s.stride(1),
+            w1_rs, w1_rs.stride(0), a_rs,
             a2, a2.stride(0), a2_scale, a2_scale.stride(0),
             hidden, inter, float(limit) if limit is not None else 0.0,
             W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
             BN=cfg.block_n1, BK=bk1, BK2=bk2, **common,
         )
+        a2_rs = out
         if mode == "frag8":
-            a2_data, a2_s, a2_fmt = a2.view(e4m3), a2_scale, a_fmt
+            a2e = a2 if a_fmt == "fp8" else torch.empty(rows, inter, dtype=torch.uint8, device=device)  # fp8: in place
+            a2_rs = torch.empty(rows, dtype=torch.float32, device=device)
+            rowscale_e4m3_kernel[(rows,)](
+                layout.sorted_pair, pair_row, a2, a2.stride(0), a2_scale, a2_scale.stride(0), a2e, a2e.stride(0), a2_rs,
+                inter, A_FMT=a_fmt, GATHER=False, NB=triton.next_power_of_2(inter // MX_BLOCK), HW_CVT=use_asm, num_warps=8,
+            )
+            a2_data, a2_s, a2_fmt = a2e.view(e4m3), a2e, a_fmt
         elif mode in ("split", "frag"):
             a2_data, a2_s, a2_fmt = a2, a2, "bf16"
         else:
@@ -207,6 +221,7 @@ class TritonExperts(ExpertsProvider):
             layout.tile_expert, layout.sorted_pair, pairs.weight, layout.num_tiles,
             a2_data, a2_data.stride(0), a2_s, a2_s.stride(0),
             weights.w2, weights.w2.stride(0), weights.w2.stride(1), w2s, w2s.stride(0), w2s.stride(1),
+            w2_rs, w2_rs.stride(0), a2_rs,
             out, out.stride(0),
             inter, hidden,
             W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, **common,

@@ -51,25 +51,6 @@ def quantize_blocks(x, FMT: tl.constexpr):
 
 
 @triton.jit
-def quantize_blocks_e4m3(x, FMT: tl.constexpr):
-    """x [B, 32] fp32 -> (e4m3 bytes [B, 32], E8M0 scales [B]) for the frag8 decoder's A operand.
-
-    fp8: exactly quantize_blocks. fp4: the MXFP4 values (same codes and scales as quantize_blocks)
-    written as e4m3 bytes sign << 7 | code << 2 = value * 2**-6, with the scale byte raised by 6
-    (0xFF stays NaN), so both formats reach the FP8 tensor cores the same way.
-    """
-    if FMT == "fp8":
-        return quantize_blocks(x, FMT)
-    bad = tl.max(nonfinite(x), axis=1)
-    amax = tl.where(bad != 0, 0.0, tl.max(tl.abs(x), axis=1))
-    e = scale_exponent(amax, FP4_MANT_LIMIT, FP4_MAX_EXP)
-    codes = encode_e2m1(x * pow2(-e)[:, None])
-    payload = (((codes & 8) << 4) | ((codes & 7) << 2)).to(tl.uint8)
-    scales = tl.where(bad != 0, 255, tl.minimum(e + 127 + 6, 254)).to(tl.uint8)
-    return payload, scales
-
-
-@triton.jit
 def _quantize_rows_kernel(
     x_ptr, stride_x, data_ptr, stride_data, scale_ptr, stride_scale, K,
     FMT: tl.constexpr, BLOCKS: tl.constexpr,
