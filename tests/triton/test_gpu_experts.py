@@ -64,7 +64,7 @@ def test_layout_triton_equals_torch_gpu(p, e, bm):
     assert torch.equal(got.tile_expert, ref.tile_expert) and torch.equal(got.sorted_pair, ref.sorted_pair)
 
 
-FRAG8_TOL = 6e-3  # relL2 vs the exact reference allowed to frag8 (FP8 MMA accumulation; H200 measured 2.0e-3 / DSV4 in its test)
+FRAG8_TOL = 2e-2  # relL2 vs the exact reference allowed to frag8: the FP8 tensor core adds products with fewer bits than fp32 (H200: 2.0e-3 small, 3.2e-3 / 9.6e-3 a4w4 / a8w4 at K = 7168)
 
 # "frag" (the GPU default for prepared MXFP4 weights) and "split" (row-major weights) on every scheme
 # and layout; the other decoders on a few (they compile slowly and are covered on every scheme by the
