@@ -1,4 +1,4 @@
-"""MXFP4 weights re-laid out as Hopper MMA register fragments (the ``frag`` decoder's input).
+"""MXFP4 weights re-laid out as Hopper MMA register fragments (the ``frag`` / ``frag8`` decoders' input).
 
 Why: the e2m1 decode, not HBM, limited the plain-layout kernels (docs/triton.md). Two costs went
 away by moving work to weight-load time, once per layer:

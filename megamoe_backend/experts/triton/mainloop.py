@@ -4,8 +4,13 @@ Swap-AB orientation: the weight rows fill the MMA's M side (>= 64 rows per tile)
 an expert gets at decode fill its N side (>= 16), so small token tiles waste no tensor-core rows;
 the weight operand is the one that is decoded in registers.
 
-Three decoders, chosen by the constexpr DECODE:
-- "split" (fastest on H200): A arrives pre-dequantised to bf16 with every BK block stored as
+Decoders, chosen by the constexpr DECODE (the fragment ones have their own loops below):
+- "frag8" (frag8_mainloop; the H200 default for A8W4 / A4W4): FP8 MMA on e4m3 weights decoded from
+  fragment-ordered words by PRMT table lookups with the block scales folded in, and e4m3 activations
+  over one scale per row; the caller applies both row scales. Not exact: the FP8 tensor core adds
+  products with fewer bits than fp32 (relL2 ~1e-2 vs exact at K = 7168, docs/triton.md).
+- "frag" (frag_mainloop; bf16 activations): bf16 MMA on weights decoded from bf16-fragment words.
+- "split" (row-major weights): A arrives pre-dequantised to bf16 with every BK block stored as
   [even K elements | odd K elements] (gather.py / GEMM1's epilogue write it so), W's packed bytes are
   decoded by an 8-values-per-call PTX sequence (mxjit.decode_fp4_split, USE_ASM) into a low-nibble
   and a high-nibble tile, and two bf16 MMAs consume them: no register shuffles, every load contiguous
@@ -13,7 +18,7 @@ Three decoders, chosen by the constexpr DECODE:
   (interpreter).
 - "dot_scaled": ``tl.dot_scaled`` (Triton's own upcast on Hopper; native MX MMA on Blackwell).
 - "manual": explicit decode of W and of MX A in Triton, two MMAs over even / odd K (stride-2 loads).
-All are exact: e2m1 / e4m3 values times a power-of-two scale are representable in bf16.
+All but frag8 are exact: e2m1 / e4m3 values times a power-of-two scale are representable in bf16.
 """
 
 from __future__ import annotations

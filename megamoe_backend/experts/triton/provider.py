@@ -2,8 +2,8 @@
 
 Same contract as TorchReferenceExperts (experts/base.py): received rows (bf16, or the MXTensor the
 dispatch wire delivered), (row, slot, weight) pairs -> fp32 [P, H] route-weighted outputs per pair.
-A forward is three launches plus a few sync-free torch ops (layout), so it can be CUDA-graph captured
-for a fixed pair count.
+A forward is six or seven Triton launches (layout, gather, GEMM1, frag8's A2 row re-scale, GEMM2)
+and a few sync-free torch ops, so it can be CUDA-graph captured for a fixed pair count.
 """
 
 from __future__ import annotations
