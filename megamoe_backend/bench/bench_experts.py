@@ -300,7 +300,7 @@ def run_case(c: Case, fn, check) -> Case:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..experts.triton.provider import TritonExperts
+    from ..experts.triton.provider import STORAGE_OF, TritonExperts
     from ..experts.triton.quant import quantize_rows
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
     by_kind = {}  # storage -> prepared weights (one copy each)
 
     def prepared(decoder: str, math: ExpertMath) -> ExpertWeights:
-        want = {"frag": "fragments", "frag8": "fragments_fp8"}.get(decoder)
+        want = STORAGE_OF.get(decoder)
         if want in by_kind:
             return by_kind[want]
         w = TritonExperts(decoder=decoder).prepare_weights(fp4_all, math) if decoder in ("auto", "frag", "frag8") else fp4_all
@@ -377,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
                     elif decoder == args.decoder:
                         weights = fp4_prep[a_fmt is not None]
                     else:
-                        weights = kinds.get({"frag": "fragments", "frag8": "fragments_fp8"}.get(decoder, "rowmajor"), fp4)
+                        weights = kinds.get(STORAGE_OF.get(decoder, "rowmajor"), fp4)
                     mode = prov.resolve_decoder(wfmt, weights.storage)
                     used = cfg or default_config(p, n_exp, mode)
                     c = Case(n_exp, tokens, p, scheme, "triton", mode, describe(used),

@@ -18,6 +18,7 @@ from . import triton_available
 from .config import TileConfig, default_config, interpreting, reduction_block
 
 DECODERS = ("auto", "frag8", "frag", "split", "dot_scaled", "manual")
+STORAGE_OF = {"frag": "fragments", "frag8": "fragments_fp8"}  # the weight storage each fragment decoder reads
 # What "auto" resolves to for row-major MXFP4 weights on a CUDA GPU (H200 measurements in
 # docs/triton.md); weights that went through prepare_weights() are in fragment order and use "frag".
 GPU_DEFAULT_DECODER = "split"
