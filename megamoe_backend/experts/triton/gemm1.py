@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import assume_k_loop_runs, frag8_mainloop, frag_mainloop, mx_mainloop, tile_coords
+from .mainloop import assume_k_loop_runs, frag_mainloop, mx_mainloop, tile_coords
 from .mxjit import fake_quant_blocks, round_bf16
 from .quant import quantize_blocks
 
@@ -50,9 +50,9 @@ def gemm1_swiglu_kernel(
     assume_k_loop_runs(K, BK)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if DECODE == "frag8":  # FP8 tensor cores on row-scaled operands; W1 fragments are gate/up interleaved
-        acc = frag8_mainloop(
+        acc = frag_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), (2 * I) // 16,
-            a_ptr, a_rows, valid, stride_am, K, USE_ASM, BN, BM, BK, F32_DOT,
+            a_ptr, a_rows, valid, stride_am, K, "fp8", USE_ASM, BN, BM, BK, F32_DOT,
         )
         w_scale = tl.load(wrs_ptr + e64 * stride_wrse + n, mask=n < 2 * I, other=0.0)
         a_scale = tl.load(ars_ptr + rows, mask=valid, other=0.0)
@@ -60,7 +60,7 @@ def gemm1_swiglu_kernel(
     elif DECODE == "frag":  # fragment-ordered W1 is always gate/up interleaved (fragments.py)
         acc = frag_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), (2 * I) // 16,
-            a_ptr, a_rows, valid, stride_am, K, USE_ASM, BN, BM, BK, F32_DOT,
+            a_ptr, a_rows, valid, stride_am, K, "bf16", USE_ASM, BN, BM, BK, F32_DOT,
         )
     else:
         acc = mx_mainloop(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import assume_k_loop_runs, frag8_mainloop, frag_mainloop, mx_mainloop, tile_coords
+from .mainloop import assume_k_loop_runs, frag_mainloop, mx_mainloop, tile_coords
 
 
 @triton.jit
@@ -38,9 +38,9 @@ def gemm2_weighted_kernel(
     assume_k_loop_runs(K, BK)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if DECODE == "frag8":
-        acc = frag8_mainloop(
+        acc = frag_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), N // 16,
-            a_ptr, rows, valid, stride_am, K, USE_ASM, BN, BM, BK, F32_DOT,
+            a_ptr, rows, valid, stride_am, K, "fp8", USE_ASM, BN, BM, BK, F32_DOT,
         )
         w_scale = tl.load(wrs_ptr + e64 * stride_wrse + n, mask=nmask, other=0.0)
         a_scale = tl.load(ars_ptr + rows, mask=valid, other=0.0)
@@ -48,7 +48,7 @@ def gemm2_weighted_kernel(
     elif DECODE == "frag":
         acc = frag_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), N // 16,
-            a_ptr, rows, valid, stride_am, K, USE_ASM, BN, BM, BK, F32_DOT,
+            a_ptr, rows, valid, stride_am, K, "bf16", USE_ASM, BN, BM, BK, F32_DOT,
         )
     else:
         acc = mx_mainloop(

@@ -5,11 +5,11 @@ an expert gets at decode fill its N side (>= 16), so small token tiles waste no 
 the weight operand is the one that is decoded in registers.
 
 Decoders, chosen by the constexpr DECODE (the fragment ones have their own loops below):
-- "frag8" (frag8_mainloop; the H200 default for A8W4 / A4W4): FP8 MMA on e4m3 weights decoded from
+- "frag8" (frag_mainloop, fp8 kind; the H200 default for A8W4 / A4W4): FP8 MMA on e4m3 weights decoded from
   fragment-ordered words by PRMT table lookups with the block scales folded in, and e4m3 activations
   over one scale per row; the caller applies both row scales. Not exact: the FP8 tensor core adds
   products with fewer bits than fp32 (relL2 ~1e-2 vs exact at K = 7168, docs/triton.md).
-- "frag" (frag_mainloop; bf16 activations): bf16 MMA on weights decoded from bf16-fragment words.
+- "frag" (frag_mainloop, bf16 kind; bf16 activations): bf16 MMA on weights decoded from bf16-fragment words.
 - "split" (row-major weights): A arrives pre-dequantised to bf16 with every BK block stored as
   [even K elements | odd K elements] (gather.py / GEMM1's epilogue write it so), W's packed bytes are
   decoded by an 8-values-per-call PTX sequence (mxjit.decode_fp4_split, USE_ASM) into a low-nibble
@@ -179,15 +179,55 @@ def _fragment_pieces(rb0, num_rb, K, KB: tl.constexpr, RB: tl.constexpr, PIECES:
 
 
 @triton.jit
+def _e4m3_mma(w, a, acc, F32_DOT: tl.constexpr):
+    """acc += [BN, BK] e4m3 bytes (uint8) x [BK, BM] e4m3 (float8e4nv; uint8 in the interpreter) on the
+    FP8 tensor cores (the interpreter: exact integer decode, fp32 dot)."""
+    if F32_DOT:
+        return tl.dot(decode_e4m3(w), decode_e4m3(a), acc, input_precision="ieee")
+    return tl.dot(w.to(tl.float8e4nv, bitcast=True), a, acc)
+
+
+@triton.jit
+def _frag_weights(words, scale_bytes, KIND: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One K step of fragment words [KB, RB, 32, 16] + scale bytes [KB, RB, 8 (g), 4 (j, dr)] -> the
+    W tile [BN, BK] in the MMA's register layout (the reshapes only rename registers).
+
+    bf16 kind: bf16 values x 2**-63 (the caller undoes it); fp8 kind: e4m3 bytes of W / row_scale,
+    decoded by PRMT lookups in the tables built here from each block's S byte."""
+    KB: tl.constexpr = BK // 64
+    RB: tl.constexpr = BN // 16
+    if KIND == "bf16":
+        pair = scale_bytes.to(tl.int32) * 0x00800080  # bf16x2 bits of 2**(s - 64), both halves
+        pair = tl.broadcast_to(tl.reshape(pair, [KB, RB, 8, 1, 2, 1, 2, 1]), [KB, RB, 8, 4, 2, 2, 2, 2])
+        x, y = decode_fp4_frag(words, tl.reshape(pair, [KB, RB, 32, 16]), USE_ASM)
+        w = tl.reshape(tl.join(x, y), [KB, RB, 8, 4, 4, 2, 2, 2])  # kb rb g c step dr dk h
+        w = tl.reshape(tl.permute(w, [1, 5, 2, 0, 4, 7, 3, 6]), [BN, BK])  # (rb dr g) x (kb step h c dk)
+    else:
+        rep = scale_bytes.to(tl.int32) * 8
+        # the PRMT tables of each (g, j, dr): e4m3 bytes of {0, .5, .., 6} x 2**(S - 5)
+        lut = tl.join(rep * 0x01010100 + _LUT_LO, rep * 0x01010101 + _LUT_HI)  # [.., g, (j, dr), lo/hi]
+        lut = tl.broadcast_to(tl.reshape(lut, [KB, RB, 8, 1, 2, 1, 4]), [KB, RB, 8, 4, 2, 2, 4])  # g c j b2 (dr lohi)
+        x, y = decode_fp4_frag8(words, tl.reshape(lut, [KB, RB, 32, 16]), USE_ASM)
+        w = tl.reshape(tl.join(x, y), [KB, RB, 8, 4, 2, 2, 4, 2])  # kb rb g c j b2 i dr
+        w = tl.reshape(tl.permute(w, [1, 7, 2, 0, 4, 5, 3, 6]), [BN, BK])  # (rb dr g) x (kb j b2 c i)
+    return w
+
+
+@triton.jit
 def frag_mainloop(
     acc, w_ptr, ws_ptr, rb0, num_rb, a_ptr, a_rows, a_mask, stride_am, K,
-    USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
+    KIND: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):
-    """acc[BN, BM] += W[BN, K] @ A[BM, K]^T with W in fragment order (fragments.py), A bf16 natural order.
+    """acc[BN, BM] += W[BN, K] @ A[BM, K]^T with W in fragment order (fragments.py).
 
-    w_ptr / ws_ptr: this expert's words [N/16, K/64, 32, 16] / scales [N/16, K/64, 8, 4]; rb0: first
-    16-row block of the tile, num_rb: N / 16. One 128-bit load per lane and 64-wide K chunk; the
-    decode yields the wgmma A registers directly, the reshapes below only rename them.
+    w_ptr / ws_ptr: this expert's words [N/16, K/64, 32, 16] / scale bytes [N/16, K/64, 8, 4]; rb0:
+    first 16-row block of the tile, num_rb: N / 16. One 128-bit load per lane and 64-wide K chunk.
+    KIND "bf16" (frag decoder): bf16 MMA, A bf16 in natural order. KIND "fp8" (frag8): FP8 MMA on
+    W' = W / row_scale (block scales folded in by the decode) and A' = expert-sorted e4m3 rows over
+    one power-of-two scale per row (gather.py), typed float8e4nv so the loads land in the MMA's
+    shared layout (uint8 under the interpreter); the caller multiplies by both row scales. No partial
+    sum is rescaled inside the loop, so the wgmmas chain in both kinds.
     """
     RB: tl.constexpr = BN // 16
     KB: tl.constexpr = BK // 64
@@ -204,57 +244,13 @@ def frag_mainloop(
     for k0 in range(0, K, BK):
         step = k0 // 64
         words = tl.reshape(tl.load(w_ptr + w_off + step * 512, mask=wm, other=0), [KB, RB, 32, 16])
-        s8 = tl.reshape(tl.load(ws_ptr + s_off + step * 32, mask=sm, other=0), [KB, RB, 8, 4])  # g, (j, dr)
-        pair = s8.to(tl.int32) * 0x00800080  # bf16x2 bits of 2**(s - 64), both halves
-        pair = tl.broadcast_to(tl.reshape(pair, [KB, RB, 8, 1, 2, 1, 2, 1]), [KB, RB, 8, 4, 2, 2, 2, 2])
-        pair = tl.reshape(pair, [KB, RB, 32, 16])
-        x, y = decode_fp4_frag(words, pair, USE_ASM)
-        w = tl.reshape(tl.join(x, y), [KB, RB, 8, 4, 4, 2, 2, 2])  # kb rb g c step dr dk h
-        w = tl.reshape(tl.permute(w, [1, 5, 2, 0, 4, 7, 3, 6]), [BN, BK])  # (rb dr g) x (kb step h c dk)
+        s8 = tl.reshape(tl.load(ws_ptr + s_off + step * 32, mask=sm, other=0), [KB, RB, 8, 4])
+        w = _frag_weights(words, s8, KIND, USE_ASM, BN, BK)
         a = tl.load(a_ptr + ar * stride_am + (k0 + kk)[:, None], mask=am, other=0.0)
-        acc = _mma(w, a, acc, F32_DOT)
-    return acc * SPLIT_UNSCALE
-
-
-@triton.jit
-def _e4m3_mma(w, a, acc, F32_DOT: tl.constexpr):
-    """acc += [BN, BK] e4m3 bytes (uint8) x [BK, BM] e4m3 (float8e4nv; uint8 in the interpreter) on the
-    FP8 tensor cores (the interpreter: exact integer decode, fp32 dot)."""
-    if F32_DOT:
-        return tl.dot(decode_e4m3(w), decode_e4m3(a), acc, input_precision="ieee")
-    return tl.dot(w.to(tl.float8e4nv, bitcast=True), a, acc)
-
-
-@triton.jit
-def frag8_mainloop(
-    acc, w_ptr, ws_ptr, rb0, num_rb, a_ptr, a_rows, a_mask, stride_am, K,
-    USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
-):
-    """acc[BN, BM] += W'[BN, K] @ A'[BM, K]^T on the FP8 tensor cores, one K loop like frag_mainloop.
-
-    W' = the weights / their row_scale, block scales folded in by the decode (fragments.py, fp8
-    kind): w_ptr / ws_ptr are this expert's words [N/16, K/64, 32, 16] / S bytes [N/16, K/64, 8, 4].
-    A' = expert-sorted e4m3 rows over one power-of-two scale per row (gather.py), typed float8e4nv so
-    the loads land in the MMA's shared layout (uint8 under the interpreter). The caller multiplies by
-    both row scales. No partial sum is rescaled inside the loop, so the wgmmas chain like bf16 ones.
-    """
-    RB: tl.constexpr = BN // 16
-    KB: tl.constexpr = BK // 64
-    w_off, wm = _fragment_pieces(rb0, num_rb, K, KB, RB, 32, 512)
-    s_off, sm = _fragment_pieces(rb0, num_rb, K, KB, RB, 2, 32)
-    ar = a_rows.to(tl.int64)[None, :]
-    am = a_mask[None, :]
-    kk = tl.arange(0, BK)
-    for k0 in range(0, K, BK):
-        step = k0 // 64
-        words = tl.reshape(tl.load(w_ptr + w_off + step * 512, mask=wm, other=0), [KB, RB, 32, 16])
-        rep = tl.reshape(tl.load(ws_ptr + s_off + step * 32, mask=sm, other=0), [KB, RB, 8, 4]).to(tl.int32) * 8
-        # the PRMT tables of each (g, j, dr): e4m3 bytes of {0, .5, .., 6} x 2**(S - 5)
-        lut = tl.join(rep * 0x01010100 + _LUT_LO, rep * 0x01010101 + _LUT_HI)  # [.., g, (j, dr), lo/hi]
-        lut = tl.broadcast_to(tl.reshape(lut, [KB, RB, 8, 1, 2, 1, 4]), [KB, RB, 8, 4, 2, 2, 4])  # g c j b2 (dr lohi)
-        x, y = decode_fp4_frag8(words, tl.reshape(lut, [KB, RB, 32, 16]), USE_ASM)
-        w = tl.reshape(tl.join(x, y), [KB, RB, 8, 4, 2, 2, 4, 2])  # kb rb g c j b2 i dr
-        w = tl.reshape(tl.permute(w, [1, 7, 2, 0, 4, 5, 3, 6]), [BN, BK])  # (rb dr g) x (kb j b2 c i)
-        a = tl.load(a_ptr + ar * stride_am + (k0 + kk)[:, None], mask=am, other=0.0)
-        acc = _e4m3_mma(w, a, acc, F32_DOT)
+        if KIND == "bf16":
+            acc = _mma(w, a, acc, F32_DOT)
+        else:
+            acc = _e4m3_mma(w, a, acc, F32_DOT)
+    if KIND == "bf16":
+        acc = acc * SPLIT_UNSCALE
     return acc
