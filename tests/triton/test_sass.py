@@ -54,7 +54,7 @@ def test_wgmma_pipeline_not_serialised(sass_rows):
 
 
 def test_decode_loop_stays_lean(sass_rows):
-    """Instructions per decoded weight in the K loop: frag8 1.9-2.6 today (PRMT table decode, k32
+    """Instructions per decoded weight in the K loop: frag8 2.0-2.6 today (PRMT table decode, k32
     wgmmas), frag 2.8-3.6, split (the row-major fallback) ~6."""
     limit = {"frag8": 3.0, "frag": 4.0, "split": 7.0}
     for row in sass_rows:
