@@ -29,6 +29,7 @@ from ..formats import MX_BLOCK, MXTensor, dequantize_mx, quantize_mx
 WEIGHT_FORMATS = ("bf16", "mxfp4")
 GATE_UP_LAYOUTS = ("interleaved", "plain")
 STORAGES = ("rowmajor", "fragments", "fragments_fp8")
+FRAGMENT_STORAGE = {"bf16": "fragments", "fp8": "fragments_fp8"}  # fragment kind -> storage name
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class ExpertWeights:
         outside what that decoder handles."""
         from .fragments import to_fragments
 
-        storage = "fragments" if kind == "bf16" else "fragments_fp8"
+        storage = FRAGMENT_STORAGE.get(kind)  # an unknown kind: to_fragments names the choices
         if self.storage == storage:
             return self
         if self.fmt != "mxfp4":
@@ -136,7 +137,7 @@ class ExpertWeights:
 
         if self.storage == "rowmajor":
             return self
-        kind = "bf16" if self.storage == "fragments" else "fp8"
+        kind = next(k for k, st in FRAGMENT_STORAGE.items() if st == self.storage)
         out = []
         for w, s, rs in ((self.w1, self.w1_scale, self.w1_row_scale), (self.w2, self.w2_scale, self.w2_row_scale)):
             e, n, k2 = w.shape

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="the sm_90a report compiles the Triton kernels (CI installs triton)")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -32,7 +32,8 @@ def sass_rows(tmp_path_factory):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_report.py"), "--json", str(out)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "No such file" in proc.stderr:
-        pytest.skip("this Triton wheel ships no ptxas")
+        pytest.skip("the sm_90a check needs the ptxas bundled in Triton's NVIDIA backend; this Triton wheel ships none "
+                    "(e.g. a ROCm build)")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -114,7 +114,7 @@ def rowscale_e4m3_kernel(
         b = tl.load(a_ptr + src * stride_am + blk[:, None] * 16 + tl.arange(0, 16)[None, :], mask=bm[:, None], other=0)
         q = tl.reshape(tl.join(decode_e2m1(b), decode_e2m1(b >> 4)), [NB, 32])
     shift = s - smax  # <= 0; below 2**-126 every value underflows e4m3 anyway
-    v = q * tl.where(shift >= -126, ((shift + 127) << 23).to(tl.float32, bitcast=True), 0.0)[:, None]
+    v = q * tl.where(shift >= -126, pow2(shift), 0.0)[:, None]
     if HW_CVT:
         e4 = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:

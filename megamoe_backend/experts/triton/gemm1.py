@@ -49,18 +49,10 @@ def gemm1_swiglu_kernel(
     e64 = expert.to(tl.int64)
     assume_k_loop_runs(K, BK)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    if DECODE == "frag8":  # FP8 tensor cores on row-scaled operands; W1 fragments are gate/up interleaved
+    if DECODE == "frag" or DECODE == "frag8":  # fragment storage: W1 is always gate/up interleaved (fragments.py)
         acc = frag_mainloop(
-            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), (2 * I) // 16,
-            a_ptr, a_rows, valid, stride_am, K, "fp8", USE_ASM, BN, BM, BK, F32_DOT,
-        )
-        w_scale = tl.load(wrs_ptr + e64 * stride_wrse + n, mask=n < 2 * I, other=0.0)
-        a_scale = tl.load(ars_ptr + rows, mask=valid, other=0.0)
-        acc = acc * w_scale[:, None] * a_scale[None, :]
-    elif DECODE == "frag":  # fragment-ordered W1 is always gate/up interleaved (fragments.py)
-        acc = frag_mainloop(
-            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), (2 * I) // 16,
-            a_ptr, a_rows, valid, stride_am, K, "bf16", USE_ASM, BN, BM, BK, F32_DOT,
+            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16),
+            (2 * I) // 16, a_ptr, a_rows, valid, stride_am, ars_ptr, K, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
         )
     else:
         acc = mx_mainloop(

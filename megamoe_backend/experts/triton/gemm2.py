@@ -37,18 +37,10 @@ def gemm2_weighted_kernel(
     e64 = expert.to(tl.int64)
     assume_k_loop_runs(K, BK)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    if DECODE == "frag8":
+    if DECODE == "frag" or DECODE == "frag8":
         acc = frag_mainloop(
-            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), N // 16,
-            a_ptr, rows, valid, stride_am, K, "fp8", USE_ASM, BN, BM, BK, F32_DOT,
-        )
-        w_scale = tl.load(wrs_ptr + e64 * stride_wrse + n, mask=nmask, other=0.0)
-        a_scale = tl.load(ars_ptr + rows, mask=valid, other=0.0)
-        acc = acc * w_scale[:, None] * a_scale[None, :]
-    elif DECODE == "frag":
-        acc = frag_mainloop(
-            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, pid_n * (BN // 16), N // 16,
-            a_ptr, rows, valid, stride_am, K, "bf16", USE_ASM, BN, BM, BK, F32_DOT,
+            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16),
+            N // 16, a_ptr, rows, valid, stride_am, ars_ptr, K, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
         )
     else:
         acc = mx_mainloop(

@@ -4,12 +4,12 @@ Swap-AB orientation: the weight rows fill the MMA's M side (>= 64 rows per tile)
 an expert gets at decode fill its N side (>= 16), so small token tiles waste no tensor-core rows;
 the weight operand is the one that is decoded in registers.
 
-Decoders, chosen by the constexpr DECODE (the fragment ones have their own loops below):
-- "frag8" (frag_mainloop, fp8 kind; the H200 default for A8W4 / A4W4): FP8 MMA on e4m3 weights decoded from
+Decoders, chosen by the constexpr DECODE (the fragment ones share frag_mainloop below):
+- "frag8" (frag_mainloop; the H200 default for A8W4 / A4W4): FP8 MMA on e4m3 weights decoded from
   fragment-ordered words by PRMT table lookups with the block scales folded in, and e4m3 activations
-  over one scale per row; the caller applies both row scales. Not exact: the FP8 tensor core adds
+  over one scale per row; both row scales are applied after the loop. Not exact: the FP8 tensor core adds
   products with fewer bits than fp32 (relL2 ~1e-2 vs exact at K = 7168, docs/triton.md).
-- "frag" (frag_mainloop, bf16 kind; bf16 activations): bf16 MMA on weights decoded from bf16-fragment words.
+- "frag" (frag_mainloop; bf16 activations): bf16 MMA on weights decoded from bf16-fragment words.
 - "split" (row-major weights): A arrives pre-dequantised to bf16 with every BK block stored as
   [even K elements | odd K elements] (gather.py / GEMM1's epilogue write it so), W's packed bytes are
   decoded by an 8-values-per-call PTX sequence (mxjit.decode_fp4_split, USE_ASM) into a low-nibble
@@ -188,15 +188,15 @@ def _e4m3_mma(w, a, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _frag_weights(words, scale_bytes, KIND: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _frag_weights(words, scale_bytes, DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """One K step of fragment words [KB, RB, 32, 16] + scale bytes [KB, RB, 8 (g), 4 (j, dr)] -> the
     W tile [BN, BK] in the MMA's register layout (the reshapes only rename registers).
 
-    bf16 kind: bf16 values x 2**-63 (the caller undoes it); fp8 kind: e4m3 bytes of W / row_scale,
-    decoded by PRMT lookups in the tables built here from each block's S byte."""
+    frag (bf16 kind): bf16 values x 2**-63 (the caller undoes it); frag8 (fp8 kind): e4m3 bytes of
+    W / row_scale, decoded by PRMT lookups in the tables built here from each block's S byte."""
     KB: tl.constexpr = BK // 64
     RB: tl.constexpr = BN // 16
-    if KIND == "bf16":
+    if DECODE == "frag":
         pair = scale_bytes.to(tl.int32) * 0x00800080  # bf16x2 bits of 2**(s - 64), both halves
         pair = tl.broadcast_to(tl.reshape(pair, [KB, RB, 8, 1, 2, 1, 2, 1]), [KB, RB, 8, 4, 2, 2, 2, 2])
         x, y = decode_fp4_frag(words, tl.reshape(pair, [KB, RB, 32, 16]), USE_ASM)
@@ -215,19 +215,20 @@ def _frag_weights(words, scale_bytes, KIND: tl.constexpr, USE_ASM: tl.constexpr,
 
 @triton.jit
 def frag_mainloop(
-    acc, w_ptr, ws_ptr, rb0, num_rb, a_ptr, a_rows, a_mask, stride_am, K,
-    KIND: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    acc, w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, a_rows, a_mask, stride_am, ars_ptr, K,
+    DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     F32_DOT: tl.constexpr,
 ):
     """acc[BN, BM] += W[BN, K] @ A[BM, K]^T with W in fragment order (fragments.py).
 
     w_ptr / ws_ptr: this expert's words [N/16, K/64, 32, 16] / scale bytes [N/16, K/64, 8, 4]; rb0:
     first 16-row block of the tile, num_rb: N / 16. One 128-bit load per lane and 64-wide K chunk.
-    KIND "bf16" (frag decoder): bf16 MMA, A bf16 in natural order. KIND "fp8" (frag8): FP8 MMA on
-    W' = W / row_scale (block scales folded in by the decode) and A' = expert-sorted e4m3 rows over
-    one power-of-two scale per row (gather.py), typed float8e4nv so the loads land in the MMA's
-    shared layout (uint8 under the interpreter); the caller multiplies by both row scales. No partial
-    sum is rescaled inside the loop, so the wgmmas chain in both kinds.
+    DECODE "frag": bf16 MMA, A bf16 in natural order. DECODE "frag8": FP8 MMA on W' = W / row_scale
+    (block scales folded in by the decode) and A' = expert-sorted e4m3 rows over one power-of-two
+    scale per row (gather.py), typed float8e4nv so the loads land in the MMA's shared layout (uint8
+    under the interpreter); both row scales (wrs_ptr: this expert's [N], ars_ptr: per sorted row) are
+    applied after the loop. No partial sum is rescaled inside it, so the wgmmas chain in both modes.
+    wrs_ptr / ars_ptr are not read by "frag".
     """
     RB: tl.constexpr = BN // 16
     KB: tl.constexpr = BK // 64
@@ -245,12 +246,17 @@ def frag_mainloop(
         step = k0 // 64
         words = tl.reshape(tl.load(w_ptr + w_off + step * 512, mask=wm, other=0), [KB, RB, 32, 16])
         s8 = tl.reshape(tl.load(ws_ptr + s_off + step * 32, mask=sm, other=0), [KB, RB, 8, 4])
-        w = _frag_weights(words, s8, KIND, USE_ASM, BN, BK)
+        w = _frag_weights(words, s8, DECODE, USE_ASM, BN, BK)
         a = tl.load(a_ptr + ar * stride_am + (k0 + kk)[:, None], mask=am, other=0.0)
-        if KIND == "bf16":
+        if DECODE == "frag":
             acc = _mma(w, a, acc, F32_DOT)
         else:
             acc = _e4m3_mma(w, a, acc, F32_DOT)
-    if KIND == "bf16":
+    if DECODE == "frag":
         acc = acc * SPLIT_UNSCALE
+    else:
+        w_rows = rb0 * 16 + tl.arange(0, BN)
+        w_scale = tl.load(wrs_ptr + w_rows, mask=w_rows < num_rb * 16, other=0.0)
+        a_scale = tl.load(ars_ptr + a_rows, mask=a_mask, other=0.0)
+        acc = acc * w_scale[:, None] * a_scale[None, :]
     return acc

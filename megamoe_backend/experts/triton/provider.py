@@ -13,14 +13,16 @@ import triton
 
 from ...formats import MX_BLOCK, MXTensor
 from ..base import Activations, ExpertMath, ExpertPairs, ExpertsProvider
-from ..weights import ExpertWeights
+from ..weights import FRAGMENT_STORAGE, ExpertWeights
 from . import triton_available
 from .config import TileConfig, default_config, interpreting, reduction_block
 
 DECODERS = ("auto", "frag8", "frag", "split", "dot_scaled", "manual")
-STORAGE_OF = {"frag": "fragments", "frag8": "fragments_fp8"}  # the weight storage each fragment decoder reads
+FRAG_KIND = {"frag": "bf16", "frag8": "fp8"}  # fragment decoder -> the fragments.py kind it reads
+STORAGE_OF = {d: FRAGMENT_STORAGE[k] for d, k in FRAG_KIND.items()}  # ... and that kind's storage name
 # What "auto" resolves to for row-major MXFP4 weights on a CUDA GPU (H200 measurements in
-# docs/triton.md); weights that went through prepare_weights() are in fragment order and use "frag".
+# docs/triton.md); weights that went through prepare_weights() are in fragment order and use "frag8"
+# (MX activations) or "frag".
 GPU_DEFAULT_DECODER = "split"
 
 
@@ -74,8 +76,10 @@ class TritonExperts(ExpertsProvider):
             return weights
         if self.decoder == "frag8" and math is not None:
             _require_mx_activations(math)
-        mx = math is not None and math.a_format in ("fp8", "fp4")
-        kinds = {"frag8": ["fp8"], "frag": ["bf16"], "auto": ["fp8", "bf16"] if mx else ["bf16"]}[self.decoder]
+        if self.decoder == "auto":
+            kinds = ["fp8", "bf16"] if math is not None and _has_mx_activations(math) else ["bf16"]
+        else:
+            kinds = [FRAG_KIND[self.decoder]]
         for kind in kinds:
             try:
                 return weights.as_fragments(kind)
@@ -86,12 +90,12 @@ class TritonExperts(ExpertsProvider):
 
     def resolve_decoder(self, weights_fmt: str, storage: str = "rowmajor") -> str:
         """The mainloop DECODE mode for these weights on this backend."""
-        if storage == "fragments_fp8":
+        if storage == STORAGE_OF["frag8"]:
             if self.decoder not in ("auto", "frag8"):
                 raise ValueError(f"weights are in fp8 fragment storage (prepare_weights); decoder={self.decoder!r} cannot "
                                  "read them: use decoder='frag8' or pass weights.as_rowmajor()")
             return "frag8"
-        if storage == "fragments":
+        if storage == STORAGE_OF["frag"]:
             if self.decoder not in ("auto", "frag"):
                 raise ValueError(f"weights are in fragment storage (prepare_weights); decoder={self.decoder!r} reads row-major "
                                  "weights: use decoder='frag' or pass weights.as_rowmajor()")
@@ -230,9 +234,13 @@ class TritonExperts(ExpertsProvider):
         return out
 
 
-def _require_mx_activations(math: ExpertMath) -> None:
+def _has_mx_activations(math: ExpertMath) -> bool:
     """frag8 feeds e4m3 activations to the FP8 tensor cores: only A8W4 / A4W4 have them."""
-    if math.a_format not in ("fp8", "fp4"):
+    return math.a_format in ("fp8", "fp4")
+
+
+def _require_mx_activations(math: ExpertMath) -> None:
+    if not _has_mx_activations(math):
         raise ValueError(f"decoder='frag8' needs MX activations (A8W4 / A4W4); quant={math.quant} has bf16 A")
 
 
