@@ -270,7 +270,8 @@ def measure_ceilings(device: torch.device) -> dict:
 def describe(cfg: TileConfig | None) -> str:
     if cfg is None:
         return ""
-    return f"m{cfg.block_m} n{cfg.block_n1}/{cfg.block_n2} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    tail = f" t{cfg.tail_m}" if cfg.tail_m else ""  # short last tiles (TileConfig.tail_m)
+    return f"m{cfg.block_m} n{cfg.block_n1}/{cfg.block_n2} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{tail}"
 
 
 def fill_metrics(c: Case, hidden: int, inter: int, wfmt: str, a_fmt: str | None) -> None:

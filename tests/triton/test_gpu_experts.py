@@ -121,6 +121,40 @@ def test_graph_capture_and_capacity():
         TritonExperts(capacity=len(pairs) - 1).forward(a, pd, wd, math)
 
 
+@pytest.mark.parametrize("counts", [(130, 100, 140, 30), (40, 20, 64, 60)])
+@pytest.mark.parametrize("quant", ["a8w4", "bf16"])
+def test_short_tiles_gpu(counts, quant):
+    """The bucket defaults' tail_m (short last tiles) on the GPU: rows per expert chosen so the
+    prefill (BM 128, tail 16) and mid (BM 64, tail 32) buckets see short, full and long-partial tiles."""
+    from megamoe_backend.experts.triton.config import default_config
+    from megamoe_backend.experts.triton.layout import build_layout
+
+    p = sum(counts)
+    weights, x, _ = make_problem("mxfp4", n_exp=4, hidden=1024, inter=512, tokens=p, topk=1, seed=2)
+    g = torch.Generator().manual_seed(5)
+    slot = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])[torch.randperm(p, generator=g)]
+    pairs = ExpertPairs(torch.arange(p), slot, torch.rand(p, generator=g))
+    wd, xd, pd = _to(DEV, weights, x, pairs)
+    math = ExpertMath(quant, 10.0)
+    a = xd if math.a_format is None else quantize_rows(xd, math.a_format)
+    prov = TritonExperts()
+    prepared = prov.prepare_weights(wd, math)
+    mode = prov.resolve_decoder(prepared.fmt, prepared.storage)
+    cfg = default_config(p, 4, mode)
+    if mode == "frag8":
+        assert cfg.tail_m > 0
+        lay = build_layout(pd.slot, 4, cfg.block_m)
+        rows = lay.sorted_pair.view(-1, cfg.block_m)[(lay.tile_expert >= 0)]
+        assert (rows[:, cfg.tail_m] < 0).any() and (rows[:, cfg.tail_m] >= 0).any()
+    out = prov.forward(a, pd, prepared, math)
+    ref = TorchReferenceExperts().forward(a, pd, wd, math)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, ref) < (FRAG8_TOL if mode == "frag8" else 2e-3)
+    if cfg.tail_m:  # deterministic, and bit for bit the full-height result (scripts/check_short_tiles.py)
+        plain = TritonExperts(config=cfg.with_(tail_m=0)).forward(a, pd, prepared, math)
+        assert torch.equal(out, prov.forward(a, pd, prepared, math)) and torch.equal(out, plain)
+
+
 DSV4_CASES = [(q, d) for q in ("a8w4", "a4w4", "bf16") for d in ("auto", "frag", "split")]
 
 

@@ -233,6 +233,31 @@ def test_experts_match_reference(decoder, quant, wfmt, layout, limit):
     assert _rel(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("decoder,quant", [("frag8", "a8w4"), ("frag", "bf16"), ("split", "a4w4")])
+def test_short_tiles_match_reference(decoder, quant):
+    """TileConfig.tail_m: tiles whose rows from tail_m on are padding run at height tail_m; experts
+    with 40 / 20 / 5 rows give 32-row tiles that are full, short (8 and 5 rows) and long-but-partial (20)."""
+    weights, x, _ = _problem("mxfp4", tokens=65)
+    g = torch.Generator().manual_seed(3)
+    slot = torch.tensor([0] * 40 + [1] * 20 + [2] * 5)[torch.randperm(65, generator=g)]
+    pairs = ExpertPairs(torch.arange(65), slot, torch.rand(65, generator=g))
+    cfg = K["config"].TileConfig(block_m=32, block_n1=64, block_n2=32, block_k=64, num_warps=4, num_stages=1, group_m=2, tail_m=16)
+    layout = K["layout"].build_layout(pairs.slot, 3, cfg.block_m)
+    rows = layout.sorted_pair.view(-1, cfg.block_m)[: int((layout.tile_expert >= 0).sum())]
+    short = rows[:, cfg.tail_m] < 0
+    assert short.any() and (~short).any() and ((rows >= 0).sum(1)[~short] < cfg.block_m).any()
+    math = ExpertMath(quant, 10.0)
+    a = x if math.a_format is None else quantize_mx(x, math.a_format)
+    ref = TorchReferenceExperts().forward(a, pairs, weights, math)
+    prov = K["provider"].TritonExperts(decoder=decoder, config=cfg)
+    out = torch.full((len(pairs), weights.hidden), float("nan"))
+    prov.forward(a, pairs, prov.prepare_weights(weights, math), math, out=out)
+    assert torch.isfinite(out).all(), "an output element was never written"
+    assert _rel(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="tail_m=32"):
+        cfg.with_(tail_m=32)
+
+
 def test_bf16_wire_is_quantised_on_the_receiver():
     weights, x, pairs = _problem("mxfp4")
     math = ExpertMath("a8w4", 10.0)

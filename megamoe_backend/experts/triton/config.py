@@ -20,6 +20,7 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 4
+    tail_m: int = 0  # > 0: a tile whose rows from tail_m on are padding runs at height tail_m (mainloop.claim_tile)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k"):
@@ -30,6 +31,9 @@ class TileConfig:
             raise ValueError(f"TileConfig.block_n1={self.block_n1} must be >= 64 (A2 is quantised in 1x32 blocks)")
         if self.block_k < 32:
             raise ValueError(f"TileConfig.block_k={self.block_k} must be >= 32 (one E8M0 block)")
+        t = self.tail_m
+        if t and (t < 16 or t & (t - 1) or t >= self.block_m):
+            raise ValueError(f"TileConfig.tail_m={t} must be 0 (off) or a power of two in [16, block_m={self.block_m})")
 
     def with_(self, **kw) -> "TileConfig":
         return replace(self, **kw)
@@ -67,11 +71,15 @@ FRAG_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
 )
 # FP8-MMA fragments (frag8, the default for A8W4 / A4W4): one chained K loop like frag, K steps of 128
 # (four k32 wgmmas per m64 slab). H200 interleaved A/B (docs/triton.md): BN 128 at decode sizes (BN 256
-# within 1 %), BM 64 x BN 256 at mid sizes (one tile per expert), BM 128 x BN 128 for prefill.
+# within 1 %), BM 64 x BN 256 at mid sizes (one tile per expert), BM 128 x BN 128 for prefill. tail_m:
+# an expert's last tile runs at that height, in a second launch, when its rows end before it
+# (mainloop.claim_tile): 1024 tokens -4 % with 32, 8192 tokens -4..-8 % with 16 (3 interleaved rounds each,
+# benchmarks/results/h200_tail_ab.json; 32 / 64 at prefill measured slower: a short tile's cost is
+# mostly the weight decode, which does not shrink with its height).
 FRAG8_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
     (16.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4)),
-    (48.0, TileConfig(block_m=64, block_n1=256, block_n2=256, block_k=128, num_warps=4, num_stages=3)),
-    (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
+    (48.0, TileConfig(block_m=64, block_n1=256, block_n2=256, block_k=128, num_warps=4, num_stages=3, tail_m=32)),
+    (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3, tail_m=16)),
 )
 INTERPRETER_CONFIG = TileConfig(block_m=16, block_n1=64, block_n2=32, block_k=64, num_warps=4, num_stages=1, group_m=2)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import assume_k_loop_runs, frag_mainloop, mx_mainloop, tile_coords
+from .mainloop import assume_k_loop_runs, claim_tile, frag_mainloop, mx_mainloop
 from .mxjit import fake_quant_blocks, round_bf16
 from .quant import quantize_blocks
 
@@ -26,14 +26,32 @@ def gemm1_swiglu_kernel(
     K, I, limit,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr, PLAIN: tl.constexpr, HAS_LIMIT: tl.constexpr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, F32_DOT: tl.constexpr, BK2: tl.constexpr,
+    GROUP_M: tl.constexpr, F32_DOT: tl.constexpr, BK2: tl.constexpr, TAIL_M: tl.constexpr, SHORT: tl.constexpr,
 ):
-    num_n_tiles = tl.cdiv(2 * I, BN)
-    pid_m, pid_n = tile_coords(tl.program_id(0), num_m_tiles, num_n_tiles, GROUP_M)
-    expert = tl.load(tile_expert_ptr + pid_m)
-    if expert < 0:
+    expert, row0, pid_n, mine = claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, tl.cdiv(2 * I, BN), GROUP_M, BM, TAIL_M, SHORT)
+    if not mine:
         return
-    rows = pid_m * BM + tl.arange(0, BM)
+    assume_k_loop_runs(K, BK)
+    BM_RUN: tl.constexpr = TAIL_M if SHORT else BM  # the short launch runs its tiles' first TAIL_M rows
+    _gemm1_tile(
+        expert, row0, pid_n, sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm,
+        w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr,
+        o_ptr, stride_om, os_ptr, stride_osm, K, I, limit,
+        W_FMT, A_FMT, PLAIN, HAS_LIMIT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, BK2,
+    )
+
+
+@triton.jit
+def _gemm1_tile(
+    expert, row0, pid_n, sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm,
+    w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr,
+    o_ptr, stride_om, os_ptr, stride_osm, K, I, limit,
+    W_FMT: tl.constexpr, A_FMT: tl.constexpr, PLAIN: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    F32_DOT: tl.constexpr, BK2: tl.constexpr,
+):
+    """One BN x BM tile of GEMM1 + epilogue (BM: the tile height, or TAIL_M for a short tile)."""
+    rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_pair_ptr + rows)
     valid = pair >= 0  # padding rows of the tile are masked: their A is never read (L2 traffic at decode)
     if DECODE == "split" or DECODE == "frag" or DECODE == "frag8":  # A was gathered into sorted order (gather.py)
@@ -47,7 +65,6 @@ def gemm1_swiglu_kernel(
     else:
         w_rows = n
     e64 = expert.to(tl.int64)
-    assume_k_loop_runs(K, BK)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if DECODE == "frag" or DECODE == "frag8":  # fragment storage: W1 is always gate/up interleaved (fragments.py)
         acc = frag_mainloop(

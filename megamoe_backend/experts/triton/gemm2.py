@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import assume_k_loop_runs, frag_mainloop, mx_mainloop, tile_coords
+from .mainloop import assume_k_loop_runs, claim_tile, frag_mainloop, mx_mainloop
 
 
 @triton.jit
@@ -22,20 +22,34 @@ def gemm2_weighted_kernel(
     K, N,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, TAIL_M: tl.constexpr, SHORT: tl.constexpr,
 ):
-    num_n_tiles = tl.cdiv(N, BN)
-    pid_m, pid_n = tile_coords(tl.program_id(0), num_m_tiles, num_n_tiles, GROUP_M)
-    expert = tl.load(tile_expert_ptr + pid_m)
-    if expert < 0:
+    expert, row0, pid_n, mine = claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, tl.cdiv(N, BN), GROUP_M, BM, TAIL_M, SHORT)
+    if not mine:
         return
-    rows = pid_m * BM + tl.arange(0, BM)
+    assume_k_loop_runs(K, BK)
+    BM_RUN: tl.constexpr = TAIL_M if SHORT else BM  # the short launch runs its tiles' first TAIL_M rows
+    _gemm2_tile(
+        expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
+        w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om,
+        K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT,
+    )
+
+
+@triton.jit
+def _gemm2_tile(
+    expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
+    w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om, K, N,
+    W_FMT: tl.constexpr, A_FMT: tl.constexpr, DECODE: tl.constexpr, USE_ASM: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """One BN x BM output tile (BM: the tile height, or TAIL_M for a short tile's first rows)."""
+    rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_pair_ptr + rows)
     valid = pair >= 0  # padding rows of the tile: A2 never read, nothing stored
     n = pid_n * BN + tl.arange(0, BN)
     nmask = n < N
     e64 = expert.to(tl.int64)
-    assume_k_loop_runs(K, BK)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if DECODE == "frag" or DECODE == "frag8":
         acc = frag_mainloop(

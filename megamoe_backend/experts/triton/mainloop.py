@@ -156,6 +156,25 @@ def assume_k_loop_runs(K, BK: tl.constexpr):
 
 
 @triton.jit
+def claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr, BM: tl.constexpr,
+               TAIL_M: tl.constexpr, SHORT: tl.constexpr):
+    """(expert, first sorted row, N tile, whether this launch runs the tile) of this program.
+
+    Unused tiles (expert -1) are nobody's. With TAIL_M > 0 the provider launches each GEMM twice and
+    a tile belongs to one of them: SHORT=True takes the tiles whose rows from TAIL_M on are all
+    padding (run at height TAIL_M), SHORT=False the others. An expert's rows fill its tiles from the
+    top (layout.py), so one look at row TAIL_M decides. Why: a prefill expert's last tile is often
+    nearly empty, and a full-height MMA over it is mostly padding (docs/triton.md)."""
+    pid_m, pid_n = tile_coords(tl.program_id(0), num_m_tiles, num_n_tiles, GROUP_M)
+    expert = tl.load(tile_expert_ptr + pid_m)
+    row0 = pid_m * BM
+    mine = expert >= 0
+    if TAIL_M > 0:
+        mine = mine & ((tl.load(sorted_pair_ptr + row0 + TAIL_M) < 0) == SHORT)
+    return expert, row0, pid_n, mine
+
+
+@triton.jit
 def tile_coords(pid, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
     """Grouped ordering: GROUP_M consecutive M tiles (usually one expert) share each weight tile in L2."""
     per_group = GROUP_M * num_n_tiles

@@ -1,0 +1,59 @@
+"""TileConfig.tail_m on the GPU: the bucket default (short last tiles in a second launch) against the
+same tiles with tail_m=0 — repeated forwards bitwise equal, equal to tail_m=0 bit for bit, relL2 vs
+the bench's exact subset reference. 192 experts, DSV4-Pro shapes, a8w4 and a4w4, 8192 and 1024 tokens.
+
+Why: a first design held both tile heights in one kernel; on the H200 its A8W4 GEMM1 gave results
+that changed between identical forwards (benchmarks/results/h200_tail_ab.json). This is the check
+that found it and that the two-launch design passes.
+
+    PYTHONPATH=. python3 scripts/check_short_tiles.py out.json      # on an H200
+"""
+import json
+import sys
+
+import torch
+
+from megamoe_backend.bench.bench_experts import check_subset, make_routing, make_weights, rel_l2, subset_reference
+from megamoe_backend.experts import ExpertMath
+from megamoe_backend.experts.triton.config import default_config
+from megamoe_backend.experts.triton.provider import TritonExperts
+from megamoe_backend.experts.triton.quant import quantize_rows
+
+
+def main(path: str, n_exp: int = 192) -> int:
+    dev = torch.device("cuda")
+    fp4, bf16 = make_weights(n_exp, 7168, 3072, dev, 0)
+    rows = []
+    for tokens in (8192, 1024):
+        x, pairs = make_routing(tokens, n_exp, 6, 7168, dev, tokens)
+        sel = check_subset(pairs, 256, 0)
+        for quant in ("a8w4", "a4w4"):
+            math = ExpertMath(quant, 10.0)
+            a = quantize_rows(x, math.a_format)
+            w = TritonExperts().prepare_weights(fp4, math)
+            exact = subset_reference(x, pairs, sel, bf16, math, exact=True)
+            default = default_config(len(pairs), n_exp, "frag8")
+            first = None
+            for tail in (default.tail_m, 0):
+                prov = TritonExperts(config=default.with_(tail_m=tail))
+                outs = [prov.forward(a, pairs, w, math) for _ in range(3)]
+                torch.cuda.synchronize()
+                r = {"quant": quant, "tokens": tokens, "tail": tail,
+                     "bitwise_repeat": all(torch.equal(outs[0], o) for o in outs[1:]),
+                     "max_abs_diff_repeat": max(float((outs[0] - o).abs().max()) for o in outs[1:]),
+                     "relL2_ref": [rel_l2(o[sel], exact) for o in outs],
+                     "nan": bool(torch.isnan(outs[0]).any())}
+                if first is None:
+                    first = outs[0].clone()
+                else:
+                    r["bitwise_equal_to_tail"] = bool(torch.equal(first, outs[0]))
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+    json.dump(rows, open(path, "w"), indent=1)
+    ok = all(r["bitwise_repeat"] and r.get("bitwise_equal_to_tail", True) for r in rows)
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1], *map(int, sys.argv[2:])))
