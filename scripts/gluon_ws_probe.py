@@ -43,6 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from megamoe_backend.experts import fragments
 from megamoe_backend.experts.triton.mainloop import frag_mainloop
 from megamoe_backend.experts.triton.mxjit import _FRAG8_ASM
+from megamoe_backend.formats import MXTensor, dequantize_mx
 
 ASM8 = _FRAG8_ASM.value
 LUT_LO = gl.constexpr(fragments.FP8_LUT_LO)
@@ -125,6 +126,16 @@ def _decoder(raw_w, raw_s, raw_ready, raw_free, w8, w_ready, mma_free, NK,
 
 
 @gluon.jit
+def _mma_keep_one(a_op, b_smem, acc, free, i, ST: gl.constexpr):
+    """Issue this step's wgmma asynchronously, wait until only it is in flight, and release the ring
+    stage of the step before it (whose wgmma has now finished)."""
+    acc = hopper.warpgroup_mma(a_op, b_smem.permute((1, 0)), acc, is_async=True)
+    acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+    mbarrier.arrive(free.index((i + ST - 1) % ST), count=1, pred=i > 0)
+    return acc
+
+
+@gluon.jit
 def _consumer(w8, a_bufs, w_ready, a_ready, mma_free, out_ptr, wrs_ptr, ars_ptr, e, n0, N, NK, valid,
               BN: gl.constexpr, BM: gl.constexpr):
     WST: gl.constexpr = w8.type.shape[0]
@@ -135,11 +146,18 @@ def _consumer(w8, a_bufs, w_ready, a_ready, mma_free, out_ptr, wrs_ptr, ars_ptr,
         ph = (i // WST) & 1
         mbarrier.wait(w_ready.index(s), ph)
         mbarrier.wait(a_ready.index(s), ph)
-        acc = hopper.warpgroup_mma(w8.index(s), a_bufs.index(s).permute((1, 0)), acc, is_async=True)
-        acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-        mbarrier.arrive(mma_free.index((i + WST - 1) % WST), count=1, pred=i > 0)
+        acc = _mma_keep_one(w8.index(s), a_bufs.index(s), acc, mma_free, i, WST)
     acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     _store_out(acc, acc_l, out_ptr, wrs_ptr, ars_ptr, e, n0, N, valid, BN, BM)
+
+
+@gluon.jit
+def _rings(w_desc, s_desc, a_desc, RST: gl.constexpr, AST: gl.constexpr):
+    """Shared-memory rings the TMA fills: RST stages of raw fragment words and scale bytes, AST of A tiles."""
+    raw_w = gl.allocate_shared_memory(gl.uint8, [RST] + w_desc.block_type.shape, w_desc.layout)
+    raw_s = gl.allocate_shared_memory(gl.uint8, [RST] + s_desc.block_type.shape, s_desc.layout)
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [AST] + a_desc.block_type.shape, a_desc.layout)
+    return raw_w, raw_s, a_bufs
 
 
 @gluon.jit
@@ -151,9 +169,7 @@ def ws_frag8_kernel(w_desc, s_desc, a_desc, out_ptr, wrs_ptr, ars_ptr, N, K, val
     e = gl.program_id(1)
     pid_n = gl.program_id(0)
     NK = K // BK
-    raw_w = gl.allocate_shared_memory(gl.uint8, [RST] + w_desc.block_type.shape, w_desc.layout)
-    raw_s = gl.allocate_shared_memory(gl.uint8, [RST] + s_desc.block_type.shape, s_desc.layout)
-    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [WST] + a_desc.block_type.shape, a_desc.layout)
+    raw_w, raw_s, a_bufs = _rings(w_desc, s_desc, a_desc, RST, WST)
     w8_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     w8 = gl.allocate_shared_memory(gl.float8e4nv, [WST, BN, BK], w8_l)
     raw_ready = gl.allocate_shared_memory(gl.int64, [RST, 1], mbarrier.MBarrierLayout())
@@ -213,13 +229,12 @@ def _rs_consumer(raw_w, raw_s, a_bufs, ready, free, out_ptr, wrs_ptr, ars_ptr, e
         s = i % RST
         mbarrier.wait(ready.index(s), (i // RST) & 1)
         w = _decode_tile(raw_w.index(s).load(gl.AutoLayout()), raw_s.index(s).load(gl.AutoLayout()), BN, BK, dot_l, ASM_S)
-        acc = hopper.warpgroup_mma(w, a_bufs.index(s).permute((1, 0)), acc, is_async=True)
         if SAFE:  # the register operand w must not be overwritten while its wgmma runs
+            acc = hopper.warpgroup_mma(w, a_bufs.index(s).permute((1, 0)), acc, is_async=True)
             acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             mbarrier.arrive(free.index(s), count=1)
         else:  # races at BM >= 64 (measured): nothing keeps the next decode off w's registers
-            acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            mbarrier.arrive(free.index((i + RST - 1) % RST), count=1, pred=i > 0)
+            acc = _mma_keep_one(w, a_bufs.index(s), acc, free, i, RST)
     acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     _store_out(acc, acc_l, out_ptr, wrs_ptr, ars_ptr, e, n0, N, valid, BN, BM)
 
@@ -233,9 +248,7 @@ def ws_rs_kernel(w_desc, s_desc, a_desc, out_ptr, wrs_ptr, ars_ptr, N, K, valid,
     e = gl.program_id(1)
     pid_n = gl.program_id(0)
     NK = K // BK
-    raw_w = gl.allocate_shared_memory(gl.uint8, [RST] + w_desc.block_type.shape, w_desc.layout)
-    raw_s = gl.allocate_shared_memory(gl.uint8, [RST] + s_desc.block_type.shape, s_desc.layout)
-    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [RST] + a_desc.block_type.shape, a_desc.layout)
+    raw_w, raw_s, a_bufs = _rings(w_desc, s_desc, a_desc, RST, RST)
     ready = gl.allocate_shared_memory(gl.int64, [RST, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [RST, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(RST):
@@ -260,16 +273,13 @@ def tl_probe(w_ptr, ws_ptr, wrs_ptr, a_ptr, ars_ptr, out_ptr, K, N, valid, strid
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     tl.store(out_ptr + (e * BM + rows[None, :]) * N + n[:, None], acc, mask=(rows < valid)[None, :])
 
-E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
 
 def exact(words, scales, wrs, a8, ars, e, n, k, bm):
     from megamoe_backend.experts.fragments import FragmentWeights, from_fragments
     f = FragmentWeights(words=words[e:e+1].view(1, n // 16, k // 64, 32, 16), scales=scales[e:e+1].view(1, n // 16, k // 64, 8, 4),
                         n=n, k=k, kind="fp8", row_scale=wrs[e:e+1])
     packed, s = from_fragments(f)
-    t = E2M1.to(packed.device)
-    codes = torch.stack([packed[0] & 15, packed[0] >> 4], -1).reshape(n, k).long()
-    w = t[codes] * torch.exp2(s[0].float() - 127).repeat_interleave(32, 1)
+    w = dequantize_mx(MXTensor(packed[0], s[0], "fp4")).float()  # [n, k]
     a = a8[e * bm:(e + 1) * bm].float() * ars[e * bm:(e + 1) * bm, None]
     return (a.double() @ w.double().T).float()  # [bm, n]
 
