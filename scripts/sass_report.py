@@ -69,8 +69,10 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8"):
     names = fn.arg_names
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible or n.startswith("stride")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.max_registers:  # the provider's launch cap (Triton's maxnreg)
+        options["maxnreg"] = cfg.max_registers
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _k_loop(sass: str) -> list[str]:

@@ -33,14 +33,26 @@ A fragment gives a lane, per 16 x 32 tile, 4 consecutive K of rows g and g+8 in 
 (K 4c .. 4c+3, and again at K + 16). One word holds those 8 weights, laid out for PRMT table lookups:
 row g's 3-bit magnitudes in nibbles 0-3 (bits 4i..4i+2) and signs at bits 8i+7, row g+8's
 magnitudes in nibbles 4-7 and signs at bits 8i+3, so that
-    X = prmt(lut_g, x & 0x7777) | (x & 0x80808080)
-    Y = prmt(lut_g8, (x >> 16) & 0x7777) | ((x << 4) & 0x80808080)
+    m = x & 0x77777777
+    X = prmt(lut_g, m) | (x & 0x80808080)                 (prmt reads the low 16 bits of m)
+    Y = prmt(lut_g8, m >> 16) | ((x << 4) & 0x80808080)   (7 instructions per word)
 where a lut is the 8 e4m3 bytes of the magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} x 2**(S - 5): the
 kernel builds it with two integer multiply-adds from the block's 4-bit S (FP8_LUT_LO/HI + 8 S x
 0x01010100 / 0x01010101). S = s - row_ref + 5 in [0, 11] with row_ref = max(s over the row) - 6, so
 every value e2m1 x 2**(S - 5) is a normal e4m3 number (exact), and the row keeps 2**(row_ref - 127)
 as an fp32 ``row_scale``. Limits (checked once, clear error): a row's block scales (of blocks with a
-non-zero value) span at most 11 binades, no NaN scale. S bytes use the bf16 kind's fragment order.
+non-zero value) span at most 11 binades, no NaN scale.
+
+**K order (fp8 kind).** A table serves only the weights of its own 32-block, and in the natural K
+order a lane's 16 weights of a row per 128-wide K step come from all four blocks of the step: four
+tables per row and step. The fp8 kind therefore permutes K inside every 128-wide chunk, so that all
+of lane c's weights of that chunk (MMA positions 32 t + 16 h + 4 c + i, t = k32 step, h = half,
+i < 4) are block c of the chunk (original K 32 c + 8 t + 4 h + i; ``fp8_k_order``): one table per
+row and K step (4x fewer table instructions; the K loop 17-20 % fewer instructions). The
+activations must follow the same order: the frag8 A operand is written permuted by the gather
+(``gather.rowscale_e4m3_kernel``), and the product is unchanged because both operands are permuted
+alike. Needs K % 128 == 0 and a K step of 128. S bytes: [E, N/16, K/128, 8 (g), 4 (c), 2 (dr)],
+the 2 bytes a lane needs per 16-row block and 128-wide step next to each other.
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ import torch
 
 FRAG_ROWS = 16  # rows per fragment block (one warp's wgmma slab)
 FRAG_K = 64  # K per fragment block (16 bytes per lane)
+FP8_K = 128  # fp8 kind: K chunk inside which K is permuted (fp8_k_order) and the frag8 K step
 KINDS = ("bf16", "fp8")
 SCALE_MIN, SCALE_MAX = 58, 191  # bf16 kind
 FP8_S_MAX = 11  # fp8 kind: S = s - row_ref + 5, S - 5 in [-5, 6] keeps e2m1 x 2**(S - 5) normal in e4m3
@@ -73,6 +86,15 @@ FIELDS = {
 }
 
 
+def fp8_k_order(k: int) -> torch.Tensor:
+    """int64 [k]: the original K index stored at each MMA K position by the fp8 kind (module docstring):
+    position 128 q + 32 t + 16 h + 4 c + i holds K = 128 q + 32 c + 8 t + 4 h + i."""
+    if k % FP8_K:
+        raise ValueError(f"fp8 fragment K order needs K % {FP8_K} == 0, got K={k}")
+    q, t, h, c, i = torch.meshgrid(*(torch.arange(n) for n in (k // FP8_K, 4, 2, 4, 4)), indexing="ij")
+    return (FP8_K * q + 32 * c + 8 * t + 4 * h + i).reshape(k)
+
+
 def _block_map(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, K) inside a 16 x 64 block of each (lane, word, field): two int64 [32, 4, 8] tables."""
     lane = torch.arange(32).view(32, 1, 1)
@@ -91,19 +113,28 @@ class FragmentWeights:
     """One weight matrix stack [E, N, K] in fragment order (see the module docstring)."""
 
     words: torch.Tensor  # uint8 [E, N/16, K/64, 32, 16]
-    scales: torch.Tensor  # uint8 [E, N/16, K/64, 8, 4]: bf16 kind s + 63; fp8 kind S = s - row_ref + 5
+    scales: torch.Tensor  # bf16 kind: uint8 [E, N/16, K/64, 8, 4] s + 63; fp8: [E, N/16, K/128, 8, 4, 2] S = s - row_ref + 5
     n: int
     k: int
     kind: str = "bf16"
     row_scale: torch.Tensor | None = None  # fp8 kind: fp32 [E, N] = 2**(row_ref - 127)
 
 
-def check_fragment_shape(name: str, n: int, k: int) -> None:
-    if n % FRAG_ROWS or k % FRAG_K:
+def check_fragment_shape(name: str, n: int, k: int, kind: str = "bf16") -> None:
+    kq = FP8_K if kind == "fp8" else FRAG_K
+    if n % FRAG_ROWS or k % kq:
+        decoder = "frag8" if kind == "fp8" else "frag"
         raise ValueError(
-            f"{name}: [{n}, {k}] cannot use the frag decoder (rows must be a multiple of {FRAG_ROWS}, "
-            f"K a multiple of {FRAG_K})"
+            f"{name}: [{n}, {k}] cannot use the {decoder} decoder (rows must be a multiple of {FRAG_ROWS}, "
+            f"K a multiple of {kq})"
         )
+
+
+def scale_shape(kind: str, e: int, n: int, k: int) -> tuple[int, ...]:
+    """Shape of FragmentWeights.scales (same bytes as the E8M0 [E, N, K/32] it replaces)."""
+    if kind == "fp8":
+        return (e, n // FRAG_ROWS, k // FP8_K, 8, 4, 2)
+    return (e, n // FRAG_ROWS, k // FRAG_K, 8, 4)
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
@@ -146,7 +177,7 @@ def to_fragments(name: str, packed: torch.Tensor, scales: torch.Tensor, kind: st
         raise ValueError(f"fragment kind {kind!r}; expected one of {KINDS}")
     e, n, k2 = packed.shape
     k = 2 * k2
-    check_fragment_shape(name, n, k)
+    check_fragment_shape(name, n, k, kind)
     if tuple(scales.shape) != (e, n, k // 32):
         raise ValueError(f"{name}_scale: expected [{e}, {n}, {k // 32}], got {tuple(scales.shape)}")
     _check_scales(name, scales, kind)
@@ -156,7 +187,8 @@ def to_fragments(name: str, packed: torch.Tensor, scales: torch.Tensor, kind: st
         return FragmentWeights(torch.cat([f.words for f in parts]), torch.cat([f.scales for f in parts]), n, k, kind, row_scale)
     rb, kb = n // FRAG_ROWS, k // FRAG_K
     all_codes = _codes(packed)
-    blocks = all_codes.reshape(rb, FRAG_ROWS, kb, FRAG_K).permute(0, 2, 1, 3).to(torch.int64)  # [rb, kb, 16, 64]
+    mma_codes = all_codes[..., fp8_k_order(k).to(packed.device)] if kind == "fp8" else all_codes
+    blocks = mma_codes.reshape(rb, FRAG_ROWS, kb, FRAG_K).permute(0, 2, 1, 3).to(torch.int64)  # [rb, kb, 16, 64]
     rows, cols = (t.to(packed.device) for t in _block_map(kind))
     codes = blocks[:, :, rows, cols]  # [rb, kb, 32 lanes, 4 words, 8 fields]
     word = torch.zeros(codes.shape[:-1], dtype=torch.int64, device=packed.device)
@@ -170,10 +202,12 @@ def to_fragments(name: str, packed: torch.Tensor, scales: torch.Tensor, kind: st
     row_scale = None
     if kind == "fp8":
         stored, row_scale = _fp8_row_fold(name, all_codes.reshape(1, n, k), scales, _expert0)
-    else:
+        # S[e, rb, dr, g, q, c] -> [e, rb, q, g, c, dr]
+        stored = stored.reshape(e, rb, 2, 8, k // FP8_K, 4).permute(0, 1, 4, 3, 5, 2)
+    else:  # scales[e, rb, dr, g, kb, j] -> [e, rb, kb, g, j, dr]
         stored = (scales.to(torch.int32) + SCALE_BIAS).to(torch.uint8)
-    # scales[e, rb, dr, g, kb, j] -> [e, rb, kb, g, j, dr]
-    stored = stored.reshape(e, rb, 2, 8, kb, 2).permute(0, 1, 4, 3, 5, 2).reshape(e, rb, kb, 8, 4)
+        stored = stored.reshape(e, rb, 2, 8, kb, 2).permute(0, 1, 4, 3, 5, 2)
+    stored = stored.reshape(scale_shape(kind, e, n, k))
     return FragmentWeights(words, stored.contiguous(), n, k, kind, row_scale)
 
 
@@ -190,10 +224,16 @@ def from_fragments(f: FragmentWeights) -> tuple[torch.Tensor, torch.Tensor]:
             c |= ((word >> bit) & 1) << dst
         codes[:, :, :, rows[..., fi], cols[..., fi]] = c
     codes = codes.permute(0, 1, 3, 2, 4).reshape(e, f.n, f.k)
+    if f.kind == "fp8":  # MMA K positions -> natural K
+        natural = torch.empty_like(codes)
+        natural[..., fp8_k_order(f.k).to(codes.device)] = codes
+        codes = natural
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-    s = f.scales.to(torch.int32).reshape(e, rb, kb, 8, 2, 2).permute(0, 1, 5, 3, 2, 4).reshape(e, f.n, f.k // 32)
     if f.kind == "bf16":
+        s = f.scales.to(torch.int32).reshape(e, rb, kb, 8, 2, 2).permute(0, 1, 5, 3, 2, 4).reshape(e, f.n, f.k // 32)
         return packed, (s - SCALE_BIAS).to(torch.uint8)
+    # [e, rb, q, g, c, dr] -> [e, rb, dr, g, q, c]
+    s = f.scales.to(torch.int32).reshape(e, rb, f.k // FP8_K, 8, 4, 2).permute(0, 1, 5, 3, 2, 4).reshape(e, f.n, f.k // 32)
     # fp8 kind: s = S + row_ref - 5; a block without a non-zero value kept no scale (S = 0), so it gets
     # the smallest byte its row can express there (its values are zero either way)
     ref = torch.frexp(f.row_scale.double())[1].to(torch.int32) - 1 + 127  # row_scale = 2**(ref - 127)
@@ -221,8 +261,9 @@ def decode_words_reference(words: torch.Tensor, kind: str = "bf16", luts=None) -
     x = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
     if kind == "fp8":
         (xlo, xhi), (ylo, yhi) = luts
-        r0 = _prmt(xlo, xhi, x & 0x7777) | (x & 0x80808080)
-        r1 = _prmt(ylo, yhi, (x >> 16) & 0x7777) | ((x << 4) & 0x80808080)
+        m = x & 0x77777777  # every selector nibble < 8; prmt reads the low 16 bits
+        r0 = _prmt(xlo, xhi, m) | (x & 0x80808080)
+        r1 = _prmt(ylo, yhi, m >> 16) | ((x << 4) & 0x80808080)
         return torch.stack((r0, r1), dim=-1)
     r0 = x & BF16_MASK
     r1 = (x << 6) & BF16_MASK

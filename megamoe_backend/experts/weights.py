@@ -133,7 +133,7 @@ class ExpertWeights:
 
     def as_rowmajor(self) -> "ExpertWeights":
         """Inverse of as_fragments (gate/up stay interleaved)."""
-        from .fragments import FRAG_K, FRAG_ROWS, FragmentWeights, from_fragments
+        from .fragments import FRAG_K, FRAG_ROWS, FragmentWeights, from_fragments, scale_shape
 
         if self.storage == "rowmajor":
             return self
@@ -143,7 +143,7 @@ class ExpertWeights:
             e, n, k2 = w.shape
             k = 2 * k2
             words = w.view(e, n // FRAG_ROWS, k // FRAG_K, 32, 16)
-            scales = s.view(e, n // FRAG_ROWS, k // FRAG_K, 8, 4)
+            scales = s.view(scale_shape(kind, e, n, k))
             out.extend(from_fragments(FragmentWeights(words, scales, n, k, kind, rs)))
         return ExpertWeights(out[0], out[2], "mxfp4", "interleaved", out[1], out[3])
 

@@ -14,6 +14,7 @@ from megamoe_backend.experts import ExpertMath, ExpertPairs, TorchReferenceExper
 from megamoe_backend.experts.fragments import (
     FragmentWeights,
     decode_words_reference,
+    fp8_k_order,
     fp8_luts,
     from_fragments,
     to_fragments,
@@ -99,13 +100,32 @@ def test_fragment_storage_rejects_what_it_cannot_hold():
         type(m)(m.w1, m.w2, "mxfp4", "plain", m.w1_scale, m.w2_scale, "columns")
 
 
+def test_fp8_k_order_puts_each_lanes_step_in_one_block():
+    """The fp8 kind's K order (fragments.fp8_k_order): a permutation inside every 128-wide chunk under
+    which the wgmma e4m3 A fragment of lane c (MMA K positions 4c..4c+3 and 16+4c..16+4c+3 of each
+    k32 step) covers exactly block c of the chunk, over the chunk's four k32 steps."""
+    k = 384
+    order = fp8_k_order(k)
+    assert torch.equal(order.sort().values, torch.arange(k))
+    assert torch.equal(order // 128, torch.arange(k) // 128)  # stays inside its chunk
+    pos = torch.arange(k)
+    lane_c = (pos % 16) // 4  # which lane column holds MMA position pos
+    assert torch.equal((order % 128) // 32, lane_c)  # ... its weights all come from block lane_c
+    with pytest.raises(ValueError, match="K % 128"):
+        fp8_k_order(192)
+    packed, scales = _random_mxfp4(1, 16, 192)
+    with pytest.raises(ValueError, match="frag8 decoder .* K a multiple of 128"):
+        to_fragments("w1", packed, scales, kind="fp8")
+
+
 def test_fp8_kind_decodes_to_exact_e4m3():
     """fp8 kind: PRMT lookups through the tables the kernel builds from each block's S byte give e4m3
     bytes (torch.float8_e4m3fn) whose value times the row's row_scale is the dequantised weight, exactly,
-    for every code and for block scales anywhere in the 11-binade span a row may hold."""
-    packed, scales = _random_mxfp4(2, 32, 128, seed=3, lo=110, hi=122)  # spans up to 11 binades
+    for every code and for block scales anywhere in the 11-binade span a row may hold; the bytes sit at
+    the MMA K positions of fp8_k_order."""
+    packed, scales = _random_mxfp4(2, 32, 256, seed=3, lo=110, hi=122)  # spans up to 11 binades
     packed[1, 3, :8] = torch.arange(0, 256, 32, dtype=torch.uint8) | torch.arange(8, dtype=torch.uint8)  # all 16 codes
-    scales[0, 7] = torch.tensor([120, 109, 110, 115], dtype=torch.uint8)  # the widest span: 11 binades
+    scales[0, 7] = torch.tensor([120, 109, 110, 115, 118, 111, 112, 119], dtype=torch.uint8)  # the widest span: 11 binades
     packed[0, 9, 16:32] = 0  # an all-zero block keeps no scale (its byte is free)
     scales[0, 9, 1] = 3
     f = to_fragments("w", packed, scales, kind="fp8")
@@ -115,21 +135,23 @@ def test_fp8_kind_decodes_to_exact_e4m3():
     live[0, 9, 1] = False
     assert torch.equal(back_p, packed) and torch.equal(back_s[live], scales[live])
     e, rb, kb = f.words.shape[:3]
-    lo, hi = fp8_luts(f.scales.reshape(e, rb, kb, 8, 1, 2, 1, 2))  # [.., g, c, j, b2, dr]
-    lo, hi = (t.expand(e, rb, kb, 8, 4, 2, 2, 2).reshape(e, rb, kb, 32, 4, 2) for t in (lo, hi))
+    assert f.scales.shape == (e, rb, kb // 2, 8, 4, 2)  # one S byte per (row, 128-wide step) per lane
+    # tables per [e, rb, q, g, c, dr]; the same for both 64-wide halves kk and every word (j, b2) of the step
+    lo, hi = fp8_luts(f.scales.reshape(e, rb, kb // 2, 1, 8, 4, 1, 1, 2))  # [.., q, kk, g, c, j, b2, dr]
+    lo, hi = (t.expand(e, rb, kb // 2, 2, 8, 4, 2, 2, 2).reshape(e, rb, kb, 32, 4, 2) for t in (lo, hi))
     words = f.words.reshape(e, rb, kb, 32, 4, 4)  # [.., lane, word = 2 j + b2, byte]
     regs = decode_words_reference(words, kind="fp8", luts=((lo[..., 0], hi[..., 0]), (lo[..., 1], hi[..., 1])))
     byts = torch.stack([(regs >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)  # [.., lane, word, h, i]
     vals = byts.view(torch.float8_e4m3fn).double()
-    # lane = 4 g + c, word = 2 b3 + b2 -> n = 8 h + g, k = 32 b3 + 16 b2 + 4 c + i
-    vals = vals.reshape(e, rb, kb, 8, 4, 2, 2, 2, 4).permute(0, 1, 7, 3, 2, 5, 6, 4, 8).reshape(e, 32, 128)
-    want = dequantize_mx(MXTensor(packed.reshape(-1, 64), scales.reshape(-1, 4), "fp4")).reshape(2, 32, 128).double()
-    assert torch.equal(vals * f.row_scale.double()[..., None], want)
+    # lane = 4 g + c, word = 2 b3 + b2 -> n = 8 h + g, MMA position 32 b3 + 16 b2 + 4 c + i
+    vals = vals.reshape(e, rb, kb, 8, 4, 2, 2, 2, 4).permute(0, 1, 7, 3, 2, 5, 6, 4, 8).reshape(e, 32, 256)
+    want = dequantize_mx(MXTensor(packed.reshape(-1, 128), scales.reshape(-1, 8), "fp4")).reshape(2, 32, 256).double()
+    assert torch.equal(vals * f.row_scale.double()[..., None], want[..., fp8_k_order(256)])
     bad = scales.clone()
     bad[0, 0, 0] = 255
     with pytest.raises(ValueError, match=r"w_scale: E8M0 byte 255 \(NaN\)"):
         to_fragments("w", packed, bad, kind="fp8")
     wide = scales.clone()
-    wide[1, 4] = torch.tensor([130, 118, 125, 125], dtype=torch.uint8)  # 12 binades
+    wide[1, 4, :4] = torch.tensor([130, 118, 125, 125], dtype=torch.uint8)  # 12 binades
     with pytest.raises(ValueError, match="expert 1 row 4 has block scales spanning more than 11 binades"):
         to_fragments("w", packed, wide, kind="fp8")

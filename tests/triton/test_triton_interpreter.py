@@ -50,6 +50,7 @@ from megamoe_backend.experts import (  # noqa: E402
     TorchReferenceExperts,
     quantize_expert_weights,
 )
+from megamoe_backend.experts.fragments import fp8_k_order  # noqa: E402
 from megamoe_backend.formats import MXTensor, dequantize_mx, quantize_mx  # noqa: E402
 from megamoe_backend.formats.wire import encode_mx_rows  # noqa: E402
 from expert_problems import make_problem, rel_l2  # noqa: E402
@@ -202,6 +203,7 @@ _problem = make_problem
 _rel = rel_l2
 
 
+FRAG8_SHAPE = {"frag8": dict(hidden=128, inter=128)}  # frag8 needs K % 128 == 0 (fragments.fp8_k_order)
 CASES = [
     ("frag", "a8w4", "mxfp4", "interleaved", 10.0),
     ("frag", "a4w4", "mxfp4", "plain", None),
@@ -219,7 +221,7 @@ CASES = [
 
 @pytest.mark.parametrize("decoder,quant,wfmt,layout,limit", CASES)
 def test_experts_match_reference(decoder, quant, wfmt, layout, limit):
-    weights, x, pairs = _problem(wfmt, layout)
+    weights, x, pairs = _problem(wfmt, layout, **FRAG8_SHAPE.get(decoder, {}))
     math = ExpertMath(quant, limit)
     a = x if math.a_format is None else quantize_mx(x, math.a_format)
     ref = TorchReferenceExperts().forward(a, pairs, weights, math)
@@ -237,11 +239,12 @@ def test_experts_match_reference(decoder, quant, wfmt, layout, limit):
 def test_short_tiles_match_reference(decoder, quant):
     """TileConfig.tail_m: tiles whose rows from tail_m on are padding run at height tail_m; experts
     with 40 / 20 / 5 rows give 32-row tiles that are full, short (8 and 5 rows) and long-but-partial (20)."""
-    weights, x, _ = _problem("mxfp4", tokens=65)
+    weights, x, _ = _problem("mxfp4", tokens=65, **FRAG8_SHAPE.get(decoder, {}))
     g = torch.Generator().manual_seed(3)
     slot = torch.tensor([0] * 40 + [1] * 20 + [2] * 5)[torch.randperm(65, generator=g)]
     pairs = ExpertPairs(torch.arange(65), slot, torch.rand(65, generator=g))
-    cfg = K["config"].TileConfig(block_m=32, block_n1=64, block_n2=32, block_k=64, num_warps=4, num_stages=1, group_m=2, tail_m=16)
+    cfg = K["config"].TileConfig(block_m=32, block_n1=64, block_n2=32, block_k=128 if decoder == "frag8" else 64,
+                                 num_warps=4, num_stages=1, group_m=2, tail_m=16)
     layout = K["layout"].build_layout(pairs.slot, 3, cfg.block_m)
     rows = layout.sorted_pair.view(-1, cfg.block_m)[: int((layout.tile_expert >= 0).sum())]
     short = rows[:, cfg.tail_m] < 0
@@ -319,21 +322,27 @@ def test_bad_inputs_raise_clear_errors():
         te(decoder="frag").prepare_weights(tiny)
     with pytest.raises(ValueError, match="needs MX activations"):
         te(decoder="frag8").prepare_weights(weights, ExpertMath("bf16"))
-    assert te().prepare_weights(weights, math).storage == "fragments_fp8"  # auto: FP8 fragments for MX A
-    assert te().prepare_weights(weights, ExpertMath("bf16")).storage == "fragments"  # bf16 fragments for bf16 A
-    assert te().prepare_weights(weights).storage == "fragments"  # activations unknown: bf16 fragments
-    wide = quantize_expert_weights(torch.randn(2, 128, 64), torch.randn(2, 64, 64), "mxfp4")
+    assert te().prepare_weights(weights, math).storage == "fragments"  # K = 64: frag8 needs K % 128, auto takes frag
+    with pytest.raises(ValueError, match="frag8 decoder .* K a multiple of 128"):
+        te(decoder="frag8").prepare_weights(weights, math)
+    w128, x128, pairs128 = _problem("mxfp4", **FRAG8_SHAPE["frag8"])
+    assert te().prepare_weights(w128, math).storage == "fragments_fp8"  # auto: FP8 fragments for MX A
+    assert te().prepare_weights(w128, ExpertMath("bf16")).storage == "fragments"  # bf16 fragments for bf16 A
+    assert te().prepare_weights(w128).storage == "fragments"  # activations unknown: bf16 fragments
+    with pytest.raises(ValueError, match="TileConfig.block_k=64 must be >= 128"):
+        te(decoder="frag8", config=K["config"].INTERPRETER_CONFIG).forward(x128, pairs128, te().prepare_weights(w128, math), math)
+    wide = quantize_expert_weights(torch.randn(2, 256, 128), torch.randn(2, 128, 128), "mxfp4")
     wide.w2[1, 5, 16:32] = 0x11  # every value 0.5 ...
     wide.w2_scale[1, 5, 1] = int(wide.w2_scale[1, 5, 0]) - 13  # ... 13 binades below the row's other block
     assert te().prepare_weights(wide, math).storage == "fragments"  # auto: frag8 cannot fold it, frag can
     with pytest.raises(ValueError, match=r"w2_scale: expert 1 row 5 has block scales spanning more than 11 binades"):
         te(decoder="frag8").prepare_weights(wide, math)
-    f8 = te(decoder="frag8").prepare_weights(weights, math)
+    f8 = te(decoder="frag8").prepare_weights(w128, math)
     assert f8.storage == "fragments_fp8"
     with pytest.raises(ValueError, match="needs MX activations"):  # fp8 fragments, bf16 activations
-        te().forward(x, pairs, f8, ExpertMath("bf16"))
+        te().forward(x128, pairs128, f8, ExpertMath("bf16"))
     with pytest.raises(ValueError, match="fp8 fragment storage"):
-        te(decoder="frag").forward(x, pairs, f8, math)
+        te(decoder="frag").forward(x128, pairs128, f8, math)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
@@ -341,7 +350,8 @@ def test_rowscale_e4m3_matches_torch(fmt):
     """frag8's A operand: MX rows -> e4m3 bytes over one power-of-two scale per row, checked against
     torch's own float8_e4m3fn rounding of value / 2**(s_max - 127); block scales up to 20 binades
     below the row's largest (the smallest values underflow or lose low bits, as documented), a NaN
-    block makes the row scale NaN, padding rows are skipped."""
+    block makes the row scale NaN, padding rows are skipped; the bytes land at the frag8 weights' MMA K
+    positions (fragments.fp8_k_order)."""
     g = torch.Generator().manual_seed(7)
     rows, k = 5, 256
     x = torch.randn(rows, k, generator=g) * torch.pow(2.0, -torch.randint(0, 21, (rows, k // 32), generator=g).float()).repeat_interleave(32, 1)
@@ -356,6 +366,8 @@ def test_rowscale_e4m3_matches_torch(fmt):
         A_FMT=fmt, GATHER=True, NB=k // 32, HW_CVT=False,
     )
     assert torch.equal(out[1], torch.full((k,), 0xAB, dtype=torch.uint8)) and rs[1] == -1.0  # padding row untouched
+    order = fp8_k_order(k)  # MMA position -> natural K
+    assert not torch.equal(order, torch.arange(k))
     for r, pr in ((0, 2), (2, 0), (3, 4), (4, 3), (5, 1)):
         src = int(pair_row[pr])
         smax = int(mx.scales[src].max())
@@ -365,7 +377,7 @@ def test_rowscale_e4m3_matches_torch(fmt):
         assert rs[r] == 2.0 ** (smax - 127)
         vals = dequantize_mx(MXTensor(mx.data[src : src + 1], mx.scales[src : src + 1], fmt))[0].double()
         want = (vals / 2.0 ** (smax - 127)).float().to(torch.float8_e4m3fn).float()
-        assert torch.equal(out[r].view(torch.float8_e4m3fn).float(), want), f"sorted row {r}"  # -0 == +0
+        assert torch.equal(out[r].view(torch.float8_e4m3fn).float(), want[order]), f"sorted row {r}"  # -0 == +0
 
 
 def test_provider_selection_on_cpu_is_the_reference():

@@ -21,6 +21,7 @@ class TileConfig:
     num_stages: int = 3
     group_m: int = 4
     tail_m: int = 0  # > 0: a tile whose rows from tail_m on are padding runs at height tail_m (mainloop.claim_tile)
+    max_registers: int = 0  # > 0: ptxas register cap per thread (Triton's maxnreg), e.g. 168 = 3 CTAs of 4 warps per SM
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k"):
@@ -34,6 +35,9 @@ class TileConfig:
         t = self.tail_m
         if t and (t < 16 or t & (t - 1) or t >= self.block_m):
             raise ValueError(f"TileConfig.tail_m={t} must be 0 (off) or a power of two in [16, block_m={self.block_m})")
+        r = self.max_registers
+        if r and (r % 8 or not 24 <= r <= 255):
+            raise ValueError(f"TileConfig.max_registers={r} must be 0 (compiler's choice) or a multiple of 8 in [24, 255]")
 
     def with_(self, **kw) -> "TileConfig":
         return replace(self, **kw)
@@ -70,23 +74,26 @@ FRAG_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
     (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
 )
 # FP8-MMA fragments (frag8, the default for A8W4 / A4W4): one chained K loop like frag, K steps of 128
-# (four k32 wgmmas per m64 slab). H200 interleaved A/B (docs/triton.md): BN 128 at decode sizes (BN 256
-# within 1 %), BM 64 x BN 256 at mid sizes (one tile per expert), BM 128 x BN 128 for prefill. tail_m:
+# (four k32 wgmmas per m64 slab; the weights' K order needs exactly 128). H200 interleaved A/B
+# (docs/triton.md): BN 128 at decode sizes (BN 256 within 1 %); at mid sizes BM 64 (one tile per expert)
+# x BN 128 capped at 168 registers, so three CTAs share an SM (the latency-bound loop wants warps:
+# -7 % against BN 256 at 255 registers and two CTAs); BM 128 x BN 128 for prefill. tail_m:
 # an expert's last tile runs at that height, in a second launch, when its rows end before it
 # (mainloop.claim_tile): 1024 tokens -4 % with 32, 8192 tokens -4..-8 % with 16 (3 interleaved rounds each,
 # benchmarks/results/h200_tail_ab.json; 32 / 64 at prefill measured slower: a short tile's cost is
 # mostly the weight decode, which does not shrink with its height).
 FRAG8_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
     (16.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4)),
-    (48.0, TileConfig(block_m=64, block_n1=256, block_n2=256, block_k=128, num_warps=4, num_stages=3, tail_m=32)),
+    (48.0, TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4, tail_m=32,
+                      max_registers=168)),
     (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3, tail_m=16)),
 )
 INTERPRETER_CONFIG = TileConfig(block_m=16, block_n1=64, block_n2=32, block_k=64, num_warps=4, num_stages=1, group_m=2)
 
 
 def default_config(num_pairs: int, num_experts: int, decoder: str = "split") -> TileConfig:
-    if interpreting():
-        return INTERPRETER_CONFIG
+    if interpreting():  # frag8 steps K by its weights' 128-wide K chunk
+        return INTERPRETER_CONFIG.with_(block_k=128) if decoder == "frag8" else INTERPRETER_CONFIG
     return _table(decoder)[bucket_index(num_pairs, num_experts, decoder)][1]
 
 

@@ -78,6 +78,14 @@ def gather_split_kernel(
 
 
 @triton.jit
+def fp8_k_position(k):
+    """Where the frag8 operands keep natural K index k (fragments.fp8_k_order, inverted): inside each
+    128-wide chunk, block c's element 8 t + 4 h + i goes to MMA position 32 t + 16 h + 4 c + i."""
+    j = k % 32
+    return (k // 128) * 128 + (j // 8) * 32 + ((j // 4) % 2) * 16 + ((k // 32) % 4) * 4 + j % 4
+
+
+@triton.jit
 def rowscale_e4m3_kernel(
     sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K,
     A_FMT: tl.constexpr, GATHER: tl.constexpr, NB: tl.constexpr, HW_CVT: tl.constexpr,
@@ -90,6 +98,8 @@ def rowscale_e4m3_kernel(
     may be rescaled in place). The row scale is 2**(s_max - 127) (NaN if any block is NaN); a block
     d binades below s_max is shifted down by 2**-d and rounded to e4m3 (RNE): exact for fp4 values
     while d <= 7 and for fp8 values >= 2**(d - 6), the smallest lose low bits. Padding rows skipped.
+    The bytes are written in the frag8 weights' K order (fp8_k_position; K % 128 == 0): the row is
+    loaded whole before it is stored, so the in-place use stays correct.
     """
     r = tl.program_id(0).to(tl.int64)
     pair = tl.load(sorted_pair_ptr + r)
@@ -119,5 +129,5 @@ def rowscale_e4m3_kernel(
         e4 = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
         e4 = encode_e4m3(v)
-    tl.store(out_ptr + r * stride_om + kk, e4, mask=bm[:, None])
+    tl.store(out_ptr + r * stride_om + fp8_k_position(kk), e4, mask=bm[:, None])
     tl.store(rs_ptr + r, tl.where(smax == 255, float("nan"), pow2(smax - 127)))

@@ -187,13 +187,13 @@ def tile_coords(pid, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _fragment_pieces(rb0, num_rb, K, KB: tl.constexpr, RB: tl.constexpr, PIECES: tl.constexpr, CHUNK: tl.constexpr):
+def _fragment_pieces(rb0, num_rb, chunks, KB: tl.constexpr, RB: tl.constexpr, PIECES: tl.constexpr, CHUNK: tl.constexpr):
     """Byte offsets [KB * RB * PIECES, 16] at k0 = 0 (+ the row mask) of a tile's 16-byte pieces of a
-    fragment array with CHUNK bytes per (16-row block, 64-wide K chunk): row r is piece r % PIECES of
-    chunk (kb, rb) = (r // (RB * PIECES), rb0 + r // PIECES % RB)."""
+    fragment array with CHUNK bytes per (16-row block, K chunk) and ``chunks`` K chunks per row block:
+    row r is piece r % PIECES of chunk (kb, rb) = (r // (RB * PIECES), rb0 + r // PIECES % RB)."""
     r = tl.arange(0, KB * RB * PIECES)
     rb = rb0 + (r // PIECES) % RB
-    off = (rb.to(tl.int64) * (K // 64) + r // (RB * PIECES)) * CHUNK + (r % PIECES) * 16
+    off = (rb.to(tl.int64) * chunks + r // (RB * PIECES)) * CHUNK + (r % PIECES) * 16
     return off[:, None] + tl.arange(0, 16)[None, :], (rb < num_rb)[:, None]
 
 
@@ -208,8 +208,9 @@ def _e4m3_mma(w, a, acc, F32_DOT: tl.constexpr):
 
 @triton.jit
 def _frag_weights(words, scale_bytes, DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One K step of fragment words [KB, RB, 32, 16] + scale bytes [KB, RB, 8 (g), 4 (j, dr)] -> the
-    W tile [BN, BK] in the MMA's register layout (the reshapes only rename registers).
+    """One K step of fragment words [KB, RB, 32, 16] + scale bytes (frag: [KB, RB, 8 (g), 4 (j, dr)];
+    frag8: [RB, 8 (g), 4 (c), 2 (dr)], BK = 128) -> the W tile [BN, BK] in the MMA's register layout
+    (the reshapes only rename registers).
 
     frag (bf16 kind): bf16 values x 2**-63 (the caller undoes it); frag8 (fp8 kind): e4m3 bytes of
     W / row_scale, decoded by PRMT lookups in the tables built here from each block's S byte."""
@@ -222,10 +223,11 @@ def _frag_weights(words, scale_bytes, DECODE: tl.constexpr, USE_ASM: tl.constexp
         w = tl.reshape(tl.join(x, y), [KB, RB, 8, 4, 4, 2, 2, 2])  # kb rb g c step dr dk h
         w = tl.reshape(tl.permute(w, [1, 5, 2, 0, 4, 7, 3, 6]), [BN, BK])  # (rb dr g) x (kb step h c dk)
     else:
+        # one PRMT table per row and K step (the fp8 kind's K order puts a lane's 128-step weights of a
+        # row in one 32-block): e4m3 bytes of {0, .5, .., 6} x 2**(S - 5), from S [RB, g, c, dr]
         rep = scale_bytes.to(tl.int32) * 8
-        # the PRMT tables of each (g, j, dr): e4m3 bytes of {0, .5, .., 6} x 2**(S - 5)
-        lut = tl.join(rep * 0x01010100 + _LUT_LO, rep * 0x01010101 + _LUT_HI)  # [.., g, (j, dr), lo/hi]
-        lut = tl.broadcast_to(tl.reshape(lut, [KB, RB, 8, 1, 2, 1, 4]), [KB, RB, 8, 4, 2, 2, 4])  # g c j b2 (dr lohi)
+        lut = tl.join(rep * 0x01010100 + _LUT_LO, rep * 0x01010101 + _LUT_HI)  # [RB, g, c, dr, lo/hi]
+        lut = tl.broadcast_to(tl.reshape(lut, [1, RB, 8, 4, 1, 1, 4]), [KB, RB, 8, 4, 2, 2, 4])  # g c j b2 (dr lohi)
         x, y = decode_fp4_frag8(words, tl.reshape(lut, [KB, RB, 32, 16]), USE_ASM)
         w = tl.reshape(tl.join(x, y), [KB, RB, 8, 4, 2, 2, 4, 2])  # kb rb g c j b2 i dr
         w = tl.reshape(tl.permute(w, [1, 7, 2, 0, 4, 5, 3, 6]), [BN, BK])  # (rb dr g) x (kb j b2 c i)
@@ -240,31 +242,39 @@ def frag_mainloop(
 ):
     """acc[BN, BM] += W[BN, K] @ A[BM, K]^T with W in fragment order (fragments.py).
 
-    w_ptr / ws_ptr: this expert's words [N/16, K/64, 32, 16] / scale bytes [N/16, K/64, 8, 4]; rb0:
+    w_ptr / ws_ptr: this expert's words [N/16, K/64, 32, 16] / scale bytes (frag: [N/16, K/64, 8, 4],
+    frag8: [N/16, K/128, 8, 4, 2] with K in the fp8 kind's order, so BK must be 128); rb0:
     first 16-row block of the tile, num_rb: N / 16. One 128-bit load per lane and 64-wide K chunk.
     DECODE "frag": bf16 MMA, A bf16 in natural order. DECODE "frag8": FP8 MMA on W' = W / row_scale
     (block scales folded in by the decode) and A' = expert-sorted e4m3 rows over one power-of-two
-    scale per row (gather.py), typed float8e4nv so the loads land in the MMA's shared layout (uint8
+    scale per row, K in the same fp8 order as W' (gather.rowscale_e4m3_kernel), typed float8e4nv so the loads land in the MMA's shared layout (uint8
     under the interpreter); both row scales (wrs_ptr: this expert's [N], ars_ptr: per sorted row) are
     applied after the loop. No partial sum is rescaled inside it, so the wgmmas chain in both modes.
     wrs_ptr / ars_ptr are not read by "frag".
     """
     RB: tl.constexpr = BN // 16
     KB: tl.constexpr = BK // 64
+    tl.static_assert(DECODE != "frag8" or BK == 128, "frag8 steps K by its weights' 128-wide K chunk")
     # The loads are 2-D [16-byte pieces, 16]: as 4-D tensors Triton's coalescing spread one warp's
     # lanes over 16 chunks 512 bytes apart (8-way shared-memory bank conflicts on every cp.async
     # write, 4x the L2 sectors for the scales); as rows, consecutive lanes take consecutive pieces.
     # Words: 32 pieces (lanes) per chunk; scales: 2 pieces (g 0-3, g 4-7). The reshapes after the
     # loads are register renames.
-    w_off, wm = _fragment_pieces(rb0, num_rb, K, KB, RB, 32, 512)
-    s_off, sm = _fragment_pieces(rb0, num_rb, K, KB, RB, 2, 32)
+    w_off, wm = _fragment_pieces(rb0, num_rb, K // 64, KB, RB, 32, 512)
+    if DECODE == "frag":
+        s_off, sm = _fragment_pieces(rb0, num_rb, K // 64, KB, RB, 2, 32)
+    else:  # BK == 128: one 64-byte chunk of S bytes per 16-row block and step
+        s_off, sm = _fragment_pieces(rb0, num_rb, K // 128, 1, RB, 4, 64)
     ar = a_rows.to(tl.int64)[None, :]
     am = a_mask[None, :]
     kk = tl.arange(0, BK)
     for k0 in range(0, K, BK):
         step = k0 // 64
         words = tl.reshape(tl.load(w_ptr + w_off + step * 512, mask=wm, other=0), [KB, RB, 32, 16])
-        s8 = tl.reshape(tl.load(ws_ptr + s_off + step * 32, mask=sm, other=0), [KB, RB, 8, 4])
+        if DECODE == "frag":
+            s8 = tl.reshape(tl.load(ws_ptr + s_off + step * 32, mask=sm, other=0), [KB, RB, 8, 4])
+        else:
+            s8 = tl.reshape(tl.load(ws_ptr + s_off + step * 32, mask=sm, other=0), [RB, 8, 4, 2])
         w = _frag_weights(words, s8, DECODE, USE_ASM, BN, BK)
         a = tl.load(a_ptr + ar * stride_am + (k0 + kk)[:, None], mask=am, other=0.0)
         if DECODE == "frag":

@@ -285,13 +285,12 @@ def decode_fp4_frag(words, pairs, USE_ASM: tl.constexpr):
 # $3/$4: table of row g (entries 0-3 / 4-7), $5/$6: of row g+8.
 _FRAG8_ASM = tl.constexpr("""
 {
-.reg .b32 s, t;
-and.b32 s, $2, 0x7777;
-prmt.b32 s, $3, $4, s;
+.reg .b32 s, t, m;
+and.b32 m, $2, 0x77777777;
+prmt.b32 s, $3, $4, m;
 and.b32 t, $2, 0x80808080;
 or.b32 $0, s, t;
-shr.b32 s, $2, 16;
-and.b32 s, s, 0x7777;
+shr.b32 s, m, 16;
 prmt.b32 s, $5, $6, s;
 shl.b32 t, $2, 4;
 and.b32 t, t, 0x80808080;
@@ -326,8 +325,9 @@ def decode_fp4_frag8(words, luts, USE_ASM: tl.constexpr):
         lo, hi = tl.split(t)  # [n, 2]: row g, row g + 8
         lo_x, lo_y = tl.split(lo)
         hi_x, hi_y = tl.split(hi)
-        r0 = _prmt_lookup(lo_x | (hi_x << 32), w & 0x7777) | (w & 0x80808080)
-        r1 = _prmt_lookup(lo_y | (hi_y << 32), (w >> 16) & 0x7777) | ((w << 4) & 0x80808080)
+        m = w & 0x77777777
+        r0 = _prmt_lookup(lo_x | (hi_x << 32), m) | (w & 0x80808080)
+        r1 = _prmt_lookup(lo_y | (hi_y << 32), m >> 16) | ((w << 4) & 0x80808080)
         x = tl.reshape((r0[:, None] >> sh[None, :]) & 0xFF, shape).to(tl.uint8)
         y = tl.reshape((r1[:, None] >> sh[None, :]) & 0xFF, shape).to(tl.uint8)
     return x, y

@@ -14,6 +14,7 @@ import triton
 
 from ...formats import MX_BLOCK, MXTensor
 from ..base import Activations, ExpertMath, ExpertPairs, ExpertsProvider
+from ..fragments import FP8_K
 from ..weights import FRAGMENT_STORAGE, ExpertWeights
 from . import triton_available
 from .config import TileConfig, default_config, interpreting, reduction_block
@@ -159,7 +160,10 @@ class TritonExperts(ExpertsProvider):
             raise ValueError(f"decoder={mode!r} needs block_k >= 64 dividing hidden={hidden} and intermediate={inter}")
         a_rs = w1_rs = w2_rs = out  # row scales: frag8 only (the kernels ignore them otherwise)
         if mode == "frag8":
-            bk1, bk2 = min(bk1, 128), min(bk2, 128)
+            if cfg.block_k < FP8_K:
+                raise ValueError(f"decoder='frag8' steps K by {FP8_K} (its weights' K chunk, fragments.fp8_k_order): "
+                                 f"TileConfig.block_k={cfg.block_k} must be >= {FP8_K}")
+            bk1 = bk2 = FP8_K  # hidden / intermediate % 128 == 0: checked when the weights were re-laid
             _require_mx_activations(math)
             a8 = torch.empty(rows, hidden, dtype=torch.uint8, device=device)
             a_rs = torch.empty(rows, dtype=torch.float32, device=device)
@@ -196,6 +200,8 @@ class TritonExperts(ExpertsProvider):
         limit = math.swiglu_limit
         common = dict(DECODE=mode, USE_ASM=use_asm, BM=cfg.block_m, GROUP_M=cfg.group_m, F32_DOT=interpreting(),
                       TAIL_M=cfg.tail_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if cfg.max_registers:
+            common["maxnreg"] = cfg.max_registers
 
         n1 = triton.cdiv(2 * inter, cfg.block_n1)
         # tail_m: a second launch runs the short tiles at height tail_m (compiled apart: one kernel holding
