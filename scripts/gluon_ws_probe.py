@@ -26,6 +26,11 @@ mid = 64 with 32, prefill = 128 with 128. Specs: scen:gemm:kind:BN[:...] with ki
 ws (`:RST:WST:DEC_WARPS:DEC_REGS`) or rs (`:RST:CW:safe|race[:maxnreg]`):
 
     PYTHONPATH=. python3 scripts/gluon_ws_probe.py out.json mid:g1:tl:256 mid:g1:rs:128:4:4:safe:128   # on an H200
+
+Historical: written and measured at commit ed2e9b9. Since 15546d8 the provider's fp8 fragments keep
+their S bytes per (row, 128-wide K step) in a permuted K order (fragments.fp8_k_order), while the Gluon
+kernels here still decode the old per-32-block S layout; main() therefore refuses to run on later
+trees. To reproduce: ``git worktree add /tmp/ws ed2e9b9`` and run it there.
 """
 import json
 import sys
@@ -284,6 +289,11 @@ def exact(words, scales, wrs, a8, ars, e, n, k, bm):
     return (a.double() @ w.double().T).float()  # [bm, n]
 
 def main(out_path, which):
+    from megamoe_backend.experts import fragments
+
+    if hasattr(fragments, "fp8_k_order"):
+        raise SystemExit("gluon_ws_probe decodes the fp8 fragment layout of commit ed2e9b9 (one S byte per 32-block); "
+                         "this tree permutes K and keeps one S byte per 128-wide step: run it at ed2e9b9 (module docstring)")
     dev = torch.device("cuda")
     E = 192
     g = torch.Generator(device=dev).manual_seed(0)
