@@ -78,7 +78,7 @@ CASES += [("manual", "a8w4", "mxfp4", "interleaved", 10.0)]
 
 @pytest.mark.parametrize("decoder,quant,wfmt,layout,limit", CASES)
 def test_small_matches_reference(decoder, quant, wfmt, layout, limit):
-    inter = 256 if decoder == "frag8" else 192  # frag8: K % 128 (fragments.fp8_k_order); 192 keeps K % 128 != 0 covered elsewhere
+    inter = 256 if decoder == "frag8" else 192  # frag8 needs K % 128 (fragments.fp8_k_order); the others keep 192
     weights, x, pairs = make_problem(wfmt, layout, n_exp=6, hidden=256, inter=inter, tokens=40, topk=3)
     math = ExpertMath(quant, limit)
     a = x if math.a_format is None else quantize_mx(x, math.a_format)

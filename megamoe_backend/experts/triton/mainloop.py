@@ -208,16 +208,16 @@ def _e4m3_mma(w, a, acc, F32_DOT: tl.constexpr):
 
 @triton.jit
 def _frag_weights(words, scale_bytes, DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One K step of fragment words [KB, RB, 32, 16] + scale bytes (frag: [KB, RB, 8 (g), 4 (j, dr)];
-    frag8: [RB, 8 (g), 4 (c), 2 (dr)], BK = 128) -> the W tile [BN, BK] in the MMA's register layout
-    (the reshapes only rename registers).
+    """One K step of fragment words [KB, RB, 32, 16] + the step's scale bytes as loaded (frag: read
+    as [KB, RB, 8 (g), 4 (j, dr)]; frag8: [RB, 8 (g), 4 (c), 2 (dr)], BK = 128) -> the W tile [BN, BK]
+    in the MMA's register layout (the reshapes only rename registers).
 
     frag (bf16 kind): bf16 values x 2**-63 (the caller undoes it); frag8 (fp8 kind): e4m3 bytes of
     W / row_scale, decoded by PRMT lookups in the tables built here from each block's S byte."""
     KB: tl.constexpr = BK // 64
     RB: tl.constexpr = BN // 16
     if DECODE == "frag":
-        pair = scale_bytes.to(tl.int32) * 0x00800080  # bf16x2 bits of 2**(s - 64), both halves
+        pair = tl.reshape(scale_bytes, [KB, RB, 8, 4]).to(tl.int32) * 0x00800080  # bf16x2 bits of 2**(s - 64), both halves
         pair = tl.broadcast_to(tl.reshape(pair, [KB, RB, 8, 1, 2, 1, 2, 1]), [KB, RB, 8, 4, 2, 2, 2, 2])
         x, y = decode_fp4_frag(words, tl.reshape(pair, [KB, RB, 32, 16]), USE_ASM)
         w = tl.reshape(tl.join(x, y), [KB, RB, 8, 4, 4, 2, 2, 2])  # kb rb g c step dr dk h
@@ -225,7 +225,7 @@ def _frag_weights(words, scale_bytes, DECODE: tl.constexpr, USE_ASM: tl.constexp
     else:
         # one PRMT table per row and K step (the fp8 kind's K order puts a lane's 128-step weights of a
         # row in one 32-block): e4m3 bytes of {0, .5, .., 6} x 2**(S - 5), from S [RB, g, c, dr]
-        rep = scale_bytes.to(tl.int32) * 8
+        rep = tl.reshape(scale_bytes, [RB, 8, 4, 2]).to(tl.int32) * 8
         lut = tl.join(rep * 0x01010100 + _LUT_LO, rep * 0x01010101 + _LUT_HI)  # [RB, g, c, dr, lo/hi]
         lut = tl.broadcast_to(tl.reshape(lut, [1, RB, 8, 4, 1, 1, 4]), [KB, RB, 8, 4, 2, 2, 4])  # g c j b2 (dr lohi)
         x, y = decode_fp4_frag8(words, tl.reshape(lut, [KB, RB, 32, 16]), USE_ASM)
@@ -247,8 +247,8 @@ def frag_mainloop(
     first 16-row block of the tile, num_rb: N / 16. One 128-bit load per lane and 64-wide K chunk.
     DECODE "frag": bf16 MMA, A bf16 in natural order. DECODE "frag8": FP8 MMA on W' = W / row_scale
     (block scales folded in by the decode) and A' = expert-sorted e4m3 rows over one power-of-two
-    scale per row, K in the same fp8 order as W' (gather.rowscale_e4m3_kernel), typed float8e4nv so the loads land in the MMA's shared layout (uint8
-    under the interpreter); both row scales (wrs_ptr: this expert's [N], ars_ptr: per sorted row) are
+    scale per row, K in the same fp8 order as W' (gather.rowscale_e4m3_kernel), typed float8e4nv so
+    the loads land in the MMA's shared layout (uint8 under the interpreter); both row scales (wrs_ptr: this expert's [N], ars_ptr: per sorted row) are
     applied after the loop. No partial sum is rescaled inside it, so the wgmmas chain in both modes.
     wrs_ptr / ars_ptr are not read by "frag".
     """
@@ -258,8 +258,8 @@ def frag_mainloop(
     # The loads are 2-D [16-byte pieces, 16]: as 4-D tensors Triton's coalescing spread one warp's
     # lanes over 16 chunks 512 bytes apart (8-way shared-memory bank conflicts on every cp.async
     # write, 4x the L2 sectors for the scales); as rows, consecutive lanes take consecutive pieces.
-    # Words: 32 pieces (lanes) per chunk; scales: 2 pieces (g 0-3, g 4-7). The reshapes after the
-    # loads are register renames.
+    # Words: 32 pieces (lanes) per chunk; scales: 2 pieces per 64-wide chunk (frag: g 0-3, g 4-7) or
+    # 4 per 128-wide step (frag8: g 0-1, .., g 6-7). The reshapes after the loads are register renames.
     w_off, wm = _fragment_pieces(rb0, num_rb, K // 64, KB, RB, 32, 512)
     if DECODE == "frag":
         s_off, sm = _fragment_pieces(rb0, num_rb, K // 64, KB, RB, 2, 32)
@@ -271,11 +271,7 @@ def frag_mainloop(
     for k0 in range(0, K, BK):
         step = k0 // 64
         words = tl.reshape(tl.load(w_ptr + w_off + step * 512, mask=wm, other=0), [KB, RB, 32, 16])
-        if DECODE == "frag":
-            s8 = tl.reshape(tl.load(ws_ptr + s_off + step * 32, mask=sm, other=0), [KB, RB, 8, 4])
-        else:
-            s8 = tl.reshape(tl.load(ws_ptr + s_off + step * 32, mask=sm, other=0), [RB, 8, 4, 2])
-        w = _frag_weights(words, s8, DECODE, USE_ASM, BN, BK)
+        w = _frag_weights(words, tl.load(ws_ptr + s_off + step * 32, mask=sm, other=0), DECODE, USE_ASM, BN, BK)
         a = tl.load(a_ptr + ar * stride_am + (k0 + kk)[:, None], mask=am, other=0.0)
         if DECODE == "frag":
             acc = _mma(w, a, acc, F32_DOT)
