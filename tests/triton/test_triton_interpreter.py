@@ -330,7 +330,7 @@ def test_bad_inputs_raise_clear_errors():
     assert te().prepare_weights(w128, ExpertMath("bf16")).storage == "fragments"  # bf16 fragments for bf16 A
     assert te().prepare_weights(w128).storage == "fragments"  # activations unknown: bf16 fragments
     with pytest.raises(ValueError, match="TileConfig.block_k=64 must be >= 128"):
-        te(decoder="frag8", config=K["config"].INTERPRETER_CONFIG).forward(x128, pairs128, te().prepare_weights(w128, math), math)
+        te(decoder="frag8", config=K["config"].INTERPRETER_CONFIG.with_(block_k=64)).forward(x128, pairs128, te().prepare_weights(w128, math), math)
     wide = quantize_expert_weights(torch.randn(2, 256, 128), torch.randn(2, 128, 128), "mxfp4")
     wide.w2[1, 5, 16:32] = 0x11  # every value 0.5 ...
     wide.w2_scale[1, 5, 1] = int(wide.w2_scale[1, 5, 0]) - 13  # ... 13 binades below the row's other block

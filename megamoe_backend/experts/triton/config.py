@@ -88,12 +88,13 @@ FRAG8_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
                       max_registers=168)),
     (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3, tail_m=16)),
 )
-INTERPRETER_CONFIG = TileConfig(block_m=16, block_n1=64, block_n2=32, block_k=64, num_warps=4, num_stages=1, group_m=2)
+# block_k 128 is shrunk to divide K (reduction_block), so it is also frag8's fixed K step where K allows
+INTERPRETER_CONFIG = TileConfig(block_m=16, block_n1=64, block_n2=32, block_k=128, num_warps=4, num_stages=1, group_m=2)
 
 
 def default_config(num_pairs: int, num_experts: int, decoder: str = "split") -> TileConfig:
-    if interpreting():  # frag8 steps K by its weights' 128-wide K chunk
-        return INTERPRETER_CONFIG.with_(block_k=128) if decoder == "frag8" else INTERPRETER_CONFIG
+    if interpreting():
+        return INTERPRETER_CONFIG
     return _table(decoder)[bucket_index(num_pairs, num_experts, decoder)][1]
 
 

@@ -271,6 +271,7 @@ def frag_mainloop(
     for k0 in range(0, K, BK):
         step = k0 // 64
         words = tl.reshape(tl.load(w_ptr + w_off + step * 512, mask=wm, other=0), [KB, RB, 32, 16])
+        # S bytes per K are the same for both kinds: frag 32 per 64-wide chunk, frag8 64 per 128-wide step
         w = _frag_weights(words, tl.load(ws_ptr + s_off + step * 32, mask=sm, other=0), DECODE, USE_ASM, BN, BK)
         a = tl.load(a_ptr + ar * stride_am + (k0 + kk)[:, None], mask=am, other=0.0)
         if DECODE == "frag":
