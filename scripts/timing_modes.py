@@ -1,11 +1,13 @@
-"""One experts forward timed four ways in one process, to tell what the bench and the profiler each measure.
+"""One experts forward timed four ways in one process, each with the SM clock NVML saw meanwhile.
 
 Why: `megamoe bench experts` (median of CUDA-graph replays, ~60 ms of back-to-back forwards per
 sample) and `scripts/profile_experts.py` (torch.profiler kernel sums over a few eager forwards) have
 disagreed by 8-19 % for the same kernels (docs/triton.md); a tile that wins in one can tie in the
 other. Modes per case, each twice: ``graph`` / ``eager`` (the bench's time_fn with / without a
 graph), ``burstN`` (events around N eager forwards after 5 ms of GPU sleep), ``prof6`` (profiler
-kernel sum over 6 forwards). 192 experts, a8w4, DSV4-Pro shapes; needs a CUDA GPU.
+kernel sum over 6 forwards). Each mode's median / min SM MHz and power-capped fraction is stored
+beside its time (bench/gpu_clock.py): sustained modes run power-capped (~1650 MHz on the H200 here),
+short ones at 1980 MHz, which is the gap. 192 experts, a8w4, DSV4-Pro shapes; needs a CUDA GPU.
 
     PYTHONPATH=. python3 scripts/timing_modes.py                # writes $OUT/timing_modes.json (or ./)
 """
@@ -44,6 +46,7 @@ def main() -> int:
         print("timing_modes needs a CUDA GPU", file=sys.stderr)
         return 2
     from megamoe_backend.bench.bench_experts import make_routing, make_weights, time_fn
+    from megamoe_backend.bench.gpu_clock import ClockSampler
     from megamoe_backend.experts import ExpertMath
     from megamoe_backend.experts.triton.config import TileConfig
     from megamoe_backend.experts.triton.provider import TritonExperts
@@ -58,7 +61,7 @@ def main() -> int:
         1024: (("default", None), ("bn256", TileConfig(64, 256, 256, 128, 4, 3, 4, 32))),
         8192: (("default", None), ("s4", TileConfig(128, 128, 128, 128, 4, 4, 4, 16))),
     }
-    out = {}
+    out = {"fields": "mode_rep: us; mode_rep_clock: [median SM MHz, min SM MHz, fraction of samples power-capped]"}
     for tokens, configs in cases.items():
         x, pairs = make_routing(tokens, 192, 6, 7168, dev, tokens)
         a = quantize_rows(x, "fp8")
@@ -66,12 +69,20 @@ def main() -> int:
             prov = TritonExperts(capacity=len(pairs), config=cfg)
             fn = lambda: prov.forward(a, pairs, weights, math)  # noqa: E731
             res = {}
+
+            def measure(name: str, f) -> None:
+                with ClockSampler(dev, period_s=0.005) as clock:
+                    res[name] = round(f(), 1)
+                st = clock.stats()
+                if st:
+                    res[name + "_clock"] = [st["sm_mhz_median"], st["sm_mhz_min"], st["power_capped_frac"]]
+
             for rep in range(2):
-                res[f"graph_{rep}"] = round(time_fn(fn, True)[0], 1)
-                res[f"eager_{rep}"] = round(time_fn(fn, False)[0], 1)
+                measure(f"graph_{rep}", lambda: time_fn(fn, True)[0])
+                measure(f"eager_{rep}", lambda: time_fn(fn, False)[0])
                 for n in (1, 6, 40):
-                    res[f"burst{n}_{rep}"] = round(_burst(fn, n), 1)
-                res[f"prof6_{rep}"] = round(_profiled(fn, 6), 1)
+                    measure(f"burst{n}_{rep}", lambda: _burst(fn, n))
+                measure(f"prof6_{rep}", lambda: _profiled(fn, 6))
             out[f"{tokens}_{name}"] = res
             print(tokens, name, json.dumps(res), flush=True)
     path = os.path.join(os.environ.get("OUT", "."), "timing_modes.json")

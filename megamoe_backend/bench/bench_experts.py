@@ -2,8 +2,9 @@
 
 One GPU. DeepSeek-V4-Pro expert shapes by default (hidden 7168, intermediate 3072, top-k 6), local
 expert counts 192 (EP2) and 48 (EP8 share), uniform random routing, token buckets of T tokens per
-rank (P = T x top-k pairs). Per case: median µs of a CUDA-graph replay of one full experts forward,
-effective HBM TB/s, TFLOP/s, relL2 against an fp32 computation (dequantised weights, unquantised
+rank (P = T x top-k pairs). Per case: median µs of a CUDA-graph replay of one full experts forward
+(replays back to back, as a serving GPU runs them; the SM clock, power and power-cap state NVML
+reports meanwhile are recorded: gpu_clock.py), effective HBM TB/s, TFLOP/s, relL2 against an fp32 computation (dequantised weights, unquantised
 activations), relL2 against the exact-math torch reference (same quantisation, fp64), and the
 floor max(weight bytes / HBM BW, FLOPs / bf16 MMA peak) with the weights of the experts actually hit.
 
@@ -24,13 +25,14 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ..experts import ExpertMath, ExpertPairs, ExpertWeights, swiglu
 from ..experts.triton.config import TileConfig, bucket_class, default_config, interpreting
 from ..formats import MX_BLOCK, dequantize_mx, fake_quantize
+from .gpu_clock import ClockSampler
 
 # Datasheet ceilings of an H200 SXM (dense); the run also measures a copy and a bf16 GEMM.
 HBM_TBS = 4.8
@@ -102,6 +104,7 @@ class Case:
     tflops: float = float("nan")
     rel_l2_fp32: float = float("nan")
     rel_l2_ref: float = float("nan")
+    clock: dict = field(default_factory=dict)  # gpu_clock.ClockSampler.stats() while timed ({}: no NVML)
     error: str = ""
 
 
@@ -255,12 +258,16 @@ def measure_ceilings(device: torch.device) -> dict:
     out = {}
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    us, _ = time_fn(lambda: a @ b, use_graph=False)
+    with ClockSampler(device) as clock:
+        us, _ = time_fn(lambda: a @ b, use_graph=False)
     out["measured_bf16_gemm_tflops"] = 2 * 8192**3 / us / 1e6
+    out["bf16_gemm_clock"] = clock.stats()
     src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    us, _ = time_fn(lambda: dst.copy_(src), use_graph=False)
+    with ClockSampler(device) as clock:
+        us, _ = time_fn(lambda: dst.copy_(src), use_graph=False)
     out["measured_copy_tbs"] = 2 * src.numel() / us / 1e6
+    out["copy_clock"] = clock.stats()
     del a, b, src, dst
     torch.cuda.empty_cache()
     return out
@@ -294,7 +301,9 @@ def run_case(c: Case, fn, check) -> Case:
         y = fn()
         c.rel_l2_fp32, c.rel_l2_ref = check(y)
         del y
-        c.us, c.graph = time_fn(fn, use_graph=True)
+        with ClockSampler(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")) as clock:
+            c.us, c.graph = time_fn(fn, use_graph=True)
+        c.clock = clock.stats()
     except Exception as exc:  # noqa: BLE001 - one failing variant must not sink the whole sweep
         c.error = f"{type(exc).__name__}: {str(exc)[:400]}"
         print(f"  FAILED {c.provider} {c.scheme} E{c.experts} T{c.tokens} {c.config}: {c.error}", file=sys.stderr)
@@ -469,7 +478,15 @@ def environment(args: argparse.Namespace) -> dict:
 def print_case(c: Case) -> None:
     print(f"  {c.provider:16s} {c.scheme:5s} E{c.experts:<4d} T{c.tokens:<5d} {c.decoder:10s} {c.config:28s} "
           f"{c.us:10.1f}us x{c.x_floor:5.2f} {c.hbm_tbs:5.2f}TB/s {c.tflops:6.1f}TF relL2 {c.rel_l2_fp32:.4f}/{c.rel_l2_ref:.2e}"
+          f" SM {clock_text(c.clock)}"
           + (f" ERR {c.error[:80]}" if c.error else ""), flush=True)
+
+
+def clock_text(clock: dict) -> str:
+    """'1665 (1545)' = median (min) SM MHz while timed; '*' = some samples were slowed for power."""
+    if not clock:
+        return "-"
+    return f"{clock['sm_mhz_median']:.0f} ({clock['sm_mhz_min']})" + ("*" if clock["power_capped_frac"] else "")
 
 
 def print_table(cases: list[Case], variants: list[Case]) -> None:
@@ -485,12 +502,13 @@ def print_table(cases: list[Case], variants: list[Case]) -> None:
             continue
         t = Table(title=title)
         for col in ("E", "T", "scheme", "provider", "config", "µs", "floor µs", "x floor", "TB/s", "TFLOP/s",
-                    "relL2 fp32", "relL2 ref", "graph"):
+                    "relL2 fp32", "relL2 ref", "graph", "SM MHz (min)"):
             t.add_column(col, justify="right")
         for c in rows:
             t.add_row(str(c.experts), str(c.tokens), c.scheme, c.provider + (f"/{c.decoder}" if c.decoder else ""),
                       c.config, f"{c.us:.1f}", f"{c.floor_us:.1f}", f"{c.x_floor:.2f}", f"{c.hbm_tbs:.2f}",
-                      f"{c.tflops:.1f}", f"{c.rel_l2_fp32:.4f}", f"{c.rel_l2_ref:.1e}", "y" if c.graph else "n")
+                      f"{c.tflops:.1f}", f"{c.rel_l2_fp32:.4f}", f"{c.rel_l2_ref:.1e}", "y" if c.graph else "n",
+                      clock_text(c.clock))
         Console(width=200).print(t)
 
 

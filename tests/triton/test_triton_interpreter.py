@@ -164,10 +164,12 @@ def test_layout_sorted_padded_and_static():
         assert (rows[real.numel():] == -1).all()
 
 
-@pytest.mark.parametrize("p,e,bm", [(0, 3, 16), (1, 1, 16), (300, 7, 16), (1000, 192, 16), (513, 200, 64), (2000, 384, 32)])
+@pytest.mark.parametrize("p,e,bm", [(0, 3, 16), (1, 1, 16), (300, 7, 16), (1000, 192, 16), (513, 200, 64), (2000, 384, 32),
+                                    (300, 200, 64)])
 def test_layout_triton_build_equals_torch_reference(p, e, bm):
     """The three-launch Triton build (chunked counting sort) gives the torch build's layout exactly,
-    across chunk boundaries (128 pairs), experts with no pairs, E not a power of two and P = 0."""
+    across chunk boundaries (128 pairs), experts with no pairs, E not a power of two and P = 0; the
+    last case makes each histogram program fill several 1024-row blocks of padding."""
     slot = torch.randint(0, e, (p,), generator=torch.Generator().manual_seed(p))
     got = K["layout"].build_layout(slot, e, bm)  # interpreter: the Triton path
     ref = K["layout"].build_layout_torch(slot, e, bm)
@@ -345,13 +347,13 @@ def test_bad_inputs_raise_clear_errors():
         te(decoder="frag").forward(x128, pairs128, f8, math)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-def test_rowscale_e4m3_matches_torch(fmt):
+@pytest.mark.parametrize("fmt,pk", [("fp8", 128), ("fp8", 256), ("fp4", 128)])
+def test_rowscale_e4m3_matches_torch(fmt, pk):
     """frag8's A operand: MX rows -> e4m3 bytes over one power-of-two scale per row, checked against
     torch's own float8_e4m3fn rounding of value / 2**(s_max - 127); block scales up to 20 binades
     below the row's largest (the smallest values underflow or lose low bits, as documented), a NaN
     block makes the row scale NaN, padding rows are skipped; the bytes land at the frag8 weights' MMA K
-    positions (fragments.fp8_k_order)."""
+    positions (fragments.fp8_k_order), in one K step or several (PK)."""
     g = torch.Generator().manual_seed(7)
     rows, k = 5, 256
     x = torch.randn(rows, k, generator=g) * torch.pow(2.0, -torch.randint(0, 21, (rows, k // 32), generator=g).float()).repeat_interleave(32, 1)
@@ -363,7 +365,7 @@ def test_rowscale_e4m3_matches_torch(fmt):
     rs = torch.full((6,), -1.0)
     K["gather"].rowscale_e4m3_kernel[(6,)](
         sorted_pair, pair_row, mx.data, mx.data.stride(0), mx.scales, mx.scales.stride(0), out, out.stride(0), rs, k,
-        A_FMT=fmt, GATHER=True, NB=k // 32, HW_CVT=False,
+        A_FMT=fmt, GATHER=True, NB=k // 32, PK=pk, HW_CVT=False,
     )
     assert torch.equal(out[1], torch.full((k,), 0xAB, dtype=torch.uint8)) and rs[1] == -1.0  # padding row untouched
     order = fp8_k_order(k)  # MMA position -> natural K
@@ -378,6 +380,20 @@ def test_rowscale_e4m3_matches_torch(fmt):
         vals = dequantize_mx(MXTensor(mx.data[src : src + 1], mx.scales[src : src + 1], fmt))[0].double()
         want = (vals / 2.0 ** (smax - 127)).float().to(torch.float8_e4m3fn).float()
         assert torch.equal(out[r].view(torch.float8_e4m3fn).float(), want[order]), f"sorted row {r}"  # -0 == +0
+    if fmt == "fp8":  # GEMM2's use: rows already sorted, rescaled in place (each step reads before it writes)
+        a2 = torch.zeros(6, k, dtype=torch.uint8)
+        a2_scale = torch.full((6, k // 32), 127, dtype=torch.uint8)
+        for r, pr in ((0, 2), (2, 0), (3, 4), (4, 3), (5, 1)):
+            a2[r], a2_scale[r] = mx.data[int(pair_row[pr])], mx.scales[int(pair_row[pr])]
+        rs2 = torch.full((6,), -1.0)
+        K["gather"].rowscale_e4m3_kernel[(6,)](
+            sorted_pair, pair_row, a2, a2.stride(0), a2_scale, a2_scale.stride(0), a2, a2.stride(0), rs2, k,
+            A_FMT=fmt, GATHER=False, NB=k // 32, PK=pk, HW_CVT=False,
+        )
+        live = torch.tensor([0, 2, 3, 4, 5])
+        assert torch.equal(a2[live], out[live]) and torch.equal(rs2[live].nan_to_num(-2.0), rs[live].nan_to_num(-2.0))
+        assert not a2[1].any() and rs2[1] == -1.0
+    assert [K["gather"].rowscale_piece(v) for v in (128, 384, 3072, 7168, 4096)] == [128, 128, 1024, 1024, 1024]
 
 
 def test_provider_selection_on_cpu_is_the_reference():

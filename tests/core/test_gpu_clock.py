@@ -1,0 +1,38 @@
+"""bench.gpu_clock: what the bench records about the SM clock while a case is timed."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from megamoe_backend.bench import gpu_clock
+
+
+def test_no_nvml_on_cpu_records_nothing():
+    with gpu_clock.ClockSampler(torch.device("cpu")) as s:
+        time.sleep(0.01)
+    assert s.stats() == {} and s.samples == []
+
+
+def test_stats_from_samples(monkeypatch):
+    """Median / min MHz, max W and the power- / heat-slowed fractions come from the polled samples;
+    a reader that fails ends the sampling, never the timed block."""
+    seq = itertools.chain([(1980, 300.0, 0x0), (1665, 690.5, 0x4), (1545, 700.2, 0x4 | 0x8), (1980, 420.0, 0x1)],
+                          itertools.repeat(None))
+
+    def read():
+        v = next(seq)
+        if v is None:
+            raise RuntimeError("NVML went away")
+        return v
+
+    monkeypatch.setattr(gpu_clock, "_nvml_reader", lambda device: read)
+    with gpu_clock.ClockSampler(torch.device("cuda"), period_s=0.001) as s:
+        deadline = time.time() + 5
+        while len(s.samples) < 4 and time.time() < deadline:
+            time.sleep(0.005)
+    st = s.stats()
+    assert st == {"sm_mhz_median": (1665 + 1980) / 2, "sm_mhz_min": 1545, "power_w_max": 700.2,
+                  "power_capped_frac": 0.5, "thermal_frac": 0.25, "samples": 4}
