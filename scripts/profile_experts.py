@@ -9,6 +9,13 @@ the time that remains is what the decode does not cost.
         --json $OUT/profile.json
     # interleaved A/B of decoders: each decoder's bucket default plus extra frag8 tiles
     PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag frag8 --config frag8:16,256,256,64,4,4 --rounds 3
+    # the same A/B timed as the bench times (sustained graph replays, SM clock recorded), no kernel split
+    PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 --config 64,256,256,128,4,3,4,32 --rounds 3 --sustained
+
+Kernel sums time a few forwards after the GPU idled, at full clock; under sustained load the H200
+here runs power-capped and ~10 % slower (docs/triton.md), and a tile can win one way and tie the
+other. ``--sustained`` times each config like `megamoe bench experts` (median of back-to-back
+CUDA-graph replays) with NVML's clock / power-cap state beside it (bench/gpu_clock.py).
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the configs interleaved this many times (A/B against drift in clocks / power)")
+    ap.add_argument("--sustained", action="store_true",
+                    help="time each config as the bench does (graph replays back to back) instead of profiler kernel sums")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -44,7 +53,8 @@ def main() -> int:
 
     if args.variant == "nodecode":  # must precede the first compile of the kernels
         mxjit._FRAG_ASM = tl.constexpr("{\nmov.b32 $0, $4;\nmov.b32 $1, $5;\nmov.b32 $2, $7;\nmov.b32 $3, $4;\n}")
-    from megamoe_backend.bench.bench_experts import make_routing, make_weights
+    from megamoe_backend.bench.bench_experts import make_routing, make_weights, time_fn
+    from megamoe_backend.bench.gpu_clock import ClockSampler
     from megamoe_backend.experts import ExpertMath
     from megamoe_backend.experts.triton.config import TileConfig
     from megamoe_backend.experts.triton.provider import TritonExperts
@@ -74,6 +84,15 @@ def main() -> int:
         torch.cuda.synchronize()
         for rnd in range(args.rounds):
             for (dec, cfg), prov in zip(runs, provs):
+                row = {"variant": args.variant, "decoder": dec, "experts": args.experts, "tokens": tokens,
+                       "round": rnd, "config": None if cfg is None else list(vars(cfg).values())}
+                if args.sustained:
+                    with ClockSampler(dev) as clock:
+                        us, graphed = time_fn(lambda: prov.forward(a, pairs, prepared[dec], math), use_graph=True)  # noqa: B023
+                    row.update(graph_us=round(us, 1), graph=graphed, clock=clock.stats())
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                    continue
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     for _ in range(args.iters):
                         prov.forward(a, pairs, prepared[dec], math)
@@ -82,10 +101,8 @@ def main() -> int:
                 for ev in prof.events():
                     if ev.device_type == torch.autograd.DeviceType.CUDA:
                         per_kernel[ev.name.split("(")[0][:48]] += ev.device_time / args.iters
-                row = {"variant": args.variant, "decoder": dec, "experts": args.experts, "tokens": tokens,
-                       "round": rnd, "config": None if cfg is None else list(vars(cfg).values()),
-                       "total_us": round(sum(per_kernel.values()), 1),
-                       "kernels_us": {k: round(v, 1) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
+                row.update(total_us=round(sum(per_kernel.values()), 1),
+                           kernels_us={k: round(v, 1) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])})
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     if args.json:
