@@ -6,8 +6,9 @@ disagreed by 8-19 % for the same kernels (docs/triton.md); a tile that wins in o
 other. Modes per case, each twice: ``graph`` / ``eager`` (the bench's time_fn with / without a
 graph), ``burstN`` (events around N eager forwards after 5 ms of GPU sleep), ``prof6`` (profiler
 kernel sum over 6 forwards). Each mode's median / min SM MHz and power-capped fraction is stored
-beside its time (bench/gpu_clock.py): sustained modes run power-capped (~1650 MHz on the H200 here),
-short ones at 1980 MHz, which is the gap. 192 experts, a8w4, DSV4-Pro shapes; needs a CUDA GPU.
+beside its time (bench/gpu_clock.py): on the H200 here sustained modes run with the SW power cap set
+(~1550-1700 MHz), measurements right after an idle gap mostly without, and the cap state is what
+separates fast from slow (docs/triton.md). 192 experts, a8w4, DSV4-Pro shapes; needs a CUDA GPU.
 
     PYTHONPATH=. python3 scripts/timing_modes.py                # writes $OUT/timing_modes.json (or ./)
 """
@@ -70,12 +71,12 @@ def main() -> int:
             fn = lambda: prov.forward(a, pairs, weights, math)  # noqa: E731
             res = {}
 
-            def measure(name: str, f) -> None:
+            def measure(key: str, f) -> None:
                 with ClockSampler(dev, period_s=0.005) as clock:
-                    res[name] = round(f(), 1)
+                    res[key] = round(f(), 1)
                 st = clock.stats()
                 if st:
-                    res[name + "_clock"] = [st["sm_mhz_median"], st["sm_mhz_min"], st["power_capped_frac"]]
+                    res[key + "_clock"] = [st["sm_mhz_median"], st["sm_mhz_min"], st["power_capped_frac"]]
 
             for rep in range(2):
                 measure(f"graph_{rep}", lambda: time_fn(fn, True)[0])

@@ -4,9 +4,10 @@ One GPU. DeepSeek-V4-Pro expert shapes by default (hidden 7168, intermediate 307
 expert counts 192 (EP2) and 48 (EP8 share), uniform random routing, token buckets of T tokens per
 rank (P = T x top-k pairs). Per case: median µs of a CUDA-graph replay of one full experts forward
 (replays back to back, as a serving GPU runs them; the SM clock, power and power-cap state NVML
-reports meanwhile are recorded: gpu_clock.py), effective HBM TB/s, TFLOP/s, relL2 against an fp32 computation (dequantised weights, unquantised
-activations), relL2 against the exact-math torch reference (same quantisation, fp64), and the
-floor max(weight bytes / HBM BW, FLOPs / bf16 MMA peak) with the weights of the experts actually hit.
+reports meanwhile are recorded: gpu_clock.py), effective HBM TB/s, TFLOP/s, relL2 against an fp32
+computation (dequantised weights, unquantised activations), relL2 against the exact-math torch
+reference (same quantisation, fp64), and the floor max(weight bytes / HBM BW, FLOPs / bf16 MMA
+peak) with the weights of the experts actually hit.
 
 Baseline ("torch_grouped_mm"): sort + gather, torch._grouped_mm on the DEQUANTISED bf16 weights,
 SwiGLU in torch, torch._grouped_mm, route weight, scatter; timed the same way.

@@ -19,7 +19,8 @@ import threading
 import torch
 
 # nvmlClocksEventReasons bits that mean "slowed for power" (SW power cap, HW power brake) and for
-# heat (SW / HW thermal slowdown); HW slowdown (0x8) is either.
+# heat (SW / HW thermal slowdown); HW slowdown (0x8), which the driver sets for either, is counted
+# with heat so that POWER_BITS means the power limit alone.
 POWER_BITS = 0x4 | 0x80
 THERMAL_BITS = 0x20 | 0x40 | 0x8
 
