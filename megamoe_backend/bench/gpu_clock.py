@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 
 import torch
 
@@ -33,7 +34,7 @@ class ClockSampler:
     def __init__(self, device: torch.device, period_s: float = 0.02):
         self.device = device
         self.period_s = period_s
-        self.samples: list[tuple[int, float, int]] = []  # (SM MHz, W, reason bits)
+        self.samples: list[tuple] = []  # (SM MHz, W, reason bits, energy counter mJ or None, perf_counter s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._read = None
@@ -59,16 +60,25 @@ class ClockSampler:
             self._stop.wait(self.period_s)
 
     def stats(self) -> dict:
-        """Median / min SM MHz, max W, and the fraction of samples slowed for power / for heat; {} if
-        NVML was not available or nothing was sampled."""
+        """Median / min SM MHz, max W (NVML's power reading, an average that lags), the fraction of
+        samples slowed for power / for heat, and the mean W from the GPU's energy counter between the
+        first and last sample (None where the counter is missing). The counter is coarse: over a
+        bench case's ~0.3 s it reads 630-700 W on a capped H200 and up to ~890 W for a case that
+        starts after an idle gap (the cap acts on a running average), so it shows the regime, not a
+        per-forward energy to rank tiles by. {} if NVML was not available or nothing was sampled."""
         if not self.samples:
             return {}
         mhz = [s[0] for s in self.samples]
         n = len(self.samples)
+        first, last = self.samples[0], self.samples[-1]
+        mean_w = None
+        if first[3] is not None and last[3] is not None and last[4] > first[4]:
+            mean_w = round((last[3] - first[3]) / 1000.0 / (last[4] - first[4]), 1)
         return {
             "sm_mhz_median": statistics.median(mhz),
             "sm_mhz_min": min(mhz),
             "power_w_max": round(max(s[1] for s in self.samples), 1),
+            "energy_mean_w": mean_w,
             "power_capped_frac": round(sum(bool(s[2] & POWER_BITS) for s in self.samples) / n, 3),
             "thermal_frac": round(sum(bool(s[2] & THERMAL_BITS) for s in self.samples) / n, 3),
             "samples": n,
@@ -76,7 +86,8 @@ class ClockSampler:
 
 
 def _nvml_reader(device: torch.device):
-    """A function returning (SM MHz, W, reason bits) for ``device``, or None without NVML."""
+    """A function returning (SM MHz, W, reason bits, energy mJ or None, time s) for ``device``, or
+    None without NVML."""
     if device.type != "cuda" or torch.version.hip is not None:
         return None
     try:
@@ -86,9 +97,15 @@ def _nvml_reader(device: torch.device):
         handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
         reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
 
-        def read() -> tuple[int, float, int]:
+        def energy_mj():
+            try:
+                return pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+            except Exception:  # noqa: BLE001 - counter not supported on this GPU / driver
+                return None
+
+        def read() -> tuple:
             return (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-                    pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0, int(reasons(handle)))
+                    pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0, int(reasons(handle)), energy_mj(), time.perf_counter())
 
         read()
         return read
