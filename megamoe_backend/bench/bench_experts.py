@@ -210,6 +210,20 @@ def grouped_mm_forward(x: torch.Tensor, pairs: ExpertPairs, wd: ExpertWeights, l
 
 
 # ---------------------------------------------------------------------------------------- timing
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """One call of fn captured as a CUDA graph, after a warm-up call on a side stream (so lazy
+    allocations and autotuning happen outside the capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def time_fn(fn, use_graph: bool) -> tuple[float, bool]:
     """Median µs per call; CUDA-graph replays when possible (that also proves capture works)."""
     if not torch.cuda.is_available() or interpreting():
@@ -222,15 +236,7 @@ def time_fn(fn, use_graph: bool) -> tuple[float, bool]:
     graphed = False
     if use_graph:
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            call, graphed = g.replay, True
+            call, graphed = capture_graph(fn).replay, True
         except Exception as exc:  # noqa: BLE001 - fall back to eager timing, recorded in the case
             print(f"  graph capture failed ({type(exc).__name__}: {exc}); timing eagerly", file=sys.stderr)
             torch.cuda.synchronize()

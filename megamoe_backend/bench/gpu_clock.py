@@ -38,9 +38,10 @@ class ClockSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._read = None
+        self._close = None
 
     def __enter__(self) -> "ClockSampler":
-        self._read = _nvml_reader(self.device)
+        self._read, self._close = _nvml_reader(self.device)
         if self._read is not None:
             self._thread = threading.Thread(target=self._poll, name="megamoe-clock-sampler", daemon=True)
             self._thread.start()
@@ -50,6 +51,8 @@ class ClockSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self._close is not None:
+            self._close()  # NVML counts inits: each sampler releases its own
 
     def _poll(self) -> None:
         while not self._stop.is_set():
@@ -86,10 +89,10 @@ class ClockSampler:
 
 
 def _nvml_reader(device: torch.device):
-    """A function returning (SM MHz, W, reason bits, energy mJ or None, time s) for ``device``, or
-    None without NVML."""
+    """(read, close): read() returns (SM MHz, W, reason bits, energy mJ or None, time s) for
+    ``device``; close() releases NVML. (None, None) without NVML."""
     if device.type != "cuda" or torch.version.hip is not None:
-        return None
+        return None, None
     try:
         import pynvml
 
@@ -108,6 +111,6 @@ def _nvml_reader(device: torch.device):
                     pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0, int(reasons(handle)), energy_mj(), time.perf_counter())
 
         read()
-        return read
+        return read, pynvml.nvmlShutdown
     except Exception:  # noqa: BLE001 - no pynvml / no NVML driver: sample nothing
-        return None
+        return None, None

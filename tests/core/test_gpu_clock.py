@@ -29,12 +29,14 @@ def test_stats_from_samples(monkeypatch):
             raise RuntimeError("NVML went away")
         return v
 
-    monkeypatch.setattr(gpu_clock, "_nvml_reader", lambda device: read)
+    closed = []
+    monkeypatch.setattr(gpu_clock, "_nvml_reader", lambda device: (read, lambda: closed.append(True)))
     with gpu_clock.ClockSampler(torch.device("cuda"), period_s=0.001) as s:
         deadline = time.time() + 5
         while len(s.samples) < 4 and time.time() < deadline:
             time.sleep(0.005)
     st = s.stats()
+    assert closed == [True]
     assert st == {"sm_mhz_median": (1665 + 1980) / 2, "sm_mhz_min": 1545, "power_w_max": 700.2,
                   "energy_mean_w": 0.4,  # (5800 - 5000) mJ over 2 s
                   "power_capped_frac": 0.5, "thermal_frac": 0.25, "samples": 4}

@@ -105,7 +105,7 @@ def rowscale_e4m3_kernel(
     register permute of each step, so loads and stores stay contiguous. H200, 8192 tokens x top-6 on
     192 experts, fp8 rows: 166 / 73 us for A (K 7168) / A2 (K 3072) at 2 warps, against 202 / 127 us
     for the previous one-step kernel that stored 4-byte groups at computed positions with 8 warps
-    (benchmarks/results/h200_power_ab.json; 4 warps: 189 / 91, 1 warp: 166 / 73).
+    (scripts/rowscale_ab.py, benchmarks/results/h200_power_ab.json; 4 warps: 189 / 91, 1 warp: 166 / 73).
     """
     r = tl.program_id(0).to(tl.int64)
     pair = tl.load(sorted_pair_ptr + r)
