@@ -43,10 +43,11 @@ def ref_quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
             if not np.isfinite(amax):
                 scales[r, b] = 0xFF
                 continue
-            if amax == 0:
+            ratio = np.float32(np.float32(amax) / np.float32(MAX_POS[fmt]))
+            if ratio == 0:  # amax 0, or so small (fp32 subnormal) that amax / max_pos < 2**-149: far below 2**-127
                 e = -127
             else:
-                m, ex = math.frexp(float(np.float32(np.float32(amax) / np.float32(MAX_POS[fmt]))))
+                m, ex = math.frexp(float(ratio))
                 e = ex - 1 if m == 0.5 else ex
                 e = max(-127, min(127, e))
             scales[r, b] = e + 127
@@ -59,6 +60,18 @@ def ref_quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
 def our_codes(q: MXTensor) -> np.ndarray:
     data = q.data if q.fmt == "fp8" else unpack_fp4(q.data)
     return data.numpy()
+
+
+def test_underflowing_amax_gets_the_smallest_scale() -> None:
+    """A block whose largest magnitude is an fp32 subnormal so small that amax / max_pos is below
+    2**-149 (found by hypothesis): scale 2**-127 (byte 0), every element rounds to zero."""
+    x = torch.zeros(1, 32)
+    x[0, 31] = 2.8e-44
+    for fmt in ("fp8", "fp4"):
+        q = quantize_mx(x, fmt)
+        assert q.scales.item() == 0
+        assert (dequantize_mx(q) == 0).all()
+        assert ref_quantize(x.numpy(), fmt)[1][0, 0] == 0
 
 
 def edge_tensor() -> torch.Tensor:

@@ -68,6 +68,9 @@ def run_rank(rank: int, world: int, port: int, case: MoECase, moe_backend: str, 
         compilation_config=CompilationConfig(),
     )
     t = case_tensors(case)
+    # vLLM's CPU worker names its shared-memory groups after this (cpu_worker.py sets it from the init
+    # method's port); the CPU communicator reads it on CPUs where vLLM's SHM all-reduce is built.
+    os.environ.setdefault("VLLM_DIST_IDENT", str(port))
     with set_current_vllm_config(vcfg):
         init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
         initialize_model_parallel(tensor_model_parallel_size=world)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from vllm_test_env import HERE, engine_env
-from engine_run import PROMPTS
+from engine_run import ATTENTION_BACKEND, PROMPTS
 
 pytestmark = [pytest.mark.engine, pytest.mark.multiproc, pytest.mark.timeout(1800)]
 
@@ -52,7 +52,8 @@ def dp2_server(tiny_models, tmp_path_factory):
     cmd = [sys.executable, str(HERE / "vllm_cli.py"), "serve", str(tiny_models["bf16"]), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8",
            "--max-num-batched-tokens", "256", "--gpu-memory-utilization", "0.2", "--enforce-eager",
-           "--data-parallel-size", "2", "--enable-expert-parallel", "--moe-backend", "megamoe_ep"]
+           "--data-parallel-size", "2", "--enable-expert-parallel", "--moe-backend", "megamoe_ep",
+           "--attention-backend", ATTENTION_BACKEND]  # the single-process reference's backend
     t0 = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_env(MEGA_DISPATCH_WIRE="bf16"),

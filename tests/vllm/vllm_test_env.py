@@ -36,9 +36,13 @@ class EngineResult:
         return self.data["forced"]
 
 
+AMX_SITE = HERE / "amx_site"  # sitecustomize.py: AMX permission for every engine process (see there)
+
+
 def engine_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGA_")}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(AMX_SITE), env.get("PYTHONPATH", "")) if p)
     return env
 
 
