@@ -34,7 +34,7 @@ def _tools() -> tuple[str, str]:
     return str(bin_dir / "ptxas"), str(bin_dir / "nvdisasm")
 
 
-def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8"):
+def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", tile_pass: str = "full"):
     """triton.compile of gemm1_swiglu_kernel / gemm2_weighted_kernel with the frag or split decoder
     (both read bf16 A gathered by gather.py) or frag8 (e4m3 A), as the provider launches them (DSV4-Pro
     K: 7168 for GEMM1, 3072 for GEMM2; divisibility 16 hints)."""
@@ -55,7 +55,8 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8"):
                 "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "o_ptr": o_ty, "os_ptr": "*u8", **rows}
         const = dict(W_FMT="mxfp4", A_FMT=a_fmt, PLAIN=False, HAS_LIMIT=True, DECODE=decoder, USE_ASM=True,
                      BN=cfg.block_n1, BM=cfg.block_m, BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m,
-                     F32_DOT=False, BK2=reduction_block(3072, cfg.block_k), TAIL_M=cfg.tail_m, SHORT=False)
+                     F32_DOT=False, BK2=reduction_block(3072, cfg.block_k), TAIL_M=cfg.tail_m, PASS=tile_pass,
+                     TAIL_RIDE=cfg.tail_ride)
         sig = {n: ("constexpr" if n in const else "fp32" if n == "limit" else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "I"}
     else:
@@ -63,7 +64,8 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8"):
         ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "route_w_ptr": "*fp32", "a_ptr": a_ty,
                 "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*fp32", **rows}
         const = dict(W_FMT="mxfp4", A_FMT="fp8" if decoder == "frag8" else "bf16", DECODE=decoder, USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
-                     BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False, TAIL_M=cfg.tail_m, SHORT=False)
+                     BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False, TAIL_M=cfg.tail_m, PASS=tile_pass,
+                     TAIL_RIDE=cfg.tail_ride)
         sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "N"}
     names = fn.arg_names
@@ -88,9 +90,10 @@ def _k_loop(sass: str) -> list[str]:
     return best
 
 
-def report(which: str, cfg, decoder: str = "frag") -> dict:
+def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full") -> dict:
+    """tile_pass: the launch compiled ("full"; "ride" = full tiles carrying a tail rider, TileConfig.tail_ride)."""
     ptxas, nvdisasm = _tools()
-    kernel = compile_gemm(which, cfg, decoder)
+    kernel = compile_gemm(which, cfg, decoder, tile_pass=tile_pass)
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         Path(ptx).write_text(kernel.asm["ptx"])
@@ -112,6 +115,7 @@ def report(which: str, cfg, decoder: str = "frag") -> dict:
     return {
         "kernel": which,
         "decoder": decoder,
+        "pass": tile_pass,
         "config": [cfg.block_m, cfg.block_n1 if which == "gemm1" else cfg.block_n2, cfg.block_k, cfg.num_warps, cfg.num_stages],
         "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
         "spill_bytes": sum(spills),
@@ -133,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     from megamoe_backend.experts.triton.config import BUCKETS, FRAG8_BUCKETS, FRAG_BUCKETS
 
     tables = (("frag", FRAG_BUCKETS), ("frag8", FRAG8_BUCKETS), ("split", BUCKETS))  # split: row-major MXFP4 the frag layout refuses
-    rows = [report(which, cfg, decoder) for decoder, table in tables for _, cfg in table for which in ("gemm1", "gemm2")]
+    rows = [report(which, cfg, decoder, p) for decoder, table in tables for _, cfg in table
+            for p in (("full", "ride") if cfg.tail_ride else ("full",)) for which in ("gemm1", "gemm2")]
     for r in rows:
         print(json.dumps(r), flush=True)
     if args.json:

@@ -59,6 +59,7 @@ VARIANTS = {
         TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4, tail_m=32),
     ],
     "prefill": [
+        TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3, tail_m=16),  # no ride
         TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4),
         TileConfig(block_m=128, block_n1=256, block_n2=256, block_k=128, num_warps=8, num_stages=4),
     ],
@@ -285,6 +286,7 @@ def describe(cfg: TileConfig | None) -> str:
     if cfg is None:
         return ""
     tail = f" t{cfg.tail_m}" if cfg.tail_m else ""  # short last tiles (TileConfig.tail_m)
+    tail += "+ride" if cfg.tail_ride else ""  # ... riding in their expert's previous tile (TileConfig.tail_ride)
     tail += f" r{cfg.max_registers}" if cfg.max_registers else ""  # register cap
     return f"m{cfg.block_m} n{cfg.block_n1}/{cfg.block_n2} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{tail}"
 

@@ -239,16 +239,19 @@ def test_experts_match_reference(decoder, quant, wfmt, layout, limit):
     assert _rel(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("decoder,quant", [("frag8", "a8w4"), ("frag", "bf16"), ("split", "a4w4")])
-def test_short_tiles_match_reference(decoder, quant):
+@pytest.mark.parametrize("decoder,quant,ride", [("frag8", "a8w4", False), ("frag8", "a8w4", True), ("frag8", "a4w4", True),
+                                                ("frag", "bf16", False), ("frag", "a8w4", True), ("split", "a4w4", False)])
+def test_short_tiles_match_reference(decoder, quant, ride):
     """TileConfig.tail_m: tiles whose rows from tail_m on are padding run at height tail_m; experts
-    with 40 / 20 / 5 rows give 32-row tiles that are full, short (8 and 5 rows) and long-but-partial (20)."""
+    with 40 / 20 / 5 rows give 32-row tiles that are full, short (8 and 5 rows) and long-but-partial (20).
+    ride (tail_ride): expert 0's short tile (8 rows) rides in its full tile's K loop, expert 2's (its
+    only tile) still runs in the short launch: all three launches write rows."""
     weights, x, _ = _problem("mxfp4", tokens=65, **FRAG8_SHAPE.get(decoder, {}))
     g = torch.Generator().manual_seed(3)
     slot = torch.tensor([0] * 40 + [1] * 20 + [2] * 5)[torch.randperm(65, generator=g)]
     pairs = ExpertPairs(torch.arange(65), slot, torch.rand(65, generator=g))
     cfg = K["config"].TileConfig(block_m=32, block_n1=64, block_n2=32, block_k=128 if decoder == "frag8" else 64,
-                                 num_warps=4, num_stages=1, group_m=2, tail_m=16)
+                                 num_warps=4, num_stages=1, group_m=2, tail_m=16, tail_ride=ride)
     layout = K["layout"].build_layout(pairs.slot, 3, cfg.block_m)
     rows = layout.sorted_pair.view(-1, cfg.block_m)[: int((layout.tile_expert >= 0).sum())]
     short = rows[:, cfg.tail_m] < 0
@@ -263,6 +266,11 @@ def test_short_tiles_match_reference(decoder, quant):
     assert _rel(out, ref) < 1e-5
     with pytest.raises(ValueError, match="tail_m=32"):
         cfg.with_(tail_m=32)
+    with pytest.raises(ValueError, match="tail_ride needs tail_m"):
+        cfg.with_(tail_m=0, tail_ride=True)
+    if ride:
+        with pytest.raises(ValueError, match="tail_ride needs a fragment decoder"):
+            K["provider"].TritonExperts(decoder="split", config=cfg).forward(a, pairs, weights, math)
 
 
 def test_bf16_wire_is_quantised_on_the_receiver():

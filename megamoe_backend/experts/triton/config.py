@@ -22,6 +22,7 @@ class TileConfig:
     group_m: int = 4
     tail_m: int = 0  # > 0: a tile whose rows from tail_m on are padding runs at height tail_m (mainloop.claim_tile)
     max_registers: int = 0  # > 0: ptxas register cap per thread (Triton's maxnreg), e.g. 168 = 3 CTAs of 4 warps per SM
+    tail_ride: bool = False  # with tail_m: a short tile after a full one of its expert rides in that tile's K loop (frag decoders)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k"):
@@ -35,6 +36,8 @@ class TileConfig:
         t = self.tail_m
         if t and (t < 16 or t & (t - 1) or t >= self.block_m):
             raise ValueError(f"TileConfig.tail_m={t} must be 0 (off) or a power of two in [16, block_m={self.block_m})")
+        if self.tail_ride and not t:
+            raise ValueError("TileConfig.tail_ride needs tail_m > 0 (the rider's height)")
         r = self.max_registers
         if r and (r % 8 or not 24 <= r <= 255):
             raise ValueError(f"TileConfig.max_registers={r} must be 0 (compiler's choice) or a multiple of 8 in [24, 255]")
@@ -81,12 +84,15 @@ FRAG_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
 # an expert's last tile runs at that height, in a second launch, when its rows end before it
 # (mainloop.claim_tile): 1024 tokens -4 % with 32, 8192 tokens -4..-8 % with 16 (3 interleaved rounds each,
 # benchmarks/results/h200_tail_ab.json; 32 / 64 at prefill measured slower: a short tile's cost is
-# mostly the weight decode, which does not shrink with its height).
+# mostly the weight decode, which does not shrink with its height). tail_ride at prefill: a short
+# tile after a full one of its expert runs in that tile's K loop on the same decoded weights
+# (8192 tokens -1.1 / -2.1 / -2.5 % sustained, 3 interleaved rounds, benchmarks/results/h200_ride_ab.json).
 FRAG8_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
     (16.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4)),
     (48.0, TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4, tail_m=32,
                       max_registers=168)),
-    (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3, tail_m=16)),
+    (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3, tail_m=16,
+                              tail_ride=True)),
 )
 # block_k 128 is shrunk to divide K (reduction_block), so it is also frag8's fixed K step where K allows
 INTERPRETER_CONFIG = TileConfig(block_m=16, block_n1=64, block_n2=32, block_k=128, num_warps=4, num_stages=1, group_m=2)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import assume_k_loop_runs, claim_tile, frag_mainloop, mx_mainloop
+from .mainloop import assume_k_loop_runs, claim_tile, frag_mainloop, frag_mainloop_ride, mx_mainloop
 from .mxjit import fake_quant_blocks, round_bf16
 from .quant import quantize_blocks
 
@@ -26,18 +26,21 @@ def gemm1_swiglu_kernel(
     K, I, limit,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr, PLAIN: tl.constexpr, HAS_LIMIT: tl.constexpr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, F32_DOT: tl.constexpr, BK2: tl.constexpr, TAIL_M: tl.constexpr, SHORT: tl.constexpr,
+    GROUP_M: tl.constexpr, F32_DOT: tl.constexpr, BK2: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr,
+    TAIL_RIDE: tl.constexpr,
 ):
-    expert, row0, pid_n, mine = claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, tl.cdiv(2 * I, BN), GROUP_M, BM, TAIL_M, SHORT)
+    expert, row0, pid_n, mine = claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, tl.cdiv(2 * I, BN), GROUP_M, BM, TAIL_M,
+                                           PASS, TAIL_RIDE)
     if not mine:
         return
     assume_k_loop_runs(K, BK)
-    BM_RUN: tl.constexpr = TAIL_M if SHORT else BM  # the short launch runs its tiles' first TAIL_M rows
+    BM_RUN: tl.constexpr = TAIL_M if PASS == "short" else BM  # the short launch runs its tiles' first TAIL_M rows
+    RIDE: tl.constexpr = TAIL_M if PASS == "ride" else 0  # rows of the next (short) tile run in this tile's loop
     _gemm1_tile(
         expert, row0, pid_n, sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm,
         w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr,
         o_ptr, stride_om, os_ptr, stride_osm, K, I, limit,
-        W_FMT, A_FMT, PLAIN, HAS_LIMIT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, BK2,
+        W_FMT, A_FMT, PLAIN, HAS_LIMIT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, BK2, RIDE,
     )
 
 
@@ -48,9 +51,10 @@ def _gemm1_tile(
     o_ptr, stride_om, os_ptr, stride_osm, K, I, limit,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr, PLAIN: tl.constexpr, HAS_LIMIT: tl.constexpr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    F32_DOT: tl.constexpr, BK2: tl.constexpr,
+    F32_DOT: tl.constexpr, BK2: tl.constexpr, RIDE: tl.constexpr,
 ):
-    """One BN x BM tile of GEMM1 + epilogue (BM: the tile height, or TAIL_M for a short tile)."""
+    """One BN x BM tile of GEMM1 + epilogue (BM: the tile height, or TAIL_M for a short tile), and
+    with RIDE > 0 the first RIDE rows of the next tile as a rider (frag decoders only)."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_pair_ptr + rows)
     valid = pair >= 0  # padding rows of the tile are masked: their A is never read (L2 traffic at decode)
@@ -67,18 +71,38 @@ def _gemm1_tile(
     e64 = expert.to(tl.int64)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if DECODE == "frag" or DECODE == "frag8":  # fragment storage: W1 is always gate/up interleaved (fragments.py)
-        acc = frag_mainloop(
-            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16),
-            (2 * I) // 16, a_ptr, a_rows, valid, stride_am, ars_ptr, K, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
-        )
+        if RIDE > 0:
+            r_rows = row0 + BM + tl.arange(0, RIDE)
+            r_valid = tl.load(sorted_pair_ptr + r_rows) >= 0
+            acc, acc_r = frag_mainloop_ride(
+                acc, tl.zeros((BN, RIDE), dtype=tl.float32), w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse,
+                wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16), (2 * I) // 16, a_ptr, a_rows, valid, r_rows, r_valid,
+                stride_am, ars_ptr, K, DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE,
+            )
+        else:
+            acc = frag_mainloop(
+                acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16),
+                (2 * I) // 16, a_ptr, a_rows, valid, stride_am, ars_ptr, K, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
+            )
     else:
+        tl.static_assert(RIDE == 0, "tail riders need a fragment decoder (frag / frag8)")
         acc = mx_mainloop(
             acc,
             w_ptr + e64 * stride_we, w_rows, n < 2 * I, stride_wn, ws_ptr + e64 * stride_wse, stride_wsn,
             a_ptr, a_rows, valid, stride_am, as_ptr, stride_asm,
             K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
         )
+    _gemm1_store(acc, rows, pid_n, o_ptr, stride_om, os_ptr, stride_osm, I, limit, A_FMT, HAS_LIMIT, DECODE, BN, BM, BK2)
+    if RIDE > 0:
+        _gemm1_store(acc_r, r_rows, pid_n, o_ptr, stride_om, os_ptr, stride_osm, I, limit, A_FMT, HAS_LIMIT, DECODE, BN, RIDE, BK2)
 
+
+@triton.jit
+def _gemm1_store(
+    acc, rows, pid_n, o_ptr, stride_om, os_ptr, stride_osm, I, limit,
+    A_FMT: tl.constexpr, HAS_LIMIT: tl.constexpr, DECODE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK2: tl.constexpr,
+):
+    """Epilogue of acc [BN, BM] (sorted rows ``rows``): SwiGLU (+ clamp), A2 in the A format."""
     gate, up = tl.split(tl.permute(tl.reshape(acc, [BN // 2, 2, BM]), (0, 2, 1)))
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)

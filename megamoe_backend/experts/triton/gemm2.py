@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import assume_k_loop_runs, claim_tile, frag_mainloop, mx_mainloop
+from .mainloop import assume_k_loop_runs, claim_tile, frag_mainloop, frag_mainloop_ride, mx_mainloop
 
 
 @triton.jit
@@ -22,17 +22,19 @@ def gemm2_weighted_kernel(
     K, N,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    F32_DOT: tl.constexpr, TAIL_M: tl.constexpr, SHORT: tl.constexpr,
+    F32_DOT: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr, TAIL_RIDE: tl.constexpr,
 ):
-    expert, row0, pid_n, mine = claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, tl.cdiv(N, BN), GROUP_M, BM, TAIL_M, SHORT)
+    expert, row0, pid_n, mine = claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, tl.cdiv(N, BN), GROUP_M, BM, TAIL_M,
+                                           PASS, TAIL_RIDE)
     if not mine:
         return
     assume_k_loop_runs(K, BK)
-    BM_RUN: tl.constexpr = TAIL_M if SHORT else BM  # the short launch runs its tiles' first TAIL_M rows
+    BM_RUN: tl.constexpr = TAIL_M if PASS == "short" else BM  # the short launch runs its tiles' first TAIL_M rows
+    RIDE: tl.constexpr = TAIL_M if PASS == "ride" else 0  # rows of the next (short) tile run in this tile's loop
     _gemm2_tile(
         expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
         w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om,
-        K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT,
+        K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, RIDE,
     )
 
 
@@ -41,9 +43,10 @@ def _gemm2_tile(
     expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
     w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om, K, N,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr, DECODE: tl.constexpr, USE_ASM: tl.constexpr,
-    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr, RIDE: tl.constexpr,
 ):
-    """One BN x BM output tile (BM: the tile height, or TAIL_M for a short tile's first rows)."""
+    """One BN x BM output tile (BM: the tile height, or TAIL_M for a short tile's first rows), and with
+    RIDE > 0 the first RIDE rows of the next tile as a rider (frag decoders only)."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_pair_ptr + rows)
     valid = pair >= 0  # padding rows of the tile: A2 never read, nothing stored
@@ -52,18 +55,37 @@ def _gemm2_tile(
     e64 = expert.to(tl.int64)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if DECODE == "frag" or DECODE == "frag8":
-        acc = frag_mainloop(
-            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16),
-            N // 16, a_ptr, rows, valid, stride_am, ars_ptr, K, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
-        )
+        if RIDE > 0:
+            r_rows = row0 + BM + tl.arange(0, RIDE)
+            r_pair = tl.load(sorted_pair_ptr + r_rows)
+            acc, acc_r = frag_mainloop_ride(
+                acc, tl.zeros((BN, RIDE), dtype=tl.float32), w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse,
+                wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16), N // 16, a_ptr, rows, valid, r_rows, r_pair >= 0,
+                stride_am, ars_ptr, K, DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE,
+            )
+        else:
+            acc = frag_mainloop(
+                acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16),
+                N // 16, a_ptr, rows, valid, stride_am, ars_ptr, K, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
+            )
     else:
+        tl.static_assert(RIDE == 0, "tail riders need a fragment decoder (frag / frag8)")
         acc = mx_mainloop(
             acc,
             w_ptr + e64 * stride_we, n, nmask, stride_wn, ws_ptr + e64 * stride_wse, stride_wsn,
             a_ptr, rows, valid, stride_am, as_ptr, stride_asm,
             K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
         )
+    _gemm2_store(acc, pair, n, route_w_ptr, out_ptr, stride_om, N)
+    if RIDE > 0:
+        _gemm2_store(acc_r, r_pair, n, route_w_ptr, out_ptr, stride_om, N)
+
+
+@triton.jit
+def _gemm2_store(acc, pair, n, route_w_ptr, out_ptr, stride_om, N):
+    """acc [BN, rows] x each row's route weight -> fp32 rows of ``out`` at the pairs' indices (padding: -1, skipped)."""
+    valid = pair >= 0
     wt = tl.load(route_w_ptr + pair, mask=valid, other=0.0)
     out = acc * wt[None, :]
     p64 = pair.to(tl.int64)[None, :]
-    tl.store(out_ptr + p64 * stride_om + n[:, None], out, mask=valid[None, :] & nmask[:, None])
+    tl.store(out_ptr + p64 * stride_om + n[:, None], out, mask=valid[None, :] & (n < N)[:, None])

@@ -157,20 +157,40 @@ def assume_k_loop_runs(K, BK: tl.constexpr):
 
 @triton.jit
 def claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr, BM: tl.constexpr,
-               TAIL_M: tl.constexpr, SHORT: tl.constexpr):
+               TAIL_M: tl.constexpr, PASS: tl.constexpr, TAIL_RIDE: tl.constexpr):
     """(expert, first sorted row, N tile, whether this launch runs the tile) of this program.
 
-    Unused tiles (expert -1) are nobody's. With TAIL_M > 0 the provider launches each GEMM twice and
-    a tile belongs to one of them: SHORT=True takes the tiles whose rows from TAIL_M on are all
-    padding (run at height TAIL_M), SHORT=False the others. An expert's rows fill its tiles from the
-    top (layout.py), so one look at row TAIL_M decides. Why: a prefill expert's last tile is often
-    nearly empty, and a full-height MMA over it is mostly padding (docs/triton.md)."""
+    Unused tiles (expert -1) are nobody's. With TAIL_M > 0 a tile is "short" when its rows from
+    TAIL_M on are all padding (an expert's rows fill its tiles from the top, layout.py, so one look
+    at row TAIL_M decides), and the provider launches each GEMM once per PASS:
+    - "full": the tiles that are not short (and, with TAIL_RIDE, carry no rider), at height BM;
+    - "short": the short tiles (with TAIL_RIDE: only those of an expert with no earlier tile), at
+      height TAIL_M;
+    - "ride" (TAIL_RIDE): a full tile whose expert's next tile is short runs that tile's TAIL_M rows
+      as a rider, in the same K loop on the same decoded weights (frag_mainloop).
+    Why: a prefill expert's last tile is often nearly empty; a full-height MMA over it is mostly
+    padding, and a short tile of its own still decodes every weight again (docs/triton.md)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), num_m_tiles, num_n_tiles, GROUP_M)
     expert = tl.load(tile_expert_ptr + pid_m)
     row0 = pid_m * BM
     mine = expert >= 0
     if TAIL_M > 0:
-        mine = mine & ((tl.load(sorted_pair_ptr + row0 + TAIL_M) < 0) == SHORT)
+        short = tl.load(sorted_pair_ptr + row0 + TAIL_M) < 0
+        if TAIL_RIDE:
+            has_next = pid_m + 1 < num_m_tiles
+            nxt = tl.load(tile_expert_ptr + pid_m + 1, mask=has_next, other=-1)
+            next_short = tl.load(sorted_pair_ptr + row0 + BM + TAIL_M, mask=has_next, other=-1) < 0
+            carries = (nxt == expert) & next_short
+            prev = tl.load(tile_expert_ptr + pid_m - 1, mask=pid_m > 0, other=-1)
+            rides = short & (prev == expert)
+            if PASS == "full":
+                mine = mine & ~short & ~carries
+            elif PASS == "short":
+                mine = mine & short & ~rides
+            else:
+                mine = mine & carries
+        else:
+            mine = mine & (short == (PASS == "short"))
     return expert, row0, pid_n, mine
 
 
@@ -240,7 +260,24 @@ def frag_mainloop(
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     F32_DOT: tl.constexpr,
 ):
-    """acc[BN, BM] += W[BN, K] @ A[BM, K]^T with W in fragment order (fragments.py).
+    """acc[BN, BM] += W[BN, K] @ A[BM, K]^T with W in fragment order (fragments.py); see frag_mainloop_ride."""
+    acc, _ = frag_mainloop_ride(
+        acc, acc, w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, a_rows, a_mask, a_rows, a_mask, stride_am, ars_ptr, K,
+        DECODE, USE_ASM, BN, BM, BK, F32_DOT, 0,
+    )
+    return acc
+
+
+@triton.jit
+def frag_mainloop_ride(
+    acc, acc_r, w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, a_rows, a_mask, r_rows, r_mask, stride_am, ars_ptr, K,
+    DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    F32_DOT: tl.constexpr, RIDE: tl.constexpr,
+):
+    """acc[BN, BM] += W[BN, K] @ A[BM, K]^T with W in fragment order (fragments.py), and with RIDE > 0
+    also acc_r[BN, RIDE] += W @ A[r_rows]^T for a rider's rows (claim_tile's "ride" pass) from the
+    same decoded W: one more MMA per K step instead of a second tile that decodes W again.
+    Returns (acc, acc_r); acc_r is untouched when RIDE == 0.
 
     w_ptr / ws_ptr: this expert's words [N/16, K/64, 32, 16] / scale bytes (frag: [N/16, K/64, 8, 4],
     frag8: [N/16, K/128, 8, 4, 2] with K in the fp8 kind's order, so BK must be 128); rb0:
@@ -267,6 +304,8 @@ def frag_mainloop(
         s_off, sm = _fragment_pieces(rb0, num_rb, K // 128, 1, RB, 4, 64)
     ar = a_rows.to(tl.int64)[None, :]
     am = a_mask[None, :]
+    rr = r_rows.to(tl.int64)[None, :]
+    rm = r_mask[None, :]
     kk = tl.arange(0, BK)
     for k0 in range(0, K, BK):
         step = k0 // 64
@@ -278,11 +317,22 @@ def frag_mainloop(
             acc = _mma(w, a, acc, F32_DOT)
         else:
             acc = _e4m3_mma(w, a, acc, F32_DOT)
+        if RIDE > 0:
+            r = tl.load(a_ptr + rr * stride_am + (k0 + kk)[:, None], mask=rm, other=0.0)
+            if DECODE == "frag":
+                acc_r = _mma(w, r, acc_r, F32_DOT)
+            else:
+                acc_r = _e4m3_mma(w, r, acc_r, F32_DOT)
     if DECODE == "frag":
         acc = acc * SPLIT_UNSCALE
+        if RIDE > 0:
+            acc_r = acc_r * SPLIT_UNSCALE
     else:
         w_rows = rb0 * 16 + tl.arange(0, BN)
         w_scale = tl.load(wrs_ptr + w_rows, mask=w_rows < num_rb * 16, other=0.0)
         a_scale = tl.load(ars_ptr + a_rows, mask=a_mask, other=0.0)
         acc = acc * w_scale[:, None] * a_scale[None, :]
-    return acc
+        if RIDE > 0:
+            r_scale = tl.load(ars_ptr + r_rows, mask=r_mask, other=0.0)
+            acc_r = acc_r * w_scale[:, None] * r_scale[None, :]
+    return acc, acc_r

@@ -2,9 +2,9 @@
 
 Same contract as TorchReferenceExperts (experts/base.py): received rows (bf16, or the MXTensor the
 dispatch wire delivered), (row, slot, weight) pairs -> fp32 [P, H] route-weighted outputs per pair.
-A forward is six to nine Triton launches (layout, gather, GEMM1, frag8's A2 row re-scale, GEMM2; each
-GEMM twice when the tile config has short tiles) and a few sync-free torch ops, so it can be CUDA-graph
-captured for a fixed pair count.
+A forward is six to eleven Triton launches (layout, gather, GEMM1, frag8's A2 row re-scale, GEMM2; each
+GEMM twice when the tile config has short tiles, three times with tail riders: ``_passes``) and a few
+sync-free torch ops, so it can be CUDA-graph captured for a fixed pair count.
 """
 
 from __future__ import annotations
@@ -200,15 +200,13 @@ class TritonExperts(ExpertsProvider):
         w2s = weights.w2_scale if weights.fmt == "mxfp4" else weights.w2
         limit = math.swiglu_limit
         common = dict(DECODE=mode, USE_ASM=use_asm, BM=cfg.block_m, GROUP_M=cfg.group_m, F32_DOT=interpreting(),
-                      TAIL_M=cfg.tail_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                      TAIL_M=cfg.tail_m, TAIL_RIDE=cfg.tail_ride, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.max_registers:
             common["maxnreg"] = cfg.max_registers
 
         n1 = triton.cdiv(2 * inter, cfg.block_n1)
-        # tail_m: a second launch runs the short tiles at height tail_m (compiled apart: one kernel holding
-        # both heights was measured nondeterministic for A8W4 GEMM1 on the H200, docs/triton.md)
-        passes = (False, True) if cfg.tail_m else (False,)
-        for short in passes:
+        passes = _passes(cfg, mode)
+        for tile_pass in passes:
             gemm1_swiglu_kernel[(layout.num_tiles * n1,)](
                 layout.tile_expert, layout.sorted_pair, pair_row, layout.num_tiles,
                 a_data, a_data.stride(0), a_scale, a_scale.stride(0),
@@ -217,7 +215,7 @@ class TritonExperts(ExpertsProvider):
                 a2, a2.stride(0), a2_scale, a2_scale.stride(0),
                 hidden, inter, float(limit) if limit is not None else 0.0,
                 W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
-                BN=cfg.block_n1, BK=bk1, BK2=bk2, SHORT=short, **common,
+                BN=cfg.block_n1, BK=bk1, BK2=bk2, PASS=tile_pass, **common,
             )
         a2_rs = out
         if mode == "frag8":
@@ -235,7 +233,7 @@ class TritonExperts(ExpertsProvider):
             a2_data, a2_s = _operand(MXTensor(a2, a2_scale, a_fmt) if a_fmt != "bf16" else a2, a_fmt, mode == "dot_scaled")
             a2_fmt = a_fmt
         n2 = triton.cdiv(hidden, cfg.block_n2)
-        for short in passes:
+        for tile_pass in passes:
             gemm2_weighted_kernel[(layout.num_tiles * n2,)](
                 layout.tile_expert, layout.sorted_pair, pairs.weight, layout.num_tiles,
                 a2_data, a2_data.stride(0), a2_s, a2_s.stride(0),
@@ -243,9 +241,23 @@ class TritonExperts(ExpertsProvider):
                 w2_rs, w2_rs.stride(0), a2_rs,
                 out, out.stride(0),
                 inter, hidden,
-                W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, SHORT=short, **common,
+                W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, **common,
             )
         return out
+
+
+def _passes(cfg: TileConfig, mode: str) -> tuple[str, ...]:
+    """The launches of each GEMM (mainloop.claim_tile): with tail_m the short tiles run in a launch
+    of their own at height tail_m (compiled apart: one kernel holding both heights was measured
+    nondeterministic for A8W4 GEMM1 on the H200, docs/triton.md); with tail_ride the short tiles that
+    follow a full tile of their expert ride in that tile's K loop, in a third launch."""
+    if not cfg.tail_m:
+        return ("full",)
+    if not cfg.tail_ride:
+        return ("full", "short")
+    if mode not in ("frag", "frag8"):
+        raise ValueError(f"TileConfig.tail_ride needs a fragment decoder (frag / frag8), not {mode!r}")
+    return ("full", "ride", "short")
 
 
 def _has_mx_activations(math: ExpertMath) -> bool:
