@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=192)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 128, 1024])
     ap.add_argument("--config", action="append", default=[],
-                    help="[decoder:]block_m,block_n1,block_n2,block_k,num_warps,num_stages[,group_m[,tail_m[,max_registers]]] (repeatable; without a "
+                    help="[decoder:]block_m,block_n1,block_n2,block_k,num_warps,num_stages[,group_m[,tail_m[,max_registers[,tail_ride]]]] (repeatable; without a "
                          "decoder prefix it applies to every decoder; each decoder also runs its bucket default)")
     ap.add_argument("--variant", choices=["base", "nodecode"], default="base")
     ap.add_argument("--decoder", choices=["frag", "frag8"], nargs="+", default=["frag"])

@@ -86,7 +86,7 @@ FRAG_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
 # benchmarks/results/h200_tail_ab.json; 32 / 64 at prefill measured slower: a short tile's cost is
 # mostly the weight decode, which does not shrink with its height). tail_ride at prefill: a short
 # tile after a full one of its expert runs in that tile's K loop on the same decoded weights
-# (8192 tokens -1.1 / -2.1 / -2.5 % sustained, 3 interleaved rounds, benchmarks/results/h200_ride_ab.json).
+# (8192 tokens: faster in 6 of 8 interleaved sustained rounds, median -1.75 %, benchmarks/results/h200_ride_ab.json).
 FRAG8_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
     (16.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4)),
     (48.0, TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4, tail_m=32,

@@ -167,7 +167,7 @@ def claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, num_n_tiles, GROUP
     - "short": the short tiles (with TAIL_RIDE: only those of an expert with no earlier tile), at
       height TAIL_M;
     - "ride" (TAIL_RIDE): a full tile whose expert's next tile is short runs that tile's TAIL_M rows
-      as a rider, in the same K loop on the same decoded weights (frag_mainloop).
+      as a rider, in the same K loop on the same decoded weights (frag_mainloop_ride).
     Why: a prefill expert's last tile is often nearly empty; a full-height MMA over it is mostly
     padding, and a short tile of its own still decodes every weight again (docs/triton.md)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), num_m_tiles, num_n_tiles, GROUP_M)
