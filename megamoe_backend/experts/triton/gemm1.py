@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import assume_k_loop_runs, claim_tile, frag_mainloop, frag_mainloop_ride, mx_mainloop
+from .mainloop import assume_k_loop_runs, claim_tile, frag_tile_mainloop, mx_mainloop
 from .mxjit import fake_quant_blocks, round_bf16
 from .quant import quantize_blocks
 
@@ -71,19 +71,11 @@ def _gemm1_tile(
     e64 = expert.to(tl.int64)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if DECODE == "frag" or DECODE == "frag8":  # fragment storage: W1 is always gate/up interleaved (fragments.py)
-        if RIDE > 0:
-            r_rows = row0 + BM + tl.arange(0, RIDE)
-            r_valid = tl.load(sorted_pair_ptr + r_rows) >= 0
-            acc, acc_r = frag_mainloop_ride(
-                acc, tl.zeros((BN, RIDE), dtype=tl.float32), w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse,
-                wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16), (2 * I) // 16, a_ptr, a_rows, valid, r_rows, r_valid,
-                stride_am, ars_ptr, K, DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE,
-            )
-        else:
-            acc = frag_mainloop(
-                acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16),
-                (2 * I) // 16, a_ptr, a_rows, valid, stride_am, ars_ptr, K, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
-            )
+        acc, acc_r, r_rows, _ = frag_tile_mainloop(
+            acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16),
+            (2 * I) // 16, a_ptr, row0, a_rows, valid, stride_am, ars_ptr, K, sorted_pair_ptr,
+            DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE,
+        )
     else:
         tl.static_assert(RIDE == 0, "tail riders need a fragment decoder (frag / frag8)")
         acc = mx_mainloop(

@@ -269,6 +269,30 @@ def frag_mainloop(
 
 
 @triton.jit
+def frag_tile_mainloop(
+    acc, w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, row0, rows, valid, stride_am, ars_ptr, K, sorted_pair_ptr,
+    DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    F32_DOT: tl.constexpr, RIDE: tl.constexpr,
+):
+    """A GEMM tile's K loop over fragment weights for sorted rows ``rows`` (row0 + arange(BM)), plus,
+    with RIDE > 0, the rider: the next tile's first RIDE rows (claim_tile's "ride" pass). Returns
+    (acc, acc_r, r_rows, r_pair) — the rider's accumulator, sorted rows and pair indices (-1:
+    padding); with RIDE == 0 those three are placeholders the caller must not use."""
+    if RIDE > 0:
+        r_rows = row0 + BM + tl.arange(0, RIDE)
+        r_pair = tl.load(sorted_pair_ptr + r_rows)
+        acc, acc_r = frag_mainloop_ride(
+            acc, tl.zeros((BN, RIDE), dtype=tl.float32), w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, rows, valid,
+            r_rows, r_pair >= 0, stride_am, ars_ptr, K, DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE,
+        )
+        return acc, acc_r, r_rows, r_pair
+    else:
+        acc = frag_mainloop(acc, w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, rows, valid, stride_am, ars_ptr, K,
+                            DECODE, USE_ASM, BN, BM, BK, F32_DOT)
+        return acc, acc, rows, rows
+
+
+@triton.jit
 def frag_mainloop_ride(
     acc, acc_r, w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, a_rows, a_mask, r_rows, r_mask, stride_am, ars_ptr, K,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
