@@ -51,7 +51,7 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
     rows = {"wrs_ptr": "*fp32", "ars_ptr": "*fp32"}
     if which == "gemm1":
         fn, k = gemm1_swiglu_kernel, 7168
-        ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "pair_row_ptr": "*i32", "a_ptr": a_ty,
+        ptrs = {"tile_expert_ptr": "*i32", "sorted_row_ptr": "*i32", "a_ptr": a_ty,
                 "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "o_ptr": o_ty, "os_ptr": "*u8", **rows}
         const = dict(W_FMT="mxfp4", A_FMT=a_fmt, PLAIN=False, HAS_LIMIT=True, DECODE=decoder, USE_ASM=True,
                      BN=cfg.block_n1, BM=cfg.block_m, BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m,

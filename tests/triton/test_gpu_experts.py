@@ -59,9 +59,12 @@ def test_layout_triton_equals_torch_gpu(p, e, bm):
     """The Triton layout build at serving sizes (8..8192 tokens x top-6) equals the torch build."""
     from megamoe_backend.experts.triton.layout import build_layout, build_layout_torch
 
-    slot = torch.randint(0, e, (p,), device=DEV, generator=torch.Generator(device=DEV).manual_seed(p))
-    got, ref = build_layout(slot, e, bm), build_layout_torch(slot, e, bm)
+    g = torch.Generator(device=DEV).manual_seed(p)
+    slot = torch.randint(0, e, (p,), device=DEV, generator=g)
+    row = torch.randint(0, p // 6, (p,), device=DEV, generator=g)  # received rows of the pairs
+    got, ref = build_layout(slot, e, bm, row=row), build_layout_torch(slot, e, bm, row)
     assert torch.equal(got.tile_expert, ref.tile_expert) and torch.equal(got.sorted_pair, ref.sorted_pair)
+    assert torch.equal(got.sorted_row, ref.sorted_row)
 
 
 FRAG8_TOL = 2e-2  # relL2 vs the exact reference allowed to frag8: the FP8 tensor core adds products with fewer bits than fp32 (H200: 2.0e-3 small, 3.2e-3 / 9.6e-3 a4w4 / a8w4 at K = 7168)

@@ -172,19 +172,28 @@ def test_layout_triton_build_equals_torch_reference(p, e, bm):
     """The three-launch Triton build (chunked counting sort) gives the torch build's layout exactly,
     across chunk boundaries (128 pairs), experts with no pairs, E not a power of two and P = 0; the
     last case makes each histogram program fill several 1024-row blocks of padding."""
-    slot = torch.randint(0, e, (p,), generator=torch.Generator().manual_seed(p))
-    got = K["layout"].build_layout(slot, e, bm)  # interpreter: the Triton path
-    ref = K["layout"].build_layout_torch(slot, e, bm)
+    g = torch.Generator().manual_seed(p)
+    slot = torch.randint(0, e, (p,), generator=g)
+    row = torch.randint(0, max(1, p // 3), (p,), generator=g)  # received rows, shared by several pairs
+    got = K["layout"].build_layout(slot, e, bm, row=row)  # interpreter: the Triton path
+    ref = K["layout"].build_layout_torch(slot, e, bm, row)
     assert got.num_tiles == ref.num_tiles
     assert torch.equal(got.tile_expert, ref.tile_expert)
     assert torch.equal(got.sorted_pair, ref.sorted_pair)
+    assert torch.equal(got.sorted_row, ref.sorted_row)
+    sp = ref.sorted_pair.long()
+    by_definition = torch.full_like(ref.sorted_row, -1)
+    by_definition[sp >= 0] = row[sp[sp >= 0]].to(torch.int32)
+    assert torch.equal(ref.sorted_row, by_definition)
+    assert torch.equal(K["layout"].build_layout(slot, e, bm).sorted_row, ref.sorted_pair)  # default: the pair index
 
 
 def test_layout_triton_build_ignores_out_of_range_slots():
     """Device slots are validated by the layer (a CPU tensor raises below); the kernels themselves
     must never index out of bounds on a bad one: that pair simply gets no row."""
     slot = torch.tensor([0, 2, 7, 1, -3, 2, 0])
-    tile_expert, sorted_pair = K["layout_kernels"].build_layout_triton(slot, 3, 4, K["layout"].max_tiles(7, 3, 4))
+    tile_expert, sorted_pair, sorted_row = K["layout_kernels"].build_layout_triton(slot, slot * 0 + 5, 3, 4, K["layout"].max_tiles(7, 3, 4))
+    assert torch.equal(sorted_row, torch.where(sorted_pair >= 0, 5, -1).to(torch.int32))
     ref = K["layout"].build_layout_torch(torch.tensor([0, 2, 1, 2, 0]), 3, 4)
     keep = torch.tensor([0, 1, 3, 5, 6], dtype=torch.int32)  # the in-range pairs, renumbered like ref
     got = torch.where(sorted_pair >= 0, sorted_pair, -1)
@@ -200,6 +209,8 @@ def test_layout_capacity_and_range_errors():
         K["layout"].build_layout(torch.zeros(9, dtype=torch.int64), 2, 4, capacity=8)
     with pytest.raises(ValueError, match="out of range"):
         K["layout"].build_layout(torch.tensor([0, 3]), 2, 4)
+    with pytest.raises(ValueError, match=r"pairs.row must be \[P\] = \[2\]"):
+        K["layout"].build_layout(torch.tensor([0, 1]), 2, 4, row=torch.tensor([0, 1, 2]))
 
 
 # ----------------------------------------------------------------------------------------- experts
@@ -249,7 +260,7 @@ def test_short_tiles_match_reference(decoder, quant, ride):
     weights, x, _ = _problem("mxfp4", tokens=65, **FRAG8_SHAPE.get(decoder, {}))
     g = torch.Generator().manual_seed(3)
     slot = torch.tensor([0] * 40 + [1] * 20 + [2] * 5)[torch.randperm(65, generator=g)]
-    pairs = ExpertPairs(torch.arange(65), slot, torch.rand(65, generator=g))
+    pairs = ExpertPairs(torch.randint(0, 65, (65,), generator=g), slot, torch.rand(65, generator=g))  # rows: any map
     cfg = K["config"].TileConfig(block_m=32, block_n1=64, block_n2=32, block_k=128 if decoder == "frag8" else 64,
                                  num_warps=4, num_stages=1, group_m=2, tail_m=16, tail_ride=ride)
     layout = K["layout"].build_layout(pairs.slot, 3, cfg.block_m)
@@ -271,6 +282,29 @@ def test_short_tiles_match_reference(decoder, quant, ride):
     if ride:
         with pytest.raises(ValueError, match="tail_ride needs a fragment decoder"):
             K["provider"].TritonExperts(decoder="split", config=cfg).forward(a, pairs, weights, math)
+
+
+@pytest.mark.parametrize("decoder,quant", [("frag8", "a8w4"), ("frag8", "a4w4"), ("frag", "bf16"), ("frag", "a4w4"),
+                                           ("split", "a8w4"), ("manual", "a8w4")])
+def test_a_rows_are_read_per_received_row(decoder, quant):
+    """GEMM1 reads A per received row through pairs.row (A is converted once per received row, not
+    copied per pair): pairs in any order, rows shared by several pairs, and a received row no pair
+    references — here NaN, which must reach no output."""
+    weights, x, _ = _problem("mxfp4", tokens=9, **FRAG8_SHAPE.get(decoder, {}))
+    g = torch.Generator().manual_seed(11)
+    row = torch.tensor([7, 2, 2, 0, 5, 8, 1, 7, 3, 2, 6, 0, 5, 7])  # row 4 is nobody's
+    x[4] = float("nan")
+    pairs = ExpertPairs(row, torch.randint(0, 3, (len(row),), generator=g), torch.rand(len(row), generator=g))
+    math = ExpertMath(quant, 10.0)
+    a = x if math.a_format is None else quantize_mx(x, math.a_format)
+    ref = TorchReferenceExperts().forward(a, pairs, weights, math)
+    prov = K["provider"].TritonExperts(decoder=decoder)
+    out = prov.forward(a, pairs, prov.prepare_weights(weights, math), math)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="no received rows"):
+        prov.forward(x[:0] if math.a_format is None else quantize_mx(x[:0], math.a_format), pairs,
+                     prov.prepare_weights(weights, math), math)
 
 
 def test_bf16_wire_is_quantised_on_the_receiver():
@@ -362,47 +396,47 @@ def test_rowscale_e4m3_matches_torch(fmt, pk):
     """frag8's A operand: MX rows -> e4m3 bytes over one power-of-two scale per row, checked against
     torch's own float8_e4m3fn rounding of value / 2**(s_max - 127); block scales up to 20 binades
     below the row's largest (the smallest values underflow or lose low bits, as documented), a NaN
-    block makes the row scale NaN, padding rows are skipped; the bytes land at the frag8 weights' MMA K
-    positions (fragments.fp8_k_order), in one K step or several (PK)."""
+    block makes the row scale NaN; the bytes land at the frag8 weights' MMA K positions
+    (fragments.fp8_k_order), in one K step or several (PK). GEMM1's use converts every received row
+    in place of its index; GEMM2's (SORTED) skips padding rows of the expert-sorted A2."""
     g = torch.Generator().manual_seed(7)
     rows, k = 5, 256
     x = torch.randn(rows, k, generator=g) * torch.pow(2.0, -torch.randint(0, 21, (rows, k // 32), generator=g).float()).repeat_interleave(32, 1)
     x[3, 40] = float("nan")
     mx = quantize_mx(x, fmt)
-    sorted_pair = torch.tensor([2, -1, 0, 4, 3, 1], dtype=torch.int32)  # sorted row -> pair (-1: padding)
-    pair_row = torch.tensor([4, 0, 1, 2, 3], dtype=torch.int32)  # pair -> received row
-    out = torch.full((6, k), 0xAB, dtype=torch.uint8)
-    rs = torch.full((6,), -1.0)
-    K["gather"].rowscale_e4m3_kernel[(6,)](
-        sorted_pair, pair_row, mx.data, mx.data.stride(0), mx.scales, mx.scales.stride(0), out, out.stride(0), rs, k,
-        A_FMT=fmt, GATHER=True, NB=k // 32, PK=pk, HW_CVT=False,
+    unused = torch.full((1,), -7, dtype=torch.int32)  # SORTED=False never reads sorted_pair
+    out = torch.full((rows, k), 0xAB, dtype=torch.uint8)
+    rs = torch.full((rows,), -1.0)
+    K["gather"].rowscale_e4m3_kernel[(rows,)](
+        unused, mx.data, mx.data.stride(0), mx.scales, mx.scales.stride(0), out, out.stride(0), rs, k,
+        A_FMT=fmt, SORTED=False, NB=k // 32, PK=pk, HW_CVT=False,
     )
-    assert torch.equal(out[1], torch.full((k,), 0xAB, dtype=torch.uint8)) and rs[1] == -1.0  # padding row untouched
     order = fp8_k_order(k)  # MMA position -> natural K
     assert not torch.equal(order, torch.arange(k))
-    for r, pr in ((0, 2), (2, 0), (3, 4), (4, 3), (5, 1)):
-        src = int(pair_row[pr])
-        smax = int(mx.scales[src].max())
+    for r in range(rows):
+        smax = int(mx.scales[r].max())
         if smax == 255:
-            assert torch.isnan(rs[r])
+            assert r == 3 and torch.isnan(rs[r])
             continue
         assert rs[r] == 2.0 ** (smax - 127)
-        vals = dequantize_mx(MXTensor(mx.data[src : src + 1], mx.scales[src : src + 1], fmt))[0].double()
+        vals = dequantize_mx(MXTensor(mx.data[r : r + 1], mx.scales[r : r + 1], fmt))[0].double()
         want = (vals / 2.0 ** (smax - 127)).float().to(torch.float8_e4m3fn).float()
-        assert torch.equal(out[r].view(torch.float8_e4m3fn).float(), want[order]), f"sorted row {r}"  # -0 == +0
+        assert torch.equal(out[r].view(torch.float8_e4m3fn).float(), want[order]), f"row {r}"  # -0 == +0
     if fmt == "fp8":  # GEMM2's use: rows already sorted, rescaled in place (each step reads before it writes)
+        sorted_pair = torch.tensor([2, -1, 0, 4, 3, 1], dtype=torch.int32)  # sorted row -> pair (-1: padding)
+        src_of = {0: 2, 2: 0, 3: 4, 4: 3, 5: 1}  # sorted row -> the row of x it holds
         a2 = torch.zeros(6, k, dtype=torch.uint8)
         a2_scale = torch.full((6, k // 32), 127, dtype=torch.uint8)
-        for r, pr in ((0, 2), (2, 0), (3, 4), (4, 3), (5, 1)):
-            a2[r], a2_scale[r] = mx.data[int(pair_row[pr])], mx.scales[int(pair_row[pr])]
+        for r, src in src_of.items():
+            a2[r], a2_scale[r] = mx.data[src], mx.scales[src]
         rs2 = torch.full((6,), -1.0)
         K["gather"].rowscale_e4m3_kernel[(6,)](
-            sorted_pair, pair_row, a2, a2.stride(0), a2_scale, a2_scale.stride(0), a2, a2.stride(0), rs2, k,
-            A_FMT=fmt, GATHER=False, NB=k // 32, PK=pk, HW_CVT=False,
+            sorted_pair, a2, a2.stride(0), a2_scale, a2_scale.stride(0), a2, a2.stride(0), rs2, k,
+            A_FMT=fmt, SORTED=True, NB=k // 32, PK=pk, HW_CVT=False,
         )
-        live = torch.tensor([0, 2, 3, 4, 5])
-        assert torch.equal(a2[live], out[live]) and torch.equal(rs2[live].nan_to_num(-2.0), rs[live].nan_to_num(-2.0))
-        assert not a2[1].any() and rs2[1] == -1.0
+        live, src = torch.tensor(list(src_of)), torch.tensor(list(src_of.values()))
+        assert torch.equal(a2[live], out[src]) and torch.equal(rs2[live].nan_to_num(-2.0), rs[src].nan_to_num(-2.0))
+        assert not a2[1].any() and rs2[1] == -1.0  # padding row untouched
     assert [K["gather"].rowscale_piece(v) for v in (128, 384, 3072, 7168, 4096)] == [128, 128, 1024, 1024, 1024]
 
 

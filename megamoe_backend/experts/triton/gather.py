@@ -1,12 +1,19 @@
-"""Gather received rows into expert-sorted order as bf16 (for the split decoder each BK block is
-stored [even | odd] along K; SPLIT=False keeps natural K order, what the frag decoder reads).
+"""Received rows -> the GEMMs' A operand, once per RECEIVED row (not per pair), so GEMM1 reads it
+through ``layout.sorted_row`` (each expert tile loads its rows from wherever they are) and no expert-sorted
+copy of A is ever written.
 
-One program per sorted row and NB K-blocks (the provider passes all of K in one program).
+Why per received row: a token that picked several local experts arrives once but is a row of each
+of their tiles; converting and copying it per (token, expert) pair wrote top-k times the bytes (at
+8192 tokens x top-6 on one rank, 352 MB of e4m3 rows instead of 59 MB). Both kernels run one
+program per row and convert every row they are given (the layer passes exactly the rows it
+received, each one referenced by a pair).
 
-Why: the "split" GEMM decoder turns each packed e2m1 byte of W into a low-nibble (even K) and a
-high-nibble (odd K) value; with A stored the same way, both MMAs read contiguous, pipelined A tiles
-and W never needs an in-register interleave. MX rows are dequantised here exactly (e4m3 / e2m1 times
-a power-of-two scale fits bf16). Padding rows are skipped: the GEMMs mask them by sorted_pair < 0.
+- ``gather_split_kernel`` (split / frag decoders, MX rows): dequantised to bf16, exactly (e4m3 /
+  e2m1 times a power-of-two scale fits bf16); for the split decoder each BK block is stored
+  [even | odd] along K (its MMAs read contiguous A tiles and W needs no in-register interleave),
+  SPLIT=False keeps natural K order (frag). bf16 rows need no conversion at all: GEMM1 reads them.
+- ``rowscale_e4m3_kernel`` (frag8): e4m3 over one scale per row, in the frag8 K order; also GEMM2's
+  A2 (expert-sorted rows, padding rows skipped).
 """
 
 from __future__ import annotations
@@ -18,39 +25,28 @@ from .mxjit import decode_e2m1, decode_e4m3, decode_e8m0, encode_e4m3, pow2
 
 
 @triton.jit
-def _program_rows(sorted_pair_ptr, pair_row_ptr, K, BK: tl.constexpr, NB: tl.constexpr):
-    """This program's sorted row r, its NB K-blocks (valid under bmask), the received row it copies
-    (src) and its pair index (< 0: a padding row, which the caller skips)."""
-    r = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1) * NB + tl.arange(0, NB)
-    bmask = (blk < K // BK)[:, None]
-    pair = tl.load(sorted_pair_ptr + r)
-    src = tl.load(pair_row_ptr + tl.maximum(pair, 0)).to(tl.int64)
-    return r, blk, bmask, src, pair
-
-
-@triton.jit
 def gather_split_kernel(
-    sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, K,
+    a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, K,
     A_FMT: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr = True,
     HW_CVT: tl.constexpr = False,
 ):
-    r, blk, m, src, pair = _program_rows(sorted_pair_ptr, pair_row_ptr, K, BK, NB)
-    if pair < 0:
-        return  # padding row: the GEMMs mask it out (never read), so it is not written
+    """Received row r (program axis 0) -> bf16 row r of ``out``; NB K-blocks of BK per program (axis 1)."""
+    r = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * NB + tl.arange(0, NB)
+    m = (blk < K // BK)[:, None]
     if SPLIT:
         j = tl.arange(0, BK // 2)
         kev = blk[:, None] * BK + 2 * j[None, :]  # [NB, BK // 2] even K index of each pair
         if A_FMT == "bf16":
-            lo = tl.load(a_ptr + src * stride_am + kev, mask=m, other=0.0).to(tl.float32)
-            hi = tl.load(a_ptr + src * stride_am + kev + 1, mask=m, other=0.0).to(tl.float32)
+            lo = tl.load(a_ptr + r * stride_am + kev, mask=m, other=0.0).to(tl.float32)
+            hi = tl.load(a_ptr + r * stride_am + kev + 1, mask=m, other=0.0).to(tl.float32)
         else:
-            s = decode_e8m0(tl.load(as_ptr + src * stride_asm + kev // 32, mask=m, other=127))
+            s = decode_e8m0(tl.load(as_ptr + r * stride_asm + kev // 32, mask=m, other=127))
             if A_FMT == "fp8":
-                lo = decode_e4m3(tl.load(a_ptr + src * stride_am + kev, mask=m, other=0)) * s
-                hi = decode_e4m3(tl.load(a_ptr + src * stride_am + kev + 1, mask=m, other=0)) * s
+                lo = decode_e4m3(tl.load(a_ptr + r * stride_am + kev, mask=m, other=0)) * s
+                hi = decode_e4m3(tl.load(a_ptr + r * stride_am + kev + 1, mask=m, other=0)) * s
             else:
-                b = tl.load(a_ptr + src * stride_am + kev // 2, mask=m, other=0)
+                b = tl.load(a_ptr + r * stride_am + kev // 2, mask=m, other=0)
                 lo = decode_e2m1(b) * s
                 hi = decode_e2m1(b >> 4) * s
         base = out_ptr + r * stride_om + blk[:, None] * BK + j[None, :]
@@ -59,19 +55,19 @@ def gather_split_kernel(
     else:  # natural K order (frag): contiguous loads, one scale per 32 values
         kk = blk[:, None] * BK + tl.arange(0, BK)[None, :]  # [NB, BK]
         if A_FMT == "bf16":
-            v = tl.load(a_ptr + src * stride_am + kk, mask=m, other=0.0)
+            v = tl.load(a_ptr + r * stride_am + kk, mask=m, other=0.0)
         else:
             sb = blk[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :]
-            s = decode_e8m0(tl.load(as_ptr + src * stride_asm + sb, mask=m, other=127))  # [NB, BK // 32]
+            s = decode_e8m0(tl.load(as_ptr + r * stride_asm + sb, mask=m, other=127))  # [NB, BK // 32]
             if A_FMT == "fp8":
-                b = tl.load(a_ptr + src * stride_am + kk, mask=m, other=0)
+                b = tl.load(a_ptr + r * stride_am + kk, mask=m, other=0)
                 if HW_CVT:  # the GPU's e4m3 -> f16 conversion (exact); the integer decode is ALU-bound here
                     x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
                 else:
                     x = decode_e4m3(b)
             else:
                 j = tl.arange(0, BK // 2)
-                b = tl.load(a_ptr + src * stride_am + blk[:, None] * (BK // 2) + j[None, :], mask=m, other=0)
+                b = tl.load(a_ptr + r * stride_am + blk[:, None] * (BK // 2) + j[None, :], mask=m, other=0)
                 x = tl.reshape(tl.join(decode_e2m1(b), decode_e2m1(b >> 4)), [NB, BK])
             v = tl.reshape(tl.reshape(x, [NB, BK // 32, 32]) * s[:, :, None], [NB, BK])
         tl.store(out_ptr + r * stride_om + kk, v.to(tl.bfloat16), mask=m)
@@ -88,45 +84,43 @@ def rowscale_piece(k: int) -> int:
 
 @triton.jit
 def rowscale_e4m3_kernel(
-    sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K,
-    A_FMT: tl.constexpr, GATHER: tl.constexpr, NB: tl.constexpr, PK: tl.constexpr, HW_CVT: tl.constexpr,
+    sorted_pair_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K,
+    A_FMT: tl.constexpr, SORTED: tl.constexpr, NB: tl.constexpr, PK: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """MX rows (fp8 bytes or packed fp4, E8M0 per 32) -> e4m3 bytes over ONE power-of-two scale per
     row (rs_ptr, fp32): the frag8 decoder's A operand, so its K loop needs no per-32 rescale.
 
-    One program per sorted row: first the row's block scales (NB >= K / 32) for the row scale, then K
-    in steps of PK (rowscale_piece(K)). GATHER: the row is copied from the received buffer through the
-    layout (GEMM1's A); else rows are already sorted (GEMM2's A2, which may be rescaled in place:
-    each step loads its bytes before storing them, and steps never overlap). The row scale is
+    One program per row: first the row's block scales (NB >= K / 32) for the row scale, then K in
+    steps of PK (rowscale_piece(K)). Row r of ``out`` / ``rs_ptr`` is row r of the input: GEMM1's A
+    per received row (SORTED=False; sorted_pair_ptr unused), or GEMM2's A2 in expert-sorted order
+    (SORTED=True: padding rows, sorted_pair < 0, are skipped; may run in place, as each step loads
+    its bytes before storing them and steps never overlap). The row scale is
     2**(s_max - 127) (NaN if any block is NaN); a block d binades below s_max is shifted down by 2**-d
     and rounded to e4m3 (RNE): exact for fp4 values while d <= 7 and for fp8 values >= 2**(d - 6), the
     smallest lose low bits. Padding rows are skipped.
     The bytes are written in the frag8 weights' K order (fragments.fp8_k_order; K % 128 == 0): a
-    register permute of each step, so loads and stores stay contiguous. H200, 8192 tokens x top-6 on
-    192 experts, fp8 rows: 166 / 73 us for A (K 7168) / A2 (K 3072) at 2 warps, against 202 / 127 us
-    for the previous one-step kernel that stored 4-byte groups at computed positions with 8 warps
-    (scripts/rowscale_ab.py, benchmarks/results/h200_power_ab.json; 4 warps: 189 / 91, 1 warp: 166 / 73).
+    register permute of each step, so loads and stores stay contiguous (when A was still copied per
+    pair, H200, 8192 tokens x top-6 on 192 experts, fp8 rows: 166 / 73 us for A (K 7168) / A2 (K
+    3072) at 2 warps, against 202 / 127 us for a one-step kernel that stored 4-byte groups at
+    computed positions with 8 warps; benchmarks/results/h200_power_ab.json). Once per received row
+    A takes 34 us there instead of 265 (scripts/rowscale_ab.py, benchmarks/results/h200_rows_ab.json).
     """
     r = tl.program_id(0).to(tl.int64)
-    pair = tl.load(sorted_pair_ptr + r)
-    if pair < 0:
-        return
-    if GATHER:
-        src = tl.load(pair_row_ptr + pair).to(tl.int64)
-    else:
-        src = r
+    if SORTED:
+        if tl.load(sorted_pair_ptr + r) < 0:
+            return
     blk = tl.arange(0, NB)
-    smax = tl.max(tl.load(as_ptr + src * stride_asm + blk, mask=blk < K // 32, other=0).to(tl.int32), axis=0)
+    smax = tl.max(tl.load(as_ptr + r * stride_asm + blk, mask=blk < K // 32, other=0).to(tl.int32), axis=0)
     for k0 in range(0, K, PK):
-        s = tl.load(as_ptr + src * stride_asm + k0 // 32 + tl.arange(0, PK // 32)).to(tl.int32)
+        s = tl.load(as_ptr + r * stride_asm + k0 // 32 + tl.arange(0, PK // 32)).to(tl.int32)
         if A_FMT == "fp8":
-            b = tl.load(a_ptr + src * stride_am + k0 + tl.arange(0, PK))
+            b = tl.load(a_ptr + r * stride_am + k0 + tl.arange(0, PK))
             if HW_CVT:
                 q = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
                 q = decode_e4m3(b)
         else:
-            b = tl.load(a_ptr + src * stride_am + k0 // 2 + tl.arange(0, PK // 2))
+            b = tl.load(a_ptr + r * stride_am + k0 // 2 + tl.arange(0, PK // 2))
             q = tl.reshape(tl.join(decode_e2m1(b), decode_e2m1(b >> 4)), [PK])
         shift = s - smax  # <= 0; below 2**-126 every value underflows e4m3 anyway
         v = tl.reshape(tl.reshape(q, [PK // 32, 32]) * tl.where(shift >= -126, pow2(shift), 0.0)[:, None], [PK])

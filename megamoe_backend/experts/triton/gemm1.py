@@ -1,7 +1,8 @@
 """GEMM1 + SwiGLU (+ clamp limit) + re-quantisation of A2 to the A format, per expert tile.
 
-Reads A rows straight from the received buffer (gathered through the sorted layout, no permuted
-copy), W1 [E, 2I, H] as MXFP4 (packed, never expanded in memory) or bf16. Each program owns BN
+Reads A rows straight from the received rows (layout.sorted_row: each sorted row's received row; MX
+rows converted once per received row by gather.py for the split / frag / frag8 decoders, never
+copied per pair), W1 [E, 2I, H] as MXFP4 (packed, never expanded in memory) or bf16. Each program owns BN
 consecutive GEMM1 output rows in gate/up INTERLEAVED order; for the plain layout the weight rows are
 gathered into that order on load, so the epilogue is the same for both. Output A2 is written in
 expert-sorted row order: bf16, or MX data + E8M0 scales bit-identical to formats.quantize_mx.
@@ -19,7 +20,7 @@ from .quant import quantize_blocks
 
 @triton.jit
 def gemm1_swiglu_kernel(
-    tile_expert_ptr, sorted_pair_ptr, pair_row_ptr, num_m_tiles,
+    tile_expert_ptr, sorted_row_ptr, num_m_tiles,
     a_ptr, stride_am, as_ptr, stride_asm,
     w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr,
     o_ptr, stride_om, os_ptr, stride_osm,
@@ -29,7 +30,7 @@ def gemm1_swiglu_kernel(
     GROUP_M: tl.constexpr, F32_DOT: tl.constexpr, BK2: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr,
     TAIL_RIDE: tl.constexpr,
 ):
-    expert, row0, pid_n, mine = claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, tl.cdiv(2 * I, BN), GROUP_M, BM, TAIL_M,
+    expert, row0, pid_n, mine = claim_tile(tile_expert_ptr, sorted_row_ptr, num_m_tiles, tl.cdiv(2 * I, BN), GROUP_M, BM, TAIL_M,
                                            PASS, TAIL_RIDE)
     if not mine:
         return
@@ -37,7 +38,7 @@ def gemm1_swiglu_kernel(
     BM_RUN: tl.constexpr = TAIL_M if PASS == "short" else BM  # the short launch runs its tiles' first TAIL_M rows
     RIDE: tl.constexpr = TAIL_M if PASS == "ride" else 0  # rows of the next (short) tile run in this tile's loop
     _gemm1_tile(
-        expert, row0, pid_n, sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm,
+        expert, row0, pid_n, sorted_row_ptr, a_ptr, stride_am, as_ptr, stride_asm,
         w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr,
         o_ptr, stride_om, os_ptr, stride_osm, K, I, limit,
         W_FMT, A_FMT, PLAIN, HAS_LIMIT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, BK2, RIDE,
@@ -46,7 +47,7 @@ def gemm1_swiglu_kernel(
 
 @triton.jit
 def _gemm1_tile(
-    expert, row0, pid_n, sorted_pair_ptr, pair_row_ptr, a_ptr, stride_am, as_ptr, stride_asm,
+    expert, row0, pid_n, sorted_row_ptr, a_ptr, stride_am, as_ptr, stride_asm,
     w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr,
     o_ptr, stride_om, os_ptr, stride_osm, K, I, limit,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr, PLAIN: tl.constexpr, HAS_LIMIT: tl.constexpr,
@@ -56,12 +57,9 @@ def _gemm1_tile(
     """One BN x BM tile of GEMM1 + epilogue (BM: the tile height, or TAIL_M for a short tile), and
     with RIDE > 0 the first RIDE rows of the next tile as a rider (frag decoders only)."""
     rows = row0 + tl.arange(0, BM)
-    pair = tl.load(sorted_pair_ptr + rows)
-    valid = pair >= 0  # padding rows of the tile are masked: their A is never read (L2 traffic at decode)
-    if DECODE == "split" or DECODE == "frag" or DECODE == "frag8":  # A was gathered into sorted order (gather.py)
-        a_rows = rows
-    else:
-        a_rows = tl.load(pair_row_ptr + pair, mask=valid, other=0)
+    a_rows = tl.load(sorted_row_ptr + rows)  # A is per received row (gather.py), any decoder
+    valid = a_rows >= 0  # padding rows of the tile are masked: their A is never read (L2 traffic at decode)
+    a_rows = tl.where(valid, a_rows, 0)
 
     n = pid_n * BN + tl.arange(0, BN)  # interleaved GEMM1 output index: 2 * i + (0 gate | 1 up)
     if PLAIN:
@@ -73,8 +71,8 @@ def _gemm1_tile(
     if DECODE == "frag" or DECODE == "frag8":  # fragment storage: W1 is always gate/up interleaved (fragments.py)
         acc, acc_r, r_rows, _ = frag_tile_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16),
-            (2 * I) // 16, a_ptr, row0, a_rows, valid, stride_am, ars_ptr, K, sorted_pair_ptr,
-            DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE,
+            (2 * I) // 16, a_ptr, row0, a_rows, valid, stride_am, ars_ptr, K, sorted_row_ptr,
+            DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE, True,
         )
     else:
         tl.static_assert(RIDE == 0, "tail riders need a fragment decoder (frag / frag8)")

@@ -58,7 +58,7 @@ def _gemm2_tile(
         acc, acc_r, _, r_pair = frag_tile_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16),
             N // 16, a_ptr, row0, rows, valid, stride_am, ars_ptr, K, sorted_pair_ptr,
-            DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE,
+            DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE, False,
         )
     else:
         tl.static_assert(RIDE == 0, "tail riders need a fragment decoder (frag / frag8)")

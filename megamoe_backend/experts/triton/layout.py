@@ -26,6 +26,7 @@ class ExpertLayout:
     num_tiles: int  # static upper bound on non-empty tiles (grid size along M)
     tile_expert: torch.Tensor  # [num_tiles] local expert of each tile, -1 for unused tiles
     sorted_pair: torch.Tensor  # [num_tiles * block_m] pair index of each sorted row, -1 for padding
+    sorted_row: torch.Tensor  # [num_tiles * block_m] that pair's received row (GEMM1's A row), -1 for padding
 
     @property
     def num_rows(self) -> int:
@@ -36,8 +37,13 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return max(1, min(num_pairs, -(-num_pairs // block_m) + num_experts))
 
 
-def build_layout(slot: torch.Tensor, num_experts: int, block_m: int, capacity: int | None = None) -> ExpertLayout:
+def build_layout(
+    slot: torch.Tensor, num_experts: int, block_m: int, capacity: int | None = None, row: torch.Tensor | None = None
+) -> ExpertLayout:
     """Sort pairs by local expert, padding each expert's rows to a multiple of ``block_m``.
+
+    ``row``: each pair's received row (pairs.row; default: the pair index), laid out beside the
+    pairs as ``sorted_row``, so GEMM1 finds a tile's A rows with one load instead of two dependent ones.
 
     ``capacity`` is the most pairs this layout may ever hold (MTPR-derived); more pairs raise
     instead of being dropped. Slots must lie in [0, num_experts) (checked only on CPU tensors, where
@@ -55,18 +61,24 @@ def build_layout(slot: torch.Tensor, num_experts: int, block_m: int, capacity: i
         )
     if slot.device.type == "cpu" and p and (int(slot.min()) < 0 or int(slot.max()) >= num_experts):
         raise ValueError(f"pairs.slot out of range [0, {num_experts}): min {int(slot.min())}, max {int(slot.max())}")
+    if row is None:
+        row = torch.arange(p, dtype=torch.int32, device=slot.device)
+    elif tuple(row.shape) != (p,):
+        raise ValueError(f"pairs.row must be [P] = [{p}] like pairs.slot, got shape {tuple(row.shape)}")
     if slot.device.type == "cuda" or interpreting():
         from .layout_kernels import build_layout_triton
 
         n_tiles = max_tiles(p, num_experts, block_m)
-        tile_expert, sorted_pair = build_layout_triton(slot, num_experts, block_m, n_tiles)
-        return ExpertLayout(block_m=block_m, num_tiles=n_tiles, tile_expert=tile_expert, sorted_pair=sorted_pair)
-    return build_layout_torch(slot, num_experts, block_m)
+        tile_expert, sorted_pair, sorted_row = build_layout_triton(slot, row, num_experts, block_m, n_tiles)
+        return ExpertLayout(block_m=block_m, num_tiles=n_tiles, tile_expert=tile_expert, sorted_pair=sorted_pair,
+                            sorted_row=sorted_row)
+    return build_layout_torch(slot, num_experts, block_m, row)
 
 
-def build_layout_torch(slot: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
+def build_layout_torch(slot: torch.Tensor, num_experts: int, block_m: int, row: torch.Tensor | None = None) -> ExpertLayout:
     """The same layout from torch ops (about a dozen launches; the reference for the Triton build)."""
     p = slot.shape[0]
+    row = torch.arange(p, device=slot.device) if row is None else row
     dev = slot.device
     n_tiles = max_tiles(p, num_experts, block_m)
     slot = slot.to(torch.int64)
@@ -85,4 +97,7 @@ def build_layout_torch(slot: torch.Tensor, num_experts: int, block_m: int) -> Ex
     dest = tile_start[sorted_slot] * block_m + rank
     sorted_pair = torch.full((n_tiles * block_m,), -1, dtype=torch.int32, device=dev)
     sorted_pair.index_copy_(0, dest, order.to(torch.int32))
-    return ExpertLayout(block_m=block_m, num_tiles=n_tiles, tile_expert=tile_expert.to(torch.int32), sorted_pair=sorted_pair)
+    sorted_row = torch.full_like(sorted_pair, -1)
+    sorted_row.index_copy_(0, dest, row[order].to(torch.int32))
+    return ExpertLayout(block_m=block_m, num_tiles=n_tiles, tile_expert=tile_expert.to(torch.int32), sorted_pair=sorted_pair,
+                        sorted_row=sorted_row)

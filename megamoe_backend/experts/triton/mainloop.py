@@ -156,11 +156,12 @@ def assume_k_loop_runs(K, BK: tl.constexpr):
 
 
 @triton.jit
-def claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr, BM: tl.constexpr,
+def claim_tile(tile_expert_ptr, sorted_ptr, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr, BM: tl.constexpr,
                TAIL_M: tl.constexpr, PASS: tl.constexpr, TAIL_RIDE: tl.constexpr):
     """(expert, first sorted row, N tile, whether this launch runs the tile) of this program.
 
-    Unused tiles (expert -1) are nobody's. With TAIL_M > 0 a tile is "short" when its rows from
+    Unused tiles (expert -1) are nobody's. sorted_ptr: per sorted row a value that is -1 on padding
+    rows (layout.sorted_pair or sorted_row). With TAIL_M > 0 a tile is "short" when its rows from
     TAIL_M on are all padding (an expert's rows fill its tiles from the top, layout.py, so one look
     at row TAIL_M decides), and the provider launches each GEMM once per PASS:
     - "full": the tiles that are not short (and, with TAIL_RIDE, carry no rider), at height BM;
@@ -175,11 +176,11 @@ def claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, num_n_tiles, GROUP
     row0 = pid_m * BM
     mine = expert >= 0
     if TAIL_M > 0:
-        short = tl.load(sorted_pair_ptr + row0 + TAIL_M) < 0
+        short = tl.load(sorted_ptr + row0 + TAIL_M) < 0
         if TAIL_RIDE:
             has_next = pid_m + 1 < num_m_tiles
             nxt = tl.load(tile_expert_ptr + pid_m + 1, mask=has_next, other=-1)
-            next_short = tl.load(sorted_pair_ptr + row0 + BM + TAIL_M, mask=has_next, other=-1) < 0
+            next_short = tl.load(sorted_ptr + row0 + BM + TAIL_M, mask=has_next, other=-1) < 0
             carries = (nxt == expert) & next_short
             prev = tl.load(tile_expert_ptr + pid_m - 1, mask=pid_m > 0, other=-1)
             rides = short & (prev == expert)
@@ -270,26 +271,34 @@ def frag_mainloop(
 
 @triton.jit
 def frag_tile_mainloop(
-    acc, w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, row0, rows, valid, stride_am, ars_ptr, K, sorted_pair_ptr,
+    acc, w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, row0, a_rows, valid, stride_am, ars_ptr, K, sorted_ptr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    F32_DOT: tl.constexpr, RIDE: tl.constexpr,
+    F32_DOT: tl.constexpr, RIDE: tl.constexpr, A_ROWS_MAPPED: tl.constexpr,
 ):
-    """A GEMM tile's K loop over fragment weights for sorted rows ``rows`` (row0 + arange(BM)), plus,
-    with RIDE > 0, the rider: the next tile's first RIDE rows (claim_tile's "ride" pass). Returns
-    (acc, acc_r, r_rows, r_pair) — the rider's accumulator, sorted rows and pair indices (-1:
-    padding); with RIDE == 0 those three are placeholders the caller must not use."""
+    """A GEMM tile's K loop over fragment weights for the tile's rows (row0 + arange(BM); their A rows
+    ``a_rows``), plus, with RIDE > 0, the rider: the next tile's first RIDE rows (claim_tile's "ride"
+    pass). sorted_ptr: per sorted row a value that is -1 on padding rows (layout.sorted_row for
+    GEMM1, sorted_pair for GEMM2); A_ROWS_MAPPED: that value is the row of A (GEMM1: the received
+    row), else A is indexed by the sorted row itself (GEMM2's A2). Returns (acc, acc_r, r_rows, r_map)
+    — the rider's accumulator, sorted rows and sorted_ptr values; with RIDE == 0 those three are
+    placeholders the caller must not use."""
     if RIDE > 0:
         r_rows = row0 + BM + tl.arange(0, RIDE)
-        r_pair = tl.load(sorted_pair_ptr + r_rows)
+        r_map = tl.load(sorted_ptr + r_rows)
+        r_valid = r_map >= 0
+        if A_ROWS_MAPPED:
+            r_a_rows = tl.where(r_valid, r_map, 0)
+        else:
+            r_a_rows = r_rows
         acc, acc_r = frag_mainloop_ride(
-            acc, tl.zeros((BN, RIDE), dtype=tl.float32), w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, rows, valid,
-            r_rows, r_pair >= 0, stride_am, ars_ptr, K, DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE,
+            acc, tl.zeros((BN, RIDE), dtype=tl.float32), w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, a_rows, valid,
+            r_a_rows, r_valid, stride_am, ars_ptr, K, DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE,
         )
-        return acc, acc_r, r_rows, r_pair
+        return acc, acc_r, r_rows, r_map
     else:
-        acc = frag_mainloop(acc, w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, rows, valid, stride_am, ars_ptr, K,
+        acc = frag_mainloop(acc, w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, a_rows, valid, stride_am, ars_ptr, K,
                             DECODE, USE_ASM, BN, BM, BK, F32_DOT)
-        return acc, acc, rows, rows
+        return acc, acc, a_rows, a_rows
 
 
 @triton.jit
@@ -306,11 +315,13 @@ def frag_mainloop_ride(
     w_ptr / ws_ptr: this expert's words [N/16, K/64, 32, 16] / scale bytes (frag: [N/16, K/64, 8, 4],
     frag8: [N/16, K/128, 8, 4, 2] with K in the fp8 kind's order, so BK must be 128); rb0:
     first 16-row block of the tile, num_rb: N / 16. One 128-bit load per lane and 64-wide K chunk.
+    a_rows / r_rows: rows of A (GEMM1: received rows, GEMM2: expert-sorted rows of A2).
     DECODE "frag": bf16 MMA, A bf16 in natural order. DECODE "frag8": FP8 MMA on W' = W / row_scale
-    (block scales folded in by the decode) and A' = expert-sorted e4m3 rows over one power-of-two
-    scale per row, K in the same fp8 order as W' (gather.rowscale_e4m3_kernel), typed float8e4nv so
-    the loads land in the MMA's shared layout (uint8 under the interpreter); both row scales (wrs_ptr: this expert's [N], ars_ptr: per sorted row) are
-    applied after the loop. No partial sum is rescaled inside it, so the wgmmas chain in both modes.
+    (block scales folded in by the decode) and A' = e4m3 rows over one power-of-two scale per row,
+    K in the same fp8 order as W' (gather.rowscale_e4m3_kernel), typed float8e4nv so the loads land
+    in the MMA's shared layout (uint8 under the interpreter); both row scales (wrs_ptr: this
+    expert's [N], ars_ptr: per row of A', indexed like it) are applied after the loop. No partial
+    sum is rescaled inside it, so the wgmmas chain in both modes.
     wrs_ptr / ars_ptr are not read by "frag".
     """
     RB: tl.constexpr = BN // 16

@@ -2,9 +2,10 @@
 
 Same contract as TorchReferenceExperts (experts/base.py): received rows (bf16, or the MXTensor the
 dispatch wire delivered), (row, slot, weight) pairs -> fp32 [P, H] route-weighted outputs per pair.
-A forward is six to eleven Triton launches (layout, gather, GEMM1, frag8's A2 row re-scale, GEMM2; each
-GEMM twice when the tile config has short tiles, three times with tail riders: ``_passes``) and a few
-sync-free torch ops, so it can be CUDA-graph captured for a fixed pair count.
+A forward is five to eleven Triton launches (layout; A converted once per received row, unless bf16
+rows feed frag as they are; GEMM1; frag8's A2 row re-scale; GEMM2; each GEMM twice when the tile
+config has short tiles, three times with tail riders: ``_passes``) and a few sync-free torch ops, so it can be CUDA-graph
+captured for a fixed pair count.
 """
 
 from __future__ import annotations
@@ -152,10 +153,12 @@ class TritonExperts(ExpertsProvider):
         cfg = self.config or default_config(p, n_exp, mode)
         use_asm = device.type == "cuda" and not interpreting()
         bk1, bk2 = reduction_block(hidden, cfg.block_k), reduction_block(inter, cfg.block_k)
-        layout = build_layout(pairs.slot, n_exp, cfg.block_m, self.capacity)
+        layout = build_layout(pairs.slot, n_exp, cfg.block_m, self.capacity, row=pairs.row)
         rows = layout.num_rows
-        pair_row = pairs.row.to(torch.int32)
         a_data, a_scale = _operand(x, a_fmt, mode == "dot_scaled")
+        n_recv = a_data.shape[0]  # A is prepared once per received row; GEMM1 reads it through layout.sorted_row
+        if n_recv == 0:
+            raise ValueError(f"{p} routed pairs but no received rows: pairs.row must index the received rows")
         if mode in ("frag", "frag8") and (bk1 < 64 or bk2 < 64):
             raise ValueError(f"decoder={mode!r} needs block_k >= 64 dividing hidden={hidden} and intermediate={inter}")
         a_rs = w1_rs = w2_rs = out  # row scales: frag8 only (the kernels ignore them otherwise)
@@ -165,12 +168,13 @@ class TritonExperts(ExpertsProvider):
                                  f"TileConfig.block_k={cfg.block_k} must be >= {FP8_K}")
             bk1 = bk2 = FP8_K  # hidden / intermediate % 128 == 0: checked when the weights were re-laid
             _require_mx_activations(math)
-            a8 = torch.empty(rows, hidden, dtype=torch.uint8, device=device)
-            a_rs = torch.empty(rows, dtype=torch.float32, device=device)
+            # A once per received row (GEMM1 reads it through layout.sorted_row): not a copy per pair
+            a8 = torch.empty(n_recv, hidden, dtype=torch.uint8, device=device)
+            a_rs = torch.empty(n_recv, dtype=torch.float32, device=device)
             # 2 warps per row: fastest of 1 / 2 / 4 / 8 at 8192 tokens, within noise of them at 1024 (scripts/rowscale_ab.py)
-            rowscale_e4m3_kernel[(rows,)](
-                layout.sorted_pair, pair_row, a_data, a_data.stride(0), a_scale, a_scale.stride(0),
-                a8, a8.stride(0), a_rs, hidden, A_FMT=a_fmt, GATHER=True,
+            rowscale_e4m3_kernel[(n_recv,)](
+                layout.sorted_pair, a_data, a_data.stride(0), a_scale, a_scale.stride(0),
+                a8, a8.stride(0), a_rs, hidden, A_FMT=a_fmt, SORTED=False,
                 NB=triton.next_power_of_2(hidden // MX_BLOCK), PK=rowscale_piece(hidden), HW_CVT=use_asm, num_warps=2,
             )
             e4m3 = torch.uint8 if interpreting() else torch.float8_e4m3fn  # typed for the FP8 MMA loads
@@ -180,14 +184,14 @@ class TritonExperts(ExpertsProvider):
             a2 = torch.empty(rows, inter if a_fmt == "fp8" else inter // 2, dtype=torch.uint8, device=device)
             a2_scale = torch.empty(rows, inter // MX_BLOCK, dtype=torch.uint8, device=device)
         elif mode in ("split", "frag"):
-            a_split = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
-            nb = triton.next_power_of_2(hidden // bk1)  # one program per row: padding rows exit at once
-            gather_split_kernel[(rows, 1)](
-                layout.sorted_pair, pair_row, a_data, a_data.stride(0), a_scale, a_scale.stride(0),
-                a_split, a_split.stride(0), hidden, A_FMT=a_fmt, BK=bk1, NB=nb, SPLIT=mode == "split",
-                HW_CVT=use_asm, num_warps=8,
-            )
-            a_data = a_scale = a_split
+            if mode == "split" or a_fmt != "bf16":  # bf16 rows in natural order are frag's A as received
+                a_split = torch.empty(n_recv, hidden, dtype=torch.bfloat16, device=device)
+                gather_split_kernel[(n_recv, 1)](  # one program per received row, all of K
+                    a_data, a_data.stride(0), a_scale, a_scale.stride(0), a_split, a_split.stride(0), hidden,
+                    A_FMT=a_fmt, BK=bk1, NB=triton.next_power_of_2(hidden // bk1), SPLIT=mode == "split",
+                    HW_CVT=use_asm, num_warps=8,
+                )
+                a_data = a_scale = a_split
             a2 = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
             a2_scale = a2
         elif a_fmt == "bf16":
@@ -208,7 +212,7 @@ class TritonExperts(ExpertsProvider):
         passes = _passes(cfg, mode)
         for tile_pass in passes:
             gemm1_swiglu_kernel[(layout.num_tiles * n1,)](
-                layout.tile_expert, layout.sorted_pair, pair_row, layout.num_tiles,
+                layout.tile_expert, layout.sorted_row, layout.num_tiles,
                 a_data, a_data.stride(0), a_scale, a_scale.stride(0),
                 weights.w1, weights.w1.stride(0), weights.w1.stride(1), w1s, w1s.stride(0), w1s.stride(1),
                 w1_rs, w1_rs.stride(0), a_rs,
@@ -222,8 +226,8 @@ class TritonExperts(ExpertsProvider):
             a2e = a2 if a_fmt == "fp8" else torch.empty(rows, inter, dtype=torch.uint8, device=device)  # fp8: in place
             a2_rs = torch.empty(rows, dtype=torch.float32, device=device)
             rowscale_e4m3_kernel[(rows,)](
-                layout.sorted_pair, pair_row, a2, a2.stride(0), a2_scale, a2_scale.stride(0), a2e, a2e.stride(0), a2_rs,
-                inter, A_FMT=a_fmt, GATHER=False, NB=triton.next_power_of_2(inter // MX_BLOCK), PK=rowscale_piece(inter),
+                layout.sorted_pair, a2, a2.stride(0), a2_scale, a2_scale.stride(0), a2e, a2e.stride(0), a2_rs,
+                inter, A_FMT=a_fmt, SORTED=True, NB=triton.next_power_of_2(inter // MX_BLOCK), PK=rowscale_piece(inter),
                 HW_CVT=use_asm, num_warps=2,
             )
             a2_data, a2_s, a2_fmt = a2e.view(e4m3), a2e, a_fmt
