@@ -302,6 +302,10 @@ def test_a_rows_are_read_per_received_row(decoder, quant):
     out = prov.forward(a, pairs, prov.prepare_weights(weights, math), math)
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 1e-5
+    bad = ExpertPairs(row.clone(), pairs.slot, pairs.weight)
+    bad.row[3] = 9  # one past the last received row
+    with pytest.raises(ValueError, match=r"pairs.row out of range \[0, 9\) of the received rows: min 0, max 9"):
+        prov.forward(a, bad, prov.prepare_weights(weights, math), math)
     with pytest.raises(ValueError, match="no received rows"):
         prov.forward(x[:0] if math.a_format is None else quantize_mx(x[:0], math.a_format), pairs,
                      prov.prepare_weights(weights, math), math)
@@ -397,8 +401,8 @@ def test_rowscale_e4m3_matches_torch(fmt, pk):
     torch's own float8_e4m3fn rounding of value / 2**(s_max - 127); block scales up to 20 binades
     below the row's largest (the smallest values underflow or lose low bits, as documented), a NaN
     block makes the row scale NaN; the bytes land at the frag8 weights' MMA K positions
-    (fragments.fp8_k_order), in one K step or several (PK). GEMM1's use converts every received row
-    in place of its index; GEMM2's (SORTED) skips padding rows of the expert-sorted A2."""
+    (fragments.fp8_k_order), in one K step or several (PK). GEMM1's use writes received row r to
+    output row r, every row; GEMM2's (SORTED) skips the padding rows of the expert-sorted A2."""
     g = torch.Generator().manual_seed(7)
     rows, k = 5, 256
     x = torch.randn(rows, k, generator=g) * torch.pow(2.0, -torch.randint(0, 21, (rows, k // 32), generator=g).float()).repeat_interleave(32, 1)

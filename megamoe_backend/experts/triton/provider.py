@@ -159,6 +159,10 @@ class TritonExperts(ExpertsProvider):
         n_recv = a_data.shape[0]  # A is prepared once per received row; GEMM1 reads it through layout.sorted_row
         if n_recv == 0:
             raise ValueError(f"{p} routed pairs but no received rows: pairs.row must index the received rows")
+        if pairs.row.device.type == "cpu" and (int(pairs.row.min()) < 0 or int(pairs.row.max()) >= n_recv):
+            # checked where it costs no device synchronisation (as layout.py does for slots); the layer builds rows itself
+            raise ValueError(f"pairs.row out of range [0, {n_recv}) of the received rows: "
+                             f"min {int(pairs.row.min())}, max {int(pairs.row.max())}")
         if mode in ("frag", "frag8") and (bk1 < 64 or bk2 < 64):
             raise ValueError(f"decoder={mode!r} needs block_k >= 64 dividing hidden={hidden} and intermediate={inter}")
         a_rs = w1_rs = w2_rs = out  # row scales: frag8 only (the kernels ignore them otherwise)
