@@ -97,13 +97,14 @@ def rowscale_e4m3_kernel(
     its bytes before storing them and steps never overlap). The row scale is
     2**(s_max - 127) (NaN if any block is NaN); a block d binades below s_max is shifted down by 2**-d
     and rounded to e4m3 (RNE): exact for fp4 values while d <= 7 and for fp8 values >= 2**(d - 6), the
-    smallest lose low bits. Padding rows are skipped.
+    smallest lose low bits.
     The bytes are written in the frag8 weights' K order (fragments.fp8_k_order; K % 128 == 0): a
     register permute of each step, so loads and stores stay contiguous (when A was still copied per
     pair, H200, 8192 tokens x top-6 on 192 experts, fp8 rows: 166 / 73 us for A (K 7168) / A2 (K
     3072) at 2 warps, against 202 / 127 us for a one-step kernel that stored 4-byte groups at
-    computed positions with 8 warps; benchmarks/results/h200_power_ab.json). Once per received row
-    A takes 34 us there instead of 265 (scripts/rowscale_ab.py, benchmarks/results/h200_rows_ab.json).
+    computed positions with 8 warps; benchmarks/results/h200_power_ab.json). Once per received row,
+    H200, same shapes: A takes 34 us at 2 warps, where the per-pair kernel took 265 us at 8 warps in
+    the same call (scripts/rowscale_ab.py, benchmarks/results/h200_rows_ab.json).
     """
     r = tl.program_id(0).to(tl.int64)
     if SORTED:

@@ -13,8 +13,8 @@ rank. Same result, bit for bit: the pairs of an expert keep their order (a stabl
    the whole histogram: the -1 fill (288 of its steps at 8192 tokens x top-6 on 192 experts) and a
    second pass adding first rows to the chunk bases used to be here (H200 at 8192 tokens: 55-63 ->
    36-45 us), and the tile map compared every tile with every expert ([32, E] per step; with the
-   search and 64-chunk steps: 44 -> 23 us at 8192 tokens, 14 -> 5 us at 1024,
-   benchmarks/results/h200_rows_ab.json).
+   search and 64-chunk steps, H200 profiler kernel times: 44 -> 23 us at 8192 tokens, 14 -> 5 us at
+   1024, benchmarks/results/h200_rows_ab.json).
 3. ``_scatter``: each pair's row = its expert's first row + pairs of that expert in earlier chunks +
    earlier pairs of that expert in its own chunk; it stores the pair and its received row there.
 Every size comes from P, E and BLOCK_M only (no host synchronisation; CUDA-graph capturable).

@@ -4,8 +4,8 @@ Same contract as TorchReferenceExperts (experts/base.py): received rows (bf16, o
 dispatch wire delivered), (row, slot, weight) pairs -> fp32 [P, H] route-weighted outputs per pair.
 A forward is five to eleven Triton launches (layout; A converted once per received row, unless bf16
 rows feed frag as they are; GEMM1; frag8's A2 row re-scale; GEMM2; each GEMM twice when the tile
-config has short tiles, three times with tail riders: ``_passes``) and a few sync-free torch ops, so it can be CUDA-graph
-captured for a fixed pair count.
+config has short tiles, three times with tail riders: ``_passes``) and a few sync-free torch ops,
+so it can be CUDA-graph captured for a fixed pair count.
 """
 
 from __future__ import annotations
