@@ -11,6 +11,8 @@ the time that remains is what the decode does not cost.
     PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag frag8 --config frag8:16,256,256,64,4,4 --rounds 3
     # the same A/B timed as the bench times (sustained graph replays, SM clock recorded), no kernel split
     PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 --config 64,256,256,128,4,3,4,32 --rounds 3 --sustained
+    # what GEMM2 writes: fp32 rows, fp32 rows + the layer's old torch encode, or the combine wire row itself
+    PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 8192 --out f32 f32+encode bf16 fp8_blockwise_1x32
 
 Kernel sums time a few forwards after the GPU idled, at full clock; under sustained load the H200
 here runs power-capped and ~10 % slower (docs/triton.md), and a tile can win one way and tie the
@@ -42,6 +44,9 @@ def main() -> int:
                     help="repeat the configs interleaved this many times (A/B against drift in clocks / power)")
     ap.add_argument("--sustained", action="store_true",
                     help="time each config as the bench does (graph replays back to back) instead of profiler kernel sums")
+    ap.add_argument("--out", nargs="+", default=["f32"], choices=["f32", "f32+encode", "bf16", "fp8_blockwise_1x32"],
+                    help="what a forward returns: fp32 rows (forward), fp32 rows then WireFormat.encode to the bf16 "
+                         "combine wire in torch (the layer before forward_wire), or the combine wire written by GEMM2 (forward_wire)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -59,6 +64,7 @@ def main() -> int:
     from megamoe_backend.experts.triton.config import TileConfig
     from megamoe_backend.experts.triton.provider import TritonExperts
     from megamoe_backend.experts.triton.quant import quantize_rows
+    from megamoe_backend.formats.wire import combine_wire
 
     dev = torch.device("cuda")
     fp4, bf16 = make_weights(args.experts, 7168, 3072, dev, 0)
@@ -66,36 +72,47 @@ def main() -> int:
     math = ExpertMath("a8w4", 10.0)
     prepared = {d: TritonExperts(decoder=d).prepare_weights(fp4, math) for d in args.decoder}
     del fp4
-    runs = []  # (decoder, config or None = the bucket default)
+    runs = []  # (decoder, config or None = the bucket default, output)
     for d in args.decoder:
-        runs.append((d, None))
+        cfgs = [None]
         for c in args.config:
             dec, _, spec = c.rpartition(":")
             if dec in ("", d):
-                runs.append((d, TileConfig(*map(int, spec.split(",")))))
+                cfgs.append(TileConfig(*map(int, spec.split(","))))
+        runs += [(d, cfg, o) for cfg in cfgs for o in args.out]
+
+    def forward_of(prov, dec, out, a, pairs):
+        """One forward returning what ``out`` names (--out)."""
+        w = prepared[dec]
+        if out == "f32":
+            return lambda: prov.forward(a, pairs, w, math)
+        if out == "f32+encode":
+            return lambda: combine_wire("bf16").encode(prov.forward(a, pairs, w, math))
+        return lambda: prov.forward_wire(a, pairs, w, math, combine_wire(out))
+
     rows = []
     for tokens in args.tokens:
         x, pairs = make_routing(tokens, args.experts, 6, 7168, dev, tokens)
         a = quantize_rows(x, "fp8")
-        provs = [TritonExperts(capacity=len(pairs), decoder=d, config=cfg) for d, cfg in runs]
-        for prov in provs:
+        calls = [forward_of(TritonExperts(capacity=len(pairs), decoder=d, config=cfg), d, o, a, pairs) for d, cfg, o in runs]
+        for call in calls:
             for _ in range(3):
-                prov.forward(a, pairs, prepared[prov.decoder], math)
+                call()
         torch.cuda.synchronize()
         for rnd in range(args.rounds):
-            for (dec, cfg), prov in zip(runs, provs):
-                row = {"variant": args.variant, "decoder": dec, "experts": args.experts, "tokens": tokens,
+            for (dec, cfg, out), call in zip(runs, calls):
+                row = {"variant": args.variant, "decoder": dec, "experts": args.experts, "tokens": tokens, "out": out,
                        "round": rnd, "config": None if cfg is None else list(vars(cfg).values())}
                 if args.sustained:
                     with ClockSampler(dev) as clock:
-                        us, graphed = time_fn(lambda: prov.forward(a, pairs, prepared[dec], math), use_graph=True)  # noqa: B023
+                        us, graphed = time_fn(call, use_graph=True)
                     row.update(graph_us=round(us, 1), graph=graphed, clock=clock.stats())
                     print(json.dumps(row), flush=True)
                     rows.append(row)
                     continue
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     for _ in range(args.iters):
-                        prov.forward(a, pairs, prepared[dec], math)
+                        call()
                     torch.cuda.synchronize()
                 per_kernel = collections.defaultdict(float)
                 for ev in prof.events():

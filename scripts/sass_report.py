@@ -34,10 +34,11 @@ def _tools() -> tuple[str, str]:
     return str(bin_dir / "ptxas"), str(bin_dir / "nvdisasm")
 
 
-def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", tile_pass: str = "full"):
+def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", tile_pass: str = "full", out_fmt: str = "bf16"):
     """triton.compile of gemm1_swiglu_kernel / gemm2_weighted_kernel with the frag or split decoder
     (both read bf16 A gathered by gather.py) or frag8 (e4m3 A), as the provider launches them (DSV4-Pro
-    K: 7168 for GEMM1, 3072 for GEMM2; divisibility 16 hints)."""
+    K: 7168 for GEMM1, 3072 for GEMM2; divisibility 16 hints). out_fmt: what GEMM2 stores ("f32", or
+    the combine wire "bf16" (the layer's default) / "fp8")."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -61,11 +62,12 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
         divisible = set(ptrs) | {"K", "I"}
     else:
         fn, k = gemm2_weighted_kernel, 3072
+        out_ty = {"f32": "*fp32", "bf16": "*bf16", "fp8": "*u8"}[out_fmt]
         ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "route_w_ptr": "*fp32", "a_ptr": a_ty,
-                "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*fp32", **rows}
+                "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": out_ty, **rows}
         const = dict(W_FMT="mxfp4", A_FMT="fp8" if decoder == "frag8" else "bf16", DECODE=decoder, USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
                      BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False, TAIL_M=cfg.tail_m, PASS=tile_pass,
-                     TAIL_RIDE=cfg.tail_ride)
+                     TAIL_RIDE=cfg.tail_ride, OUT_FMT=out_fmt)
         sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "N"}
     names = fn.arg_names
@@ -90,10 +92,11 @@ def _k_loop(sass: str) -> list[str]:
     return best
 
 
-def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full") -> dict:
-    """tile_pass: the launch compiled ("full"; "ride" = full tiles carrying a tail rider, TileConfig.tail_ride)."""
+def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_fmt: str = "bf16") -> dict:
+    """tile_pass: the launch compiled ("full"; "ride" = full tiles carrying a tail rider, TileConfig.tail_ride);
+    out_fmt: GEMM2's output (compile_gemm)."""
     ptxas, nvdisasm = _tools()
-    kernel = compile_gemm(which, cfg, decoder, tile_pass=tile_pass)
+    kernel = compile_gemm(which, cfg, decoder, tile_pass=tile_pass, out_fmt=out_fmt)
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         Path(ptx).write_text(kernel.asm["ptx"])
@@ -116,6 +119,7 @@ def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full") -> d
         "kernel": which,
         "decoder": decoder,
         "pass": tile_pass,
+        "out": out_fmt if which == "gemm2" else "",
         "config": [cfg.block_m, cfg.block_n1 if which == "gemm1" else cfg.block_n2, cfg.block_k, cfg.num_warps, cfg.num_stages],
         "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
         "spill_bytes": sum(spills),

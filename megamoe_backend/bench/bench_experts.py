@@ -6,11 +6,18 @@ rank (P = T x top-k pairs). Per case: median µs of a CUDA-graph replay of one f
 (replays back to back, as a serving GPU runs them; the SM clock, power and power-cap state NVML
 reports meanwhile are recorded: gpu_clock.py), effective HBM TB/s, TFLOP/s, relL2 against an fp32
 computation (dequantised weights, unquantised activations), relL2 against the exact-math torch
-reference (same quantisation, fp64), and the floor max(weight bytes / HBM BW, FLOPs / bf16 MMA
+reference (same quantisation, fp64; for wire outputs passed through the same wire), and the floor max(weight bytes / HBM BW, FLOPs / bf16 MMA
 peak) with the weights of the experts actually hit.
 
+What a forward returns (``--combine-wire``, default bf16 = the layer's default MEGA_COMBINE_WIRE):
+the route-weighted row of every pair as the layer sends it back, i.e. ``forward_wire`` (GEMM2 writes
+the combine wire row itself); ``fp32`` times ``forward`` (fp32 rows, the provider's other contract,
+what this bench timed before the wire output existed). With ``--variants`` the other two outputs of
+the default tile are timed too.
+
 Baseline ("torch_grouped_mm"): sort + gather, torch._grouped_mm on the DEQUANTISED bf16 weights,
-SwiGLU in torch, torch._grouped_mm, route weight, scatter; timed the same way.
+SwiGLU in torch, torch._grouped_mm, route weight, scatter into rows of the same output format
+(bf16: the fp32 product rounded once; fp8 wire: WireFormat.encode); timed the same way.
 
 Under TRITON_INTERPRET=1 on CPU this runs tiny shapes eagerly (no graph, no baseline): a smoke test.
 """
@@ -33,6 +40,7 @@ import torch
 from ..experts import ExpertMath, ExpertPairs, ExpertWeights, swiglu
 from ..experts.triton.config import TileConfig, bucket_class, default_config, interpreting
 from ..formats import MX_BLOCK, dequantize_mx, fake_quantize
+from ..formats.wire import combine_wire
 from .gpu_clock import ClockSampler
 
 # Datasheet ceilings of an H200 SXM (dense); the run also measures a copy and a bf16 GEMM.
@@ -66,6 +74,9 @@ VARIANTS = {
 }
 
 
+OUTPUTS = ("bf16", "fp8_blockwise_1x32", "fp32")  # --combine-wire choices; --variants times the default tile with each
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, nargs="+", default=[192, 48], help="local experts per rank")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 128, 1024, 8192], help="tokens per rank")
@@ -75,7 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schemes", nargs="+", default=["a8w4", "a4w4", "a16w4", "bf16"], choices=sorted(SCHEMES))
     parser.add_argument("--swiglu-limit", type=float, default=10.0, help="SwiGLU clamp (DeepSeek V4: 10); <= 0 disables")
     parser.add_argument("--decoder", default="auto", choices=["auto", "frag8", "frag", "split", "dot_scaled", "manual"])
-    parser.add_argument("--variants", action="store_true", help="also time alternative tile configs / decoders (a8w4)")
+    parser.add_argument("--variants", action="store_true", help="also time alternative tile configs / decoders / outputs (a8w4)")
+    parser.add_argument("--combine-wire", default="bf16", choices=list(OUTPUTS),
+                        help="what a forward returns: the layer's combine wire rows (forward_wire) or fp32 rows (forward)")
     parser.add_argument("--no-baseline", action="store_true", help="skip torch._grouped_mm")
     parser.add_argument("--check-pairs", type=int, default=256, help="pairs sampled for the relL2 checks")
     parser.add_argument("--seed", type=int, default=0)
@@ -92,6 +105,7 @@ class Case:
     provider: str
     decoder: str = ""
     config: str = ""
+    out: str = "fp32"  # fp32 rows (forward) or the combine wire they are returned in (forward_wire)
     us: float = float("nan")
     graph: bool = False
     active_experts: int = 0
@@ -195,8 +209,10 @@ def rel_l2(y: torch.Tensor, r: torch.Tensor) -> float:
 
 
 # -------------------------------------------------------------------------------------- baseline
-def grouped_mm_forward(x: torch.Tensor, pairs: ExpertPairs, wd: ExpertWeights, limit: float | None) -> torch.Tensor:
-    """Naive torch experts: sort, gather, two torch._grouped_mm on bf16 weights, SwiGLU, scatter."""
+def grouped_mm_forward(x: torch.Tensor, pairs: ExpertPairs, wd: ExpertWeights, limit: float | None,
+                       out_fmt: str = "fp32") -> torch.Tensor:
+    """Naive torch experts: sort, gather, two torch._grouped_mm on bf16 weights, SwiGLU, scatter
+    (into fp32 rows, or bf16 / fp8 combine wire rows: ``out_fmt``)."""
     n_exp = wd.num_experts
     order = torch.sort(pairs.slot, stable=True).indices
     counts = torch.zeros(n_exp, dtype=torch.int64, device=x.device).index_add_(0, pairs.slot, torch.ones_like(pairs.slot))
@@ -205,9 +221,25 @@ def grouped_mm_forward(x: torch.Tensor, pairs: ExpertPairs, wd: ExpertWeights, l
     h = torch._grouped_mm(xs, wd.w1.transpose(1, 2), offs=offs)
     act = swiglu(h.float(), wd.gate_up_layout, limit).to(torch.bfloat16)
     y = torch._grouped_mm(act, wd.w2.transpose(1, 2), offs=offs)
-    out = torch.empty(len(pairs), wd.hidden, dtype=torch.float32, device=x.device)
-    out[order] = y.float() * pairs.weight[order, None]
+    weighted = y.float() * pairs.weight[order, None]
+    if out_fmt == "fp32":
+        out = torch.empty(len(pairs), wd.hidden, dtype=torch.float32, device=x.device)
+        out[order] = weighted
+        return out
+    wire = combine_wire(out_fmt)
+    out = torch.empty(len(pairs), wire.row_bytes(wd.hidden), dtype=torch.uint8, device=x.device)
+    out[order] = wire.encode(weighted)
     return out
+
+
+def output_values(y: torch.Tensor, out_fmt: str, hidden: int) -> torch.Tensor:
+    """fp32 values of a forward's output (fp32 rows, or combine wire rows decoded)."""
+    return y.float() if out_fmt == "fp32" else combine_wire(out_fmt).decode_fp32(y, hidden)
+
+
+def out_bytes(hidden: int, out_fmt: str) -> int:
+    """Bytes of one pair's output row."""
+    return 4 * hidden if out_fmt == "fp32" else combine_wire(out_fmt).row_bytes(hidden)
 
 
 # ---------------------------------------------------------------------------------------- timing
@@ -294,7 +326,7 @@ def describe(cfg: TileConfig | None) -> str:
 def fill_metrics(c: Case, hidden: int, inter: int, wfmt: str, a_fmt: str | None) -> None:
     c.weight_bytes = c.active_experts * weight_bytes_per_expert(hidden, inter, wfmt)
     a2 = act_bytes(inter, a_fmt)  # bytes per A2 row (payload + scales)
-    c.hbm_bytes = int(c.weight_bytes + c.pairs * (act_bytes(hidden, a_fmt) + 2 * a2 + 4 * hidden))
+    c.hbm_bytes = int(c.weight_bytes + c.pairs * (act_bytes(hidden, a_fmt) + 2 * a2 + out_bytes(hidden, c.out)))
     c.flops = 6 * c.pairs * hidden * inter
     c.mma_floor_us = c.flops / (BF16_TFLOPS * 1e12) * 1e6
     c.floor_us = max(c.weight_bytes / (HBM_TBS * 1e12) * 1e6, c.mma_floor_us)
@@ -303,6 +335,14 @@ def fill_metrics(c: Case, hidden: int, inter: int, wfmt: str, a_fmt: str | None)
         c.x_floor = c.us / c.floor_us
         c.hbm_tbs = c.hbm_bytes / c.us / 1e6
         c.tflops = c.flops / c.us / 1e6
+
+
+def forward_call(prov, a, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, out_fmt: str):
+    """One experts forward returning ``out_fmt``: fp32 rows (forward) or combine wire rows (forward_wire)."""
+    if out_fmt == "fp32":
+        return lambda: prov.forward(a, pairs, weights, math)
+    wire = combine_wire(out_fmt)
+    return lambda: prov.forward_wire(a, pairs, weights, math, wire)
 
 
 def run_case(c: Case, fn, check) -> Case:
@@ -368,14 +408,16 @@ def run(args: argparse.Namespace) -> int:
             sel = check_subset(pairs, args.check_pairs, args.seed)
             refs = {}
 
-            def checker(math: ExpertMath, a_fmt):
+            def checker(math: ExpertMath, out_fmt: str):
                 def check(y):
                     key = (math.quant,)
                     if key not in refs:
                         refs[key] = (subset_reference(x, pairs, sel, bf16, math, exact=False),
                                      subset_reference(x, pairs, sel, bf16, math, exact=True))
                     r32, rex = refs[key]
-                    ys = y[sel].float()
+                    ys = output_values(y[sel], out_fmt, hidden)
+                    if out_fmt != "fp32":  # the exact result in the same output format: relL2 ref stays the kernels' error
+                        rex = output_values(combine_wire(out_fmt).encode(rex), out_fmt, hidden)
                     return rel_l2(ys, r32), rel_l2(ys, rex)
                 return check
 
@@ -384,13 +426,15 @@ def run(args: argparse.Namespace) -> int:
                 math = ExpertMath(quant, limit)
                 a_fmt = math.a_format
                 a = x if a_fmt is None else quantize_rows(x, a_fmt, name="bench tokens")
-                configs = [(args.decoder, None)]
+                wire_out = args.combine_wire
+                configs = [(args.decoder, None, wire_out)]
                 if args.variants and scheme == "a8w4" and n_exp == args.experts[0]:
-                    configs += [(args.decoder, v) for v in VARIANTS[bucket_class(p, n_exp)]]
+                    configs += [(args.decoder, None, o) for o in OUTPUTS if o != wire_out]
+                    configs += [(args.decoder, v, wire_out) for v in VARIANTS[bucket_class(p, n_exp)]]
                     default_mode = TritonExperts(decoder=args.decoder).resolve_decoder(wfmt, fp4_prep[True].storage)
-                    configs += [(d, None) for d in ("frag", "frag8") if d != default_mode]
-                    configs += [("split", None), ("dot_scaled", None)]
-                for i, (decoder, cfg) in enumerate(configs):
+                    configs += [(d, None, wire_out) for d in ("frag", "frag8") if d != default_mode]
+                    configs += [("split", None, wire_out), ("dot_scaled", None, wire_out)]
+                for i, (decoder, cfg, out_fmt) in enumerate(configs):
                     prov = TritonExperts(capacity=p, decoder=decoder, config=cfg)
                     if wfmt == "bf16":
                         weights = bf16
@@ -400,17 +444,18 @@ def run(args: argparse.Namespace) -> int:
                         weights = kinds.get(STORAGE_OF.get(decoder, "rowmajor"), fp4)
                     mode = prov.resolve_decoder(wfmt, weights.storage)
                     used = cfg or default_config(p, n_exp, mode)
-                    c = Case(n_exp, tokens, p, scheme, "triton", mode, describe(used),
+                    c = Case(n_exp, tokens, p, scheme, "triton", mode, describe(used), out=out_fmt,
                              active_experts=active)
-                    run_case(c, lambda: prov.forward(a, pairs, weights, math), checker(math, a_fmt))
+                    run_case(c, forward_call(prov, a, pairs, weights, math, out_fmt), checker(math, out_fmt))
                     fill_metrics(c, hidden, inter, wfmt, a_fmt)
                     (cases if i == 0 else variants).append(c)
                     print_case(c)
                     save(args.json, meta, cases, variants)
             if not args.no_baseline and device.type == "cuda" and hasattr(torch, "_grouped_mm"):
                 math = ExpertMath("bf16", limit)
-                c = Case(n_exp, tokens, p, "bf16", "torch_grouped_mm", active_experts=active)
-                run_case(c, lambda: grouped_mm_forward(x, pairs, bf16, limit), checker(math, None))
+                c = Case(n_exp, tokens, p, "bf16", "torch_grouped_mm", out=args.combine_wire, active_experts=active)
+                run_case(c, lambda: grouped_mm_forward(x, pairs, bf16, limit, args.combine_wire),
+                         checker(math, args.combine_wire))
                 fill_metrics(c, hidden, inter, "bf16", None)
                 cases.append(c)
                 print_case(c)
@@ -485,7 +530,7 @@ def environment(args: argparse.Namespace) -> dict:
 
 
 def print_case(c: Case) -> None:
-    print(f"  {c.provider:16s} {c.scheme:5s} E{c.experts:<4d} T{c.tokens:<5d} {c.decoder:10s} {c.config:28s} "
+    print(f"  {c.provider:16s} {c.scheme:5s} E{c.experts:<4d} T{c.tokens:<5d} {c.decoder:10s} {c.config:28s} {c.out:5.5s} "
           f"{c.us:10.1f}us x{c.x_floor:5.2f} {c.hbm_tbs:5.2f}TB/s {c.tflops:6.1f}TF relL2 {c.rel_l2_fp32:.4f}/{c.rel_l2_ref:.2e}"
           f" SM {clock_text(c.clock)}"
           + (f" ERR {c.error[:80]}" if c.error else ""), flush=True)
@@ -510,12 +555,12 @@ def print_table(cases: list[Case], variants: list[Case]) -> None:
         if not rows:
             continue
         t = Table(title=title)
-        for col in ("E", "T", "scheme", "provider", "config", "µs", "floor µs", "x floor", "TB/s", "TFLOP/s",
+        for col in ("E", "T", "scheme", "provider", "config", "out", "µs", "floor µs", "x floor", "TB/s", "TFLOP/s",
                     "relL2 fp32", "relL2 ref", "graph", "SM MHz (min)"):
             t.add_column(col, justify="right")
         for c in rows:
             t.add_row(str(c.experts), str(c.tokens), c.scheme, c.provider + (f"/{c.decoder}" if c.decoder else ""),
-                      c.config, f"{c.us:.1f}", f"{c.floor_us:.1f}", f"{c.x_floor:.2f}", f"{c.hbm_tbs:.2f}",
+                      c.config, c.out, f"{c.us:.1f}", f"{c.floor_us:.1f}", f"{c.x_floor:.2f}", f"{c.hbm_tbs:.2f}",
                       f"{c.tflops:.1f}", f"{c.rel_l2_fp32:.4f}", f"{c.rel_l2_ref:.1e}", "y" if c.graph else "n",
                       clock_text(c.clock))
         Console(width=200).print(t)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import MXTensor
+from ..formats.wire import WireFormat
 from .weights import ExpertWeights
 
 # quant scheme -> MX format of the A operand (None: bf16 activations)
@@ -65,6 +66,19 @@ class ExpertsProvider(ABC):
     @abstractmethod
     def forward(self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath) -> torch.Tensor:
         """Return fp32 [len(pairs), H] route-weighted expert outputs."""
+
+    def forward_wire(
+        self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, wire: WireFormat
+    ) -> torch.Tensor:
+        """The same outputs as combine wire rows: uint8 [len(pairs), wire.row_bytes(H)], bit for bit
+        ``wire.encode(self.forward(...))`` (except bytes that decode to NaN either way: NaN payload
+        bits, and the payload of an fp8 block whose scale is the NaN scale).
+
+        What the layer calls (unless its transport reduces in its combine kernel). This default
+        encodes the fp32 rows; a provider whose last GEMM can write the wire row in its epilogue
+        overrides it, so the fp32 rows are never written and read back (TritonExperts).
+        """
+        return wire.encode(self.forward(a, pairs, weights, math))
 
     @classmethod
     def supports(cls, device: torch.device, math: ExpertMath, weights_fmt: str) -> bool:

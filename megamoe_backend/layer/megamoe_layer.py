@@ -143,12 +143,13 @@ class MegaMoELayer:
             slot=received.slots[pair_row, pair_k].to(torch.int64),
             weight=received.weights[pair_row, pair_k],
         )
-        contributions = self.provider.forward(rows_a, pairs, self.weights, plan.math)
         if getattr(self.transport, "reduces_in_combine", False):
             # mori sums a token's rows across ranks inside its combine kernel (and quantises there)
+            contributions = self.provider.forward(rows_a, pairs, self.weights, plan.math)
             summed = self.transport.combine_reduced(contributions, received.handle)
             return (summed * output_scale).to(torch.bfloat16)
-        pair_wire_rows = plan.combine.encode(contributions)
+        # the provider writes the combine wire rows (Triton: in GEMM2's epilogue, no fp32 rows in memory)
+        pair_wire_rows = self.provider.forward_wire(rows_a, pairs, self.weights, plan.math, plan.combine)
         returned = self.transport.combine(pair_wire_rows, received.handle)
 
         values = plan.combine.decode_fp32(returned, plan.hidden)

@@ -160,6 +160,16 @@ def test_short_tiles_gpu(counts, quant):
         # short tiles riding in their expert's previous tile, or in a launch of their own: the same bits
         flipped = TritonExperts(config=cfg.with_(tail_ride=not cfg.tail_ride)).forward(a, pd, prepared, math)
         assert torch.equal(out, flipped)
+    _assert_wire_rows_equal_encode(prov, a, pd, prepared, math, out)
+
+
+def _assert_wire_rows_equal_encode(prov, a, pairs, weights, math, out):
+    """forward_wire (GEMM2 writes the combine wire row) == WireFormat.encode of the fp32 rows, bit for bit."""
+    from megamoe_backend.formats.wire import combine_wire
+
+    for name in ("bf16", "fp8_blockwise_1x32"):
+        wire = combine_wire(name)
+        assert torch.equal(prov.forward_wire(a, pairs, weights, math, wire), wire.encode(out)), name
 
 
 DSV4_CASES = [(q, d) for q in ("a8w4", "a4w4", "bf16") for d in ("auto", "frag", "split")]
@@ -183,3 +193,4 @@ def test_dsv4_pro_shapes(quant, decoder):
     assert frag8 == (decoder == "auto" and quant != "bf16")
     assert rel_l2(out, ref) < (FRAG8_TOL if frag8 else 2e-3)
     print(f"{prepared.storage} {quant}: relL2 vs exact reference {rel_l2(out, ref):.2e}")
+    _assert_wire_rows_equal_encode(prov, a, pd, prepared, math, out)

@@ -312,6 +312,68 @@ def test_a_rows_are_read_per_received_row(decoder, quant):
                      prov.prepare_weights(weights, math), math)
 
 
+WIRE_CASES = [("frag8", "a8w4", False), ("frag8", "a4w4", True), ("frag", "bf16", True), ("split", "a8w4", False),
+              ("manual", "a4w4", False)]
+
+
+@pytest.mark.parametrize("wire_name", ["bf16", "fp8_blockwise_1x32"])
+@pytest.mark.parametrize("decoder,quant,short", WIRE_CASES)
+def test_forward_wire_equals_encode_of_forward(decoder, quant, short, wire_name):
+    """forward_wire: GEMM2's epilogue writes the combine wire row (bf16 RNE, or e4m3 + E8M0 per 1x32),
+    byte for byte what the layer got before by encoding the fp32 rows (WireFormat.encode, torch);
+    with short tiles (and riders for the fragment decoders) every launch's epilogue writes rows."""
+    from megamoe_backend.formats.wire import combine_wire
+
+    weights, x, _ = _problem("mxfp4", tokens=65, **FRAG8_SHAPE.get(decoder, {}))
+    g = torch.Generator().manual_seed(5)
+    slot = torch.tensor([0] * 40 + [1] * 20 + [2] * 5)[torch.randperm(65, generator=g)]
+    pairs = ExpertPairs(torch.randint(0, 65, (65,), generator=g), slot, torch.rand(65, generator=g) * 3)
+    cfg = None
+    if short:
+        cfg = K["config"].TileConfig(block_m=32, block_n1=64, block_n2=32, block_k=128 if decoder == "frag8" else 64,
+                                     num_warps=4, num_stages=1, group_m=2, tail_m=16, tail_ride=decoder.startswith("frag"))
+    math = ExpertMath(quant, 10.0)
+    a = x if math.a_format is None else quantize_mx(x, math.a_format)
+    prov = K["provider"].TritonExperts(decoder=decoder, config=cfg)
+    used = prov.prepare_weights(weights, math)
+    wire = combine_wire(wire_name)
+    y = prov.forward(a, pairs, used, math)
+    rows = torch.full((len(pairs), wire.row_bytes(weights.hidden)), 0xAB, dtype=torch.uint8)  # every byte must be written
+    got = prov.forward_wire(a, pairs, used, math, wire, out=rows)
+    assert got is rows
+    assert torch.equal(got, wire.encode(y))
+    assert _rel(wire.decode_fp32(got, weights.hidden), TorchReferenceExperts().forward(a, pairs, weights, math)) < (
+        5e-3 if wire.mx is None else 5e-2)
+
+
+def test_forward_wire_nan_and_bad_input():
+    """A NaN token row poisons only its pairs' wire rows (fp8: the NaN scale); a wrong out buffer, a
+    GEMM2 tile narrower than one 1x32 block for the fp8 wire, or a wire GEMM2 cannot write raise."""
+    from megamoe_backend.formats.wire import WireFormat, combine_wire
+
+    weights, x, pairs = _problem("mxfp4", tokens=4)
+    x[1, 3] = float("nan")
+    math = ExpertMath("a8w4", 10.0)
+    a = quantize_mx(x, "fp8")
+    prov = K["provider"].TritonExperts()
+    hit = pairs.row == 1
+    for name in ("bf16", "fp8_blockwise_1x32"):
+        wire = combine_wire(name)
+        got = prov.forward_wire(a, pairs, weights, math, wire)
+        values = wire.decode_fp32(got, weights.hidden)
+        assert torch.isnan(values[hit]).any(dim=1).all()
+        assert torch.isfinite(values[~hit]).all()
+        assert torch.equal(got[~hit], wire.encode(prov.forward(a, pairs, weights, math))[~hit])
+    fp8 = combine_wire("fp8_blockwise_1x32")
+    with pytest.raises(ValueError, match=r"out: expected contiguous uint8 \[.*fp8_blockwise_1x32 combine wire"):
+        prov.forward_wire(a, pairs, weights, math, fp8, out=torch.empty(len(pairs), weights.hidden, dtype=torch.uint8))
+    narrow = K["config"].TileConfig(block_m=16, block_n1=64, block_n2=16, block_k=64, num_stages=1)
+    with pytest.raises(ValueError, match="TileConfig.block_n2=16 must be >= 32"):
+        K["provider"].TritonExperts(decoder="split", config=narrow).forward_wire(a, pairs, weights, math, fp8)
+    with pytest.raises(ValueError, match="writes bf16 or fp8_blockwise_1x32 rows"):
+        prov.forward_wire(a, pairs, weights, math, WireFormat("fp4_rows", "fp4"))
+
+
 def test_bf16_wire_is_quantised_on_the_receiver():
     weights, x, pairs = _problem("mxfp4")
     math = ExpertMath("a8w4", 10.0)
@@ -460,3 +522,8 @@ def test_bench_smoke(tmp_path):
     assert rc == 0
     res = json.loads(out.read_text())["results"]
     assert len(res) == 1 and res[0]["error"] == "" and res[0]["rel_l2_ref"] < 1e-5 and res[0]["floor_us"] > 0
+    assert res[0]["out"] == "bf16"  # the layer's default combine wire (forward_wire)
+    rc = bench_experts.main(["--experts", "3", "--tokens", "2", "--hidden", "64", "--intermediate", "64", "--topk", "2",
+                             "--schemes", "a8w4", "--no-baseline", "--combine-wire", "fp32", "--json", str(out)])
+    res = json.loads(out.read_text())["results"]
+    assert rc == 0 and res[0]["out"] == "fp32" and res[0]["error"] == "" and res[0]["rel_l2_ref"] < 1e-5

@@ -82,17 +82,20 @@ def _gemm1_tile(
             a_ptr, a_rows, valid, stride_am, as_ptr, stride_asm,
             K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
         )
-    _gemm1_store(acc, rows, pid_n, o_ptr, stride_om, os_ptr, stride_osm, I, limit, A_FMT, HAS_LIMIT, DECODE, BN, BM, BK2)
+    _gemm1_store(acc, rows, pid_n, o_ptr, stride_om, os_ptr, stride_osm, I, limit, A_FMT, HAS_LIMIT, DECODE, BN, BM, BK2, USE_ASM)
     if RIDE > 0:
-        _gemm1_store(acc_r, r_rows, pid_n, o_ptr, stride_om, os_ptr, stride_osm, I, limit, A_FMT, HAS_LIMIT, DECODE, BN, RIDE, BK2)
+        _gemm1_store(acc_r, r_rows, pid_n, o_ptr, stride_om, os_ptr, stride_osm, I, limit, A_FMT, HAS_LIMIT, DECODE, BN, RIDE, BK2,
+                     USE_ASM)
 
 
 @triton.jit
 def _gemm1_store(
     acc, rows, pid_n, o_ptr, stride_om, os_ptr, stride_osm, I, limit,
     A_FMT: tl.constexpr, HAS_LIMIT: tl.constexpr, DECODE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK2: tl.constexpr,
+    HW_CVT: tl.constexpr,
 ):
-    """Epilogue of acc [BN, BM] (sorted rows ``rows``): SwiGLU (+ clamp), A2 in the A format."""
+    """Epilogue of acc [BN, BM] (sorted rows ``rows``): SwiGLU (+ clamp), A2 in the A format (HW_CVT: fp8
+    bytes by the GPU's conversion, quant.quantize_blocks)."""
     gate, up = tl.split(tl.permute(tl.reshape(acc, [BN // 2, 2, BM]), (0, 2, 1)))
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)
@@ -116,7 +119,7 @@ def _gemm1_store(
     elif A_FMT == "bf16":
         tl.store(o_ptr + r64 * stride_om + cols[None, :], round_bf16(act).to(tl.bfloat16), mask=cmask)
     else:
-        payload, scales = quantize_blocks(tl.reshape(act, [BM * (BN // 64), 32]), A_FMT)
+        payload, scales = quantize_blocks(tl.reshape(act, [BM * (BN // 64), 32]), A_FMT, HW_CVT)
         sc = pid_n * (BN // 64) + tl.arange(0, BN // 64)
         tl.store(os_ptr + r64 * stride_osm + sc[None, :], tl.reshape(scales, [BM, BN // 64]), mask=(sc < I // 32)[None, :])
         if A_FMT == "fp8":

@@ -1,8 +1,13 @@
-"""GEMM2 x route weight, scattered straight back to pair order (fp32 [P, H]).
+"""GEMM2 x route weight, scattered straight back to pair order (fp32 [P, H], or the combine wire).
 
 A2 comes from GEMM1 in expert-sorted order (bf16 or MX); W2 [E, H, I] is MXFP4 or bf16. The
-epilogue multiplies each token column by its pair's route weight and stores the fp32 row at the
-pair's index, so no unpermute pass and no padded output rows exist.
+epilogue multiplies each token column by its pair's route weight and stores the row at the pair's
+index, so no unpermute pass and no padded output rows exist. OUT_FMT picks what is stored: "f32"
+(the provider's fp32 contract), or the combine wire row the layer sends back (formats/wire.py):
+"bf16" (RNE) or "fp8" (``fp8_blockwise_1x32``: e4m3 payload, then one E8M0 scale per 1x32 block
+at byte H + n // 32), bit-identical to ``WireFormat.encode`` of the fp32 row. Why: the fp32 rows
+are 4 bytes per element written here and read again by the encode (at 8192 tokens x top-6 that is
+1.4 GB each way); the wire row is 2 or 1 + 1/32.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import triton
 import triton.language as tl
 
 from .mainloop import assume_k_loop_runs, claim_tile, frag_tile_mainloop, mx_mainloop
+from .mxjit import round_bf16
+from .quant import quantize_blocks
 
 
 @triton.jit
@@ -22,7 +29,7 @@ def gemm2_weighted_kernel(
     K, N,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    F32_DOT: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr, TAIL_RIDE: tl.constexpr,
+    F32_DOT: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr, TAIL_RIDE: tl.constexpr, OUT_FMT: tl.constexpr,
 ):
     expert, row0, pid_n, mine = claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, tl.cdiv(N, BN), GROUP_M, BM, TAIL_M,
                                            PASS, TAIL_RIDE)
@@ -34,7 +41,7 @@ def gemm2_weighted_kernel(
     _gemm2_tile(
         expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
         w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om,
-        K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, RIDE,
+        K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, RIDE, OUT_FMT,
     )
 
 
@@ -43,7 +50,7 @@ def _gemm2_tile(
     expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
     w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om, K, N,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr, DECODE: tl.constexpr, USE_ASM: tl.constexpr,
-    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr, RIDE: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr, RIDE: tl.constexpr, OUT_FMT: tl.constexpr,
 ):
     """One BN x BM output tile (BM: the tile height, or TAIL_M for a short tile's first rows), and with
     RIDE > 0 the first RIDE rows of the next tile as a rider (frag decoders only)."""
@@ -68,16 +75,48 @@ def _gemm2_tile(
             a_ptr, rows, valid, stride_am, as_ptr, stride_asm,
             K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
         )
-    _gemm2_store(acc, pair, n, route_w_ptr, out_ptr, stride_om, N)
+    _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, N, BN, OUT_FMT, USE_ASM)
     if RIDE > 0:
-        _gemm2_store(acc_r, r_pair, n, route_w_ptr, out_ptr, stride_om, N)
+        _gemm2_store(acc_r, r_pair, pid_n, route_w_ptr, out_ptr, stride_om, N, BN, OUT_FMT, USE_ASM)
 
 
 @triton.jit
-def _gemm2_store(acc, pair, n, route_w_ptr, out_ptr, stride_om, N):
-    """acc [BN, rows] x each row's route weight -> fp32 rows of ``out`` at the pairs' indices (padding: -1, skipped)."""
+def _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, N, BN: tl.constexpr, OUT_FMT: tl.constexpr,
+                 HW_CVT: tl.constexpr):
+    """acc [BN, rows] x each row's route weight -> rows of ``out`` at the pairs' indices (padding: -1,
+    skipped): fp32, or the combine wire row (OUT_FMT "bf16" / "fp8", module docstring)."""
     valid = pair >= 0
     wt = tl.load(route_w_ptr + pair, mask=valid, other=0.0)
     out = acc * wt[None, :]
+    n = pid_n * BN + tl.arange(0, BN)
     p64 = pair.to(tl.int64)[None, :]
-    tl.store(out_ptr + p64 * stride_om + n[:, None], out, mask=valid[None, :] & (n < N)[:, None])
+    mask = valid[None, :] & (n < N)[:, None]
+    if OUT_FMT == "f32":
+        tl.store(out_ptr + p64 * stride_om + n[:, None], out, mask=mask)
+    elif OUT_FMT == "bf16":  # integer RNE (the interpreter truncates fp32 -> bf16 casts), then an exact cast
+        tl.store(out_ptr + p64 * stride_om + n[:, None], round_bf16(out).to(tl.bfloat16), mask=mask)
+    else:
+        tl.static_assert(OUT_FMT == "fp8", "OUT_FMT must be f32, bf16 or fp8")
+        tl.static_assert(BN % 32 == 0, "the fp8 combine wire quantises 1x32 blocks of the tile's columns")
+        rows: tl.constexpr = acc.shape[1]
+        if rows >= 32:  # even / odd token columns apart (in-thread pairs of the MMA layout): half the transpose at a time
+            ev, od = tl.split(tl.reshape(out, [BN, rows // 2, 2]))
+            pe, po = tl.split(tl.reshape(pair, [rows // 2, 2]))
+            _store_fp8_rows(ev, pe, pid_n, out_ptr, stride_om, N, BN, HW_CVT)
+            _store_fp8_rows(od, po, pid_n, out_ptr, stride_om, N, BN, HW_CVT)
+        else:
+            _store_fp8_rows(out, pair, pid_n, out_ptr, stride_om, N, BN, HW_CVT)
+
+
+@triton.jit
+def _store_fp8_rows(out, pair, pid_n, out_ptr, stride_om, N, BN: tl.constexpr, HW_CVT: tl.constexpr):
+    """out [BN, rows] (route-weighted) -> fp8_blockwise_1x32 wire rows at the pairs' indices."""
+    rows: tl.constexpr = out.shape[1]
+    n = pid_n * BN + tl.arange(0, BN)
+    valid = pair >= 0
+    payload, scales = quantize_blocks(tl.reshape(tl.trans(out), [rows * (BN // 32), 32]), "fp8", HW_CVT)
+    r64 = pair.to(tl.int64)[:, None]
+    tl.store(out_ptr + r64 * stride_om + n[None, :], tl.reshape(payload, [rows, BN]), mask=valid[:, None] & (n < N)[None, :])
+    sc = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+    tl.store(out_ptr + r64 * stride_om + N + sc[None, :], tl.reshape(scales, [rows, BN // 32]),
+             mask=valid[:, None] & (sc < N // 32)[None, :])

@@ -1,7 +1,8 @@
 """TritonExperts: the ``triton`` experts provider (NVIDIA; portable Triton).
 
 Same contract as TorchReferenceExperts (experts/base.py): received rows (bf16, or the MXTensor the
-dispatch wire delivered), (row, slot, weight) pairs -> fp32 [P, H] route-weighted outputs per pair.
+dispatch wire delivered), (row, slot, weight) pairs -> fp32 [P, H] route-weighted outputs per pair,
+or (``forward_wire``, what the layer calls) those rows as combine wire rows written by GEMM2 itself.
 A forward is five to eleven Triton launches (layout; A converted once per received row, unless bf16
 rows feed frag as they are; GEMM1; frag8's A2 row re-scale; GEMM2; each GEMM twice when the tile
 config has short tiles, three times with tail riders: ``_passes``) and a few sync-free torch ops,
@@ -14,6 +15,7 @@ import torch
 import triton
 
 from ...formats import MX_BLOCK, MXTensor
+from ...formats.wire import WireFormat
 from ..base import Activations, ExpertMath, ExpertPairs, ExpertsProvider
 from ..fragments import FP8_K
 from ..weights import FRAGMENT_STORAGE, ExpertWeights
@@ -122,6 +124,42 @@ class TritonExperts(ExpertsProvider):
         self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """See ExpertsProvider.forward; ``out`` optionally supplies the fp32 [P, H] result buffer."""
+        p, hidden = len(pairs), weights.hidden
+        if out is None:
+            out = torch.empty(p, hidden, dtype=torch.float32, device=pairs.weight.device)
+        elif out.shape != (p, hidden) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != pairs.weight.device:
+            raise ValueError(f"out: expected contiguous fp32 [{p}, {hidden}] on {pairs.weight.device}, "
+                             f"got {tuple(out.shape)} {out.dtype}")
+        return self._run(a, pairs, weights, math, out, "f32")
+
+    def forward_wire(
+        self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, wire: WireFormat,
+        *, out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See ExpertsProvider.forward_wire: GEMM2's epilogue writes the combine wire row itself (bf16, or
+        fp8 + E8M0 per 1x32 via the same block quantiser as quant.py), so the fp32 rows are never
+        stored. ``out`` optionally supplies the uint8 [P, row_bytes] buffer (e.g. a transport's)."""
+        p, hidden = len(pairs), weights.hidden
+        if wire.mx not in (None, "fp8"):
+            raise ValueError(f"combine wire {wire.name!r}: the Triton GEMM2 epilogue writes bf16 or fp8_blockwise_1x32 rows")
+        row_bytes = wire.row_bytes(hidden)
+        device = pairs.weight.device
+        if out is None:
+            out = torch.empty(p, row_bytes, dtype=torch.uint8, device=device)
+        elif out.shape != (p, row_bytes) or out.dtype != torch.uint8 or not out.is_contiguous() or out.device != device:
+            raise ValueError(f"out: expected contiguous uint8 [{p}, {row_bytes}] ({wire.name} combine wire rows at "
+                             f"hidden={hidden}) on {device}, got {tuple(out.shape)} {out.dtype}")
+        if wire.mx is None:
+            self._run(a, pairs, weights, math, out.view(torch.bfloat16), "bf16")
+        else:
+            self._run(a, pairs, weights, math, out, "fp8")
+        return out
+
+    def _run(
+        self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, out: torch.Tensor, out_fmt: str
+    ) -> torch.Tensor:
+        """The forward proper; ``out`` is the checked [P, ...] result buffer GEMM2 writes in ``out_fmt``
+        ("f32", or the combine wire: "bf16" / "fp8"; gemm2.py)."""
         from .gather import gather_split_kernel, rowscale_e4m3_kernel, rowscale_piece
         from .gemm1 import gemm1_swiglu_kernel
         from .gemm2 import gemm2_weighted_kernel
@@ -142,15 +180,14 @@ class TritonExperts(ExpertsProvider):
         x = _received_rows(a, math, hidden, device)
         if a_fmt != "bf16" and not isinstance(x, MXTensor):
             x = quantize_rows(x, a_fmt, name="received rows")  # bf16 wire: the receiver quantises
-        if out is None:
-            out = torch.empty(p, hidden, dtype=torch.float32, device=device)
-        elif out.shape != (p, hidden) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != device:
-            raise ValueError(f"out: expected contiguous fp32 [{p}, {hidden}] on {device}, got {tuple(out.shape)} {out.dtype}")
         if p == 0:
             return out
 
         mode = self.resolve_decoder(weights.fmt, weights.storage)
         cfg = self.config or default_config(p, n_exp, mode)
+        if out_fmt == "fp8" and cfg.block_n2 < MX_BLOCK:
+            raise ValueError(f"the fp8_blockwise_1x32 combine wire is quantised per 1x32 block of a GEMM2 tile: "
+                             f"TileConfig.block_n2={cfg.block_n2} must be >= {MX_BLOCK}")
         use_asm = device.type == "cuda" and not interpreting()
         bk1, bk2 = reduction_block(hidden, cfg.block_k), reduction_block(inter, cfg.block_k)
         layout = build_layout(pairs.slot, n_exp, cfg.block_m, self.capacity, row=pairs.row)
@@ -165,7 +202,7 @@ class TritonExperts(ExpertsProvider):
                              f"min {int(pairs.row.min())}, max {int(pairs.row.max())}")
         if mode in ("frag", "frag8") and (bk1 < 64 or bk2 < 64):
             raise ValueError(f"decoder={mode!r} needs block_k >= 64 dividing hidden={hidden} and intermediate={inter}")
-        a_rs = w1_rs = w2_rs = out  # row scales: frag8 only (the kernels ignore them otherwise)
+        a_rs = w1_rs = w2_rs = pairs.weight  # row scales: frag8 only (the kernels ignore them otherwise)
         if mode == "frag8":
             if cfg.block_k < FP8_K:
                 raise ValueError(f"decoder='frag8' steps K by {FP8_K} (its weights' K chunk, fragments.fp8_k_order): "
@@ -225,7 +262,7 @@ class TritonExperts(ExpertsProvider):
                 W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
                 BN=cfg.block_n1, BK=bk1, BK2=bk2, PASS=tile_pass, **common,
             )
-        a2_rs = out
+        a2_rs = pairs.weight  # frag8 only
         if mode == "frag8":
             a2e = a2 if a_fmt == "fp8" else torch.empty(rows, inter, dtype=torch.uint8, device=device)  # fp8: in place
             a2_rs = torch.empty(rows, dtype=torch.float32, device=device)
@@ -249,7 +286,7 @@ class TritonExperts(ExpertsProvider):
                 w2_rs, w2_rs.stride(0), a2_rs,
                 out, out.stride(0),
                 inter, hidden,
-                W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, **common,
+                W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, OUT_FMT=out_fmt, **common,
             )
         return out
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ...formats import MX_BLOCK, MXTensor
+from .config import interpreting
 from .mxjit import (
     FP4_MANT_LIMIT,
     FP4_MAX_EXP,
@@ -30,8 +31,13 @@ BLOCKS_PER_PROGRAM = 8  # 8 x 32 elements per program: one 16-byte store per thr
 
 
 @triton.jit
-def quantize_blocks(x, FMT: tl.constexpr):
-    """x [B, 32] fp32 -> (payload [B, 32] uint8 (fp8) or [B, 16] uint8 (fp4), scales [B] uint8)."""
+def quantize_blocks(x, FMT: tl.constexpr, HW_CVT: tl.constexpr = False):
+    """x [B, 32] fp32 -> (payload [B, 32] uint8 (fp8) or [B, 16] uint8 (fp4), scales [B] uint8).
+
+    HW_CVT (GPU only, fp8): the e4m3 bytes by the GPU's own conversion (cvt.rn.satfinite: RNE, the
+    same bytes for every finite block, as the scaled values never exceed 448) instead of the integer
+    rounding the interpreter needs: ~1 instruction per 2 values instead of ~30 per value, which
+    matters in the GEMM epilogues."""
     bad = tl.max(nonfinite(x), axis=1)
     amax = tl.max(tl.abs(x), axis=1)
     amax = tl.where(bad != 0, 0.0, amax)
@@ -41,7 +47,9 @@ def quantize_blocks(x, FMT: tl.constexpr):
         e = scale_exponent(amax, FP4_MANT_LIMIT, FP4_MAX_EXP)
     scaled = x * pow2(-e)[:, None]
     scales = tl.where(bad != 0, 255, e + 127).to(tl.uint8)
-    if FMT == "fp8":
+    if FMT == "fp8" and HW_CVT:
+        payload = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    elif FMT == "fp8":
         payload = encode_e4m3(scaled)
     else:
         codes = encode_e2m1(scaled)
@@ -53,7 +61,7 @@ def quantize_blocks(x, FMT: tl.constexpr):
 @triton.jit
 def _quantize_rows_kernel(
     x_ptr, stride_x, data_ptr, stride_data, scale_ptr, stride_scale, K,
-    FMT: tl.constexpr, BLOCKS: tl.constexpr,
+    FMT: tl.constexpr, BLOCKS: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
@@ -61,7 +69,7 @@ def _quantize_rows_kernel(
     nblk = K // 32
     bmask = blk < nblk
     x = tl.load(x_ptr + row * stride_x + blk[:, None] * 32 + col[None, :], mask=bmask[:, None], other=0.0)
-    payload, scales = quantize_blocks(x.to(tl.float32), FMT)
+    payload, scales = quantize_blocks(x.to(tl.float32), FMT, HW_CVT)
     if FMT == "fp8":
         tl.store(data_ptr + row * stride_data + blk[:, None] * 32 + col[None, :], payload, mask=bmask[:, None])
     else:
@@ -90,7 +98,7 @@ def _launch(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch.Tensor)
     grid = (n, triton.cdiv(k // MX_BLOCK, BLOCKS_PER_PROGRAM))
     _quantize_rows_kernel[grid](
         x, x.stride(0), data, data.stride(0), scales, scales.stride(0), k,
-        FMT=fmt, BLOCKS=BLOCKS_PER_PROGRAM,
+        FMT=fmt, BLOCKS=BLOCKS_PER_PROGRAM, HW_CVT=x.is_cuda and not interpreting(),
     )
 
 
