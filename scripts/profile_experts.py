@@ -11,8 +11,9 @@ the time that remains is what the decode does not cost.
     PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag frag8 --config frag8:16,256,256,64,4,4 --rounds 3
     # the same A/B timed as the bench times (sustained graph replays, SM clock recorded), no kernel split
     PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 --config 64,256,256,128,4,3,4,32 --rounds 3 --sustained
-    # what GEMM2 writes: fp32 rows, fp32 rows + the layer's old torch encode, or the combine wire row itself
-    PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 8192 --out f32 f32+encode bf16 fp8_blockwise_1x32
+    # what GEMM2 writes: fp32 rows, fp32 rows + the layer's old torch encode to a combine wire, or the wire row itself
+    PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 8192 \\
+        --out f32 f32+bf16 bf16 f32+fp8_blockwise_1x32 fp8_blockwise_1x32
 
 Kernel sums time a few forwards after the GPU idled, at full clock; under sustained load the H200
 here runs power-capped and ~10 % slower (docs/triton.md), and a tile can win one way and tie the
@@ -44,9 +45,10 @@ def main() -> int:
                     help="repeat the configs interleaved this many times (A/B against drift in clocks / power)")
     ap.add_argument("--sustained", action="store_true",
                     help="time each config as the bench does (graph replays back to back) instead of profiler kernel sums")
-    ap.add_argument("--out", nargs="+", default=["f32"], choices=["f32", "f32+encode", "bf16", "fp8_blockwise_1x32"],
-                    help="what a forward returns: fp32 rows (forward), fp32 rows then WireFormat.encode to the bf16 "
-                         "combine wire in torch (the layer before forward_wire), or the combine wire written by GEMM2 (forward_wire)")
+    ap.add_argument("--out", nargs="+", default=["f32"],
+                    choices=["f32", "f32+bf16", "f32+fp8_blockwise_1x32", "bf16", "fp8_blockwise_1x32"],
+                    help="what a forward returns: fp32 rows (forward), fp32 rows then WireFormat.encode to that combine "
+                         "wire in torch (f32+WIRE: the layer before forward_wire), or the combine wire written by GEMM2 (forward_wire)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -86,8 +88,9 @@ def main() -> int:
         w = prepared[dec]
         if out == "f32":
             return lambda: prov.forward(a, pairs, w, math)
-        if out == "f32+encode":
-            return lambda: combine_wire("bf16").encode(prov.forward(a, pairs, w, math))
+        if out.startswith("f32+"):
+            wire = combine_wire(out[4:])
+            return lambda: wire.encode(prov.forward(a, pairs, w, math))
         return lambda: prov.forward_wire(a, pairs, w, math, combine_wire(out))
 
     rows = []

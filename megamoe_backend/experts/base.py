@@ -8,7 +8,9 @@ Contract: given the rows a rank received (in the A operand's format, or bf16), a
 GEMM1 uses the gate/up layout of the weights; SwiGLU is silu(min(g, L)) * clamp(u, -L, L) when a
 limit L is set (DeepSeek V4 uses 10.0), plain silu(g) * u otherwise. A2 (the SwiGLU output) is
 re-quantised to the A format before GEMM2, as upstream MegaMoE does (bf16 scheme: bf16 rounding).
-Pairs are independent: a NaN row only poisons its own pairs.
+Pairs are independent: a NaN row only poisons its own pairs. The layer asks for these rows already
+in its combine wire format (``forward_wire``), so a provider whose last GEMM can write that format
+never stores the fp32 rows.
 """
 
 from __future__ import annotations
