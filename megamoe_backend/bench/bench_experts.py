@@ -6,8 +6,8 @@ rank (P = T x top-k pairs). Per case: median µs of a CUDA-graph replay of one f
 (replays back to back, as a serving GPU runs them; the SM clock, power and power-cap state NVML
 reports meanwhile are recorded: gpu_clock.py), effective HBM TB/s, TFLOP/s, relL2 against an fp32
 computation (dequantised weights, unquantised activations), relL2 against the exact-math torch
-reference (same quantisation, fp64; for wire outputs passed through the same wire), and the floor max(weight bytes / HBM BW, FLOPs / bf16 MMA
-peak) with the weights of the experts actually hit.
+reference (same quantisation, fp64; for wire outputs passed through the same wire), and the floor
+max(weight bytes / HBM BW, FLOPs / bf16 MMA peak) with the weights of the experts actually hit.
 
 What a forward returns (``--combine-wire``, default bf16 = the layer's default MEGA_COMBINE_WIRE):
 the route-weighted row of every pair as the layer sends it back, i.e. ``forward_wire`` (GEMM2 writes
