@@ -133,3 +133,28 @@ def test_output_scale_is_applied_in_fp32_before_rounding() -> None:
     plain = layer(p.x, p.topk_ids, p.topk_weights)
     scaled = layer(p.x, p.topk_ids, p.topk_weights, output_scale=2.5)
     torch.testing.assert_close(scaled.float(), plain.float() * 2.5, rtol=8e-3, atol=1e-6)
+
+
+class _WireSpy(TorchReferenceExperts):
+    """Records what the layer asks forward_wire for, and returns the rows times 2 (exact in every
+    wire: a power of two), so a layer that did not use these rows would not double its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wires: list[str] = []
+
+    def forward_wire(self, a, pairs, weights, math, wire):
+        self.wires.append(wire.name)
+        return wire.encode(2 * self.forward(a, pairs, weights, math))
+
+
+@pytest.mark.parametrize("combine", ["bf16", "fp8_blockwise_1x32"])
+def test_layer_takes_combine_rows_from_forward_wire(combine) -> None:
+    """The layer gets its combine wire rows from provider.forward_wire (Triton writes them in GEMM2's
+    epilogue) with the plan's combine wire, and sends exactly those rows back."""
+    plain, p = layer_for("a8w4", "fp8", combine)
+    spy = _WireSpy()
+    spied = MegaMoELayer(plain.plan, p.expert_weights("a8w4"), provider=spy)
+    out = spied(p.x, p.topk_ids, p.topk_weights)
+    assert spy.wires == [combine]
+    assert torch.equal(out.float(), 2 * plain(p.x, p.topk_ids, p.topk_weights).float())
