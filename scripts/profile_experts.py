@@ -60,7 +60,7 @@ def main() -> int:
 
     if args.variant == "nodecode":  # must precede the first compile of the kernels
         mxjit._FRAG_ASM = tl.constexpr("{\nmov.b32 $0, $4;\nmov.b32 $1, $5;\nmov.b32 $2, $7;\nmov.b32 $3, $4;\n}")
-    from megamoe_backend.bench.bench_experts import make_routing, make_weights, time_fn
+    from megamoe_backend.bench.bench_experts import forward_call, make_routing, make_weights, time_fn
     from megamoe_backend.bench.gpu_clock import ClockSampler
     from megamoe_backend.experts import ExpertMath
     from megamoe_backend.experts.triton.config import TileConfig
@@ -84,14 +84,12 @@ def main() -> int:
         runs += [(d, cfg, o) for cfg in cfgs for o in args.out]
 
     def forward_of(prov, dec, out, a, pairs):
-        """One forward returning what ``out`` names (--out)."""
+        """One forward returning what ``out`` names (--out): the bench's call, or fp32 rows + torch encode."""
         w = prepared[dec]
-        if out == "f32":
-            return lambda: prov.forward(a, pairs, w, math)
         if out.startswith("f32+"):
             wire = combine_wire(out[4:])
             return lambda: wire.encode(prov.forward(a, pairs, w, math))
-        return lambda: prov.forward_wire(a, pairs, w, math, combine_wire(out))
+        return forward_call(prov, a, pairs, w, math, "fp32" if out == "f32" else out)
 
     rows = []
     for tokens in args.tokens:
