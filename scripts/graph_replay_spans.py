@@ -63,7 +63,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("graph_replay_spans needs a CUDA GPU", file=sys.stderr)
         return 2
-    from megamoe_backend.bench.bench_experts import capture_graph, make_routing, make_weights, time_fn
+    from megamoe_backend.bench.bench_experts import capture_graph, make_routing, make_weights, time_fn, time_isolated
     from megamoe_backend.experts import ExpertMath
     from megamoe_backend.experts.triton.provider import TritonExperts
     from megamoe_backend.experts.triton.quant import quantize_rows
@@ -87,16 +87,7 @@ def main() -> int:
             res = {}
             _mark(marks, f"{tokens} graph_b2b")
             res["graph_b2b"] = [round(time_fn(g.replay, False)[0], 1) for _ in range(3)]  # the bench's timing
-            iso = []  # events around one replay after ~3 ms of GPU sleep
-            for _ in range(10):
-                torch.cuda._sleep(6_000_000)
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                g.replay()
-                e1.record()
-                torch.cuda.synchronize()
-                iso.append(round(e0.elapsed_time(e1) * 1e3, 1))
-            res["graph_isolated"] = iso
+            res["graph_isolated"] = time_isolated(g.replay)  # events around one replay after ~3 ms of GPU sleep
             _mark(marks, f"{tokens} prof")
             res["profiled_replays"], res["between_replays"] = _profiled_replays(g, 8)
             _mark(marks, f"{tokens} done")

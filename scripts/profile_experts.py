@@ -11,6 +11,8 @@ the time that remains is what the decode does not cost.
     PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag frag8 --config frag8:16,256,256,64,4,4 --rounds 3
     # the same A/B timed as the bench times (sustained graph replays, SM clock recorded), no kernel split
     PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 --config 64,256,256,128,4,3,4,32 --rounds 3 --sustained
+    # ... or as single graph replays after a GPU sleep: the whole forward at full clock (gaps included)
+    PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 --config 64,256,256,128,4,3,4,32 --isolated
     # what GEMM2 writes: fp32 rows, fp32 rows + the layer's old torch encode to a combine wire, or the wire row itself
     PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 8192 \\
         --out f32 f32+bf16 bf16 f32+fp8_blockwise_1x32 fp8_blockwise_1x32
@@ -43,8 +45,11 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the configs interleaved this many times (A/B against drift in clocks / power)")
-    ap.add_argument("--sustained", action="store_true",
-                    help="time each config as the bench does (graph replays back to back) instead of profiler kernel sums")
+    timing = ap.add_mutually_exclusive_group()
+    timing.add_argument("--sustained", action="store_true",
+                        help="time each config as the bench does (graph replays back to back) instead of profiler kernel sums")
+    timing.add_argument("--isolated", action="store_true",
+                        help="time single graph replays after a GPU sleep (the whole forward at full clock, gaps between kernels included)")
     ap.add_argument("--out", nargs="+", default=["f32"],
                     choices=["f32", "f32+bf16", "f32+fp8_blockwise_1x32", "bf16", "fp8_blockwise_1x32"],
                     help="what a forward returns: fp32 rows (forward), fp32 rows then WireFormat.encode to that combine "
@@ -60,7 +65,7 @@ def main() -> int:
 
     if args.variant == "nodecode":  # must precede the first compile of the kernels
         mxjit._FRAG_ASM = tl.constexpr("{\nmov.b32 $0, $4;\nmov.b32 $1, $5;\nmov.b32 $2, $7;\nmov.b32 $3, $4;\n}")
-    from megamoe_backend.bench.bench_experts import forward_call, make_routing, make_weights, time_fn
+    from megamoe_backend.bench.bench_experts import capture_graph, forward_call, make_routing, make_weights, time_fn, time_isolated
     from megamoe_backend.bench.gpu_clock import ClockSampler
     from megamoe_backend.experts import ExpertMath
     from megamoe_backend.experts.triton.config import TileConfig
@@ -104,9 +109,14 @@ def main() -> int:
             for (dec, cfg, out), call in zip(runs, calls):
                 row = {"variant": args.variant, "decoder": dec, "experts": args.experts, "tokens": tokens, "out": out,
                        "round": rnd, "config": None if cfg is None else list(vars(cfg).values())}
-                if args.sustained:
+                if args.sustained or args.isolated:
                     with ClockSampler(dev) as clock:
-                        us, graphed = time_fn(call, use_graph=True)
+                        if args.sustained:
+                            us, graphed = time_fn(call, use_graph=True)
+                        else:
+                            iso = time_isolated(capture_graph(call).replay)
+                            us, graphed = sorted(iso)[len(iso) // 2], True
+                            row["isolated_us"] = iso
                     row.update(graph_us=round(us, 1), graph=graphed, clock=clock.stats())
                     print(json.dumps(row), flush=True)
                     rows.append(row)

@@ -4,7 +4,9 @@ One GPU. DeepSeek-V4-Pro expert shapes by default (hidden 7168, intermediate 307
 expert counts 192 (EP2) and 48 (EP8 share), uniform random routing, token buckets of T tokens per
 rank (P = T x top-k pairs). Per case: median µs of a CUDA-graph replay of one full experts forward
 (replays back to back, as a serving GPU runs them; the SM clock, power and power-cap state NVML
-reports meanwhile are recorded: gpu_clock.py), effective HBM TB/s, TFLOP/s, relL2 against an fp32
+reports meanwhile are recorded: gpu_clock.py), beside it the median of single replays after the
+GPU idled (``us_isolated``, ``time_isolated``: near full clock; on the H200 here back-to-back replays
+run power-capped), effective HBM TB/s, TFLOP/s, relL2 against an fp32
 computation (dequantised weights, unquantised activations), relL2 against the exact-math torch
 reference (same quantisation, fp64; for wire outputs passed through the same wire), and the floor
 max(weight bytes / HBM BW, FLOPs / bf16 MMA peak) with the weights of the experts actually hit.
@@ -30,6 +32,7 @@ import json
 import math as _math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -106,7 +109,8 @@ class Case:
     decoder: str = ""
     config: str = ""
     out: str = "fp32"  # fp32 rows (forward) or the combine wire they are returned in (forward_wire)
-    us: float = float("nan")
+    us: float = float("nan")  # median of back-to-back graph replays (what a serving GPU sees)
+    us_isolated: float = float("nan")  # median of single replays after the GPU idled (time_isolated): near full clock
     graph: bool = False
     active_experts: int = 0
     weight_bytes: int = 0
@@ -116,6 +120,7 @@ class Case:
     floor_fp8_us: float = float("nan")
     mma_floor_us: float = float("nan")
     x_floor: float = float("nan")
+    x_floor_isolated: float = float("nan")
     hbm_tbs: float = float("nan")
     tflops: float = float("nan")
     rel_l2_fp32: float = float("nan")
@@ -292,6 +297,26 @@ def time_fn(fn, use_graph: bool) -> tuple[float, bool]:
     return samples[len(samples) // 2], graphed
 
 
+def time_isolated(replay, n: int = 10, idle_s: float = 0.0) -> list[float]:
+    """µs of each of n single calls, each after ``idle_s`` of host sleep (the GPU idles) and queued
+    behind a ~3 ms GPU sleep (so the timing holds no launch latency): the whole forward near full
+    clock, with the gaps between its kernels, and a tight figure for A/B of launch structure, which
+    sums of kernel times cannot see. Not the bench's headline figure: a serving GPU runs forwards back
+    to back, power-capped on the H200 here (docs/triton.md, "Sustained runs are power-capped")."""
+    out = []
+    for _ in range(n):
+        if idle_s:
+            time.sleep(idle_s)
+        torch.cuda._sleep(6_000_000)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        replay()
+        e1.record()
+        torch.cuda.synchronize()
+        out.append(round(e0.elapsed_time(e1) * 1e3, 1))
+    return out
+
+
 def measure_ceilings(device: torch.device) -> dict:
     if device.type != "cuda" or interpreting():
         return {}
@@ -331,6 +356,7 @@ def fill_metrics(c: Case, hidden: int, inter: int, wfmt: str, a_fmt: str | None)
     c.mma_floor_us = c.flops / (BF16_TFLOPS * 1e12) * 1e6
     c.floor_us = max(c.weight_bytes / (HBM_TBS * 1e12) * 1e6, c.mma_floor_us)
     c.floor_fp8_us = max(c.weight_bytes / (HBM_TBS * 1e12) * 1e6, c.flops / (FP8_TFLOPS * 1e12) * 1e6)
+    c.x_floor_isolated = c.us_isolated / c.floor_us
     if c.us == c.us:
         c.x_floor = c.us / c.floor_us
         c.hbm_tbs = c.hbm_bytes / c.us / 1e6
@@ -353,6 +379,8 @@ def run_case(c: Case, fn, check) -> Case:
         with ClockSampler(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")) as clock:
             c.us, c.graph = time_fn(fn, use_graph=True)
         c.clock = clock.stats()
+        if c.graph:  # the same forward near full clock, beside the power-capped sustained figure
+            c.us_isolated = statistics.median(time_isolated(capture_graph(fn).replay, 7, idle_s=0.05))
     except Exception as exc:  # noqa: BLE001 - one failing variant must not sink the whole sweep
         c.error = f"{type(exc).__name__}: {str(exc)[:400]}"
         print(f"  FAILED {c.provider} {c.scheme} E{c.experts} T{c.tokens} {c.config}: {c.error}", file=sys.stderr)
@@ -531,7 +559,8 @@ def environment(args: argparse.Namespace) -> dict:
 
 def print_case(c: Case) -> None:
     print(f"  {c.provider:16s} {c.scheme:5s} E{c.experts:<4d} T{c.tokens:<5d} {c.decoder:10s} {c.config:28s} {c.out:5.5s} "
-          f"{c.us:10.1f}us x{c.x_floor:5.2f} {c.hbm_tbs:5.2f}TB/s {c.tflops:6.1f}TF relL2 {c.rel_l2_fp32:.4f}/{c.rel_l2_ref:.2e}"
+          f"{c.us:10.1f}us x{c.x_floor:5.2f} (isolated {c.us_isolated:.0f}us x{c.x_floor_isolated:.2f}) "
+          f"{c.hbm_tbs:5.2f}TB/s {c.tflops:6.1f}TF relL2 {c.rel_l2_fp32:.4f}/{c.rel_l2_ref:.2e}"
           f" SM {clock_text(c.clock)}"
           + (f" ERR {c.error[:80]}" if c.error else ""), flush=True)
 
@@ -555,12 +584,13 @@ def print_table(cases: list[Case], variants: list[Case]) -> None:
         if not rows:
             continue
         t = Table(title=title)
-        for col in ("E", "T", "scheme", "provider", "config", "out", "µs", "floor µs", "x floor", "TB/s", "TFLOP/s",
-                    "relL2 fp32", "relL2 ref", "graph", "SM MHz (min)"):
+        for col in ("E", "T", "scheme", "provider", "config", "out", "µs", "floor µs", "x floor", "µs isolated",
+                    "x floor isolated", "TB/s", "TFLOP/s", "relL2 fp32", "relL2 ref", "graph", "SM MHz (min)"):
             t.add_column(col, justify="right")
         for c in rows:
             t.add_row(str(c.experts), str(c.tokens), c.scheme, c.provider + (f"/{c.decoder}" if c.decoder else ""),
-                      c.config, c.out, f"{c.us:.1f}", f"{c.floor_us:.1f}", f"{c.x_floor:.2f}", f"{c.hbm_tbs:.2f}",
+                      c.config, c.out, f"{c.us:.1f}", f"{c.floor_us:.1f}", f"{c.x_floor:.2f}", f"{c.us_isolated:.1f}",
+                      f"{c.x_floor_isolated:.2f}", f"{c.hbm_tbs:.2f}",
                       f"{c.tflops:.1f}", f"{c.rel_l2_fp32:.4f}", f"{c.rel_l2_ref:.1e}", "y" if c.graph else "n",
                       clock_text(c.clock))
         Console(width=200).print(t)

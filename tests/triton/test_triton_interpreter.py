@@ -523,6 +523,7 @@ def test_bench_smoke(tmp_path):
     res = json.loads(out.read_text())["results"]
     assert len(res) == 1 and res[0]["error"] == "" and res[0]["rel_l2_ref"] < 1e-5 and res[0]["floor_us"] > 0
     assert res[0]["out"] == "bf16"  # the layer's default combine wire (forward_wire)
+    assert res[0]["us_isolated"] != res[0]["us_isolated"]  # NaN: single replays after idle need a CUDA graph
     rc = bench_experts.main(["--experts", "3", "--tokens", "2", "--hidden", "64", "--intermediate", "64", "--topk", "2",
                              "--schemes", "a8w4", "--no-baseline", "--combine-wire", "fp32", "--json", str(out)])
     res = json.loads(out.read_text())["results"]
