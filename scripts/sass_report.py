@@ -92,6 +92,40 @@ def _k_loop(sass: str) -> list[str]:
     return best
 
 
+def _inflight_a_writes(loop: list[str]) -> int:
+    """Writes, in the K loop run twice (its back edge included), to a register that a wgmma issued
+    earlier and not yet retired reads as its A operand (the 4 registers after the accumulator in
+    HGMMA / QGMMA Rd, Ra, gdesc[..]). A wgmma group ends at the one marked gsb0; WARPGROUP.DEPBAR.LE
+    gsb0, N retires all but the newest N groups. PTX leaves the result of such a write undefined (the
+    tensor core may read the register after it changed); mainloop._retire is why there are none."""
+    body = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s+", "", x).split(";")[0].strip() for x in loop]
+    groups: list[list[set[int]]] = []  # in-flight groups, oldest first; each a list of A register sets
+    open_group: list[set[int]] = []
+    writes = 0
+    for i in range(2 * len(body)):
+        ins = body[i % len(body)]
+        if re.match(r"[HQ]GMMA\.", ins):
+            ops = [o.strip() for o in ins.split(None, 1)[1].split(",")]
+            a = re.fullmatch(r"R(\d+)", ops[1])
+            open_group.append(set(range(int(a.group(1)), int(a.group(1)) + 4)) if a else set())
+            if ins.endswith("gsb0"):
+                groups.append(open_group)
+                open_group = []
+            continue
+        m = re.match(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", ins)
+        if m:
+            keep = int(m.group(1), 16)
+            groups = groups[len(groups) - keep:] if keep else []
+            continue
+        ins = re.sub(r"^@!?U?P\w+\s+", "", ins)  # a predicated instruction writes when it runs
+        d = re.match(r"([A-Z][A-Z0-9_.]*)\s+R(\d+)\b", ins)  # opcode, destination (stores have none)
+        if i >= len(body) and d and not d.group(1).startswith(("ST", "RED", "ATOM")):
+            op, r = d.group(1), int(d.group(2))
+            width = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+            writes += any(reg in regs for g in groups + [open_group] for regs in g for reg in range(r, r + width))
+    return writes
+
+
 def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_fmt: str = "bf16") -> dict:
     """tile_pass: the launch compiled ("full"; "ride" = full tiles carrying a tail rider, TileConfig.tail_ride);
     out_fmt: GEMM2's output (compile_gemm)."""
@@ -127,6 +161,7 @@ def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_
         "loop_instructions": sum(ops.values()),
         "loop_hgmma": ops["HGMMA"] + ops["QGMMA"],  # bf16 / fp8 wgmma
         "loop_full_wgmma_waits": sum("DEPBAR.LE gsb0, 0x0" in x for x in loop),
+        "loop_inflight_a_writes": _inflight_a_writes(loop),
         "loop_instructions_per_weight": round(sum(ops.values()) / max(1, weights_per_thread), 3),
     }
 

@@ -228,6 +228,21 @@ def _e4m3_mma(w, a, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _retire(acc):
+    """acc, once every wgmma writing it has finished: an opaque identity on the accumulator, so
+    Triton waits for all of them (wgmma.wait_group 0) before it.
+
+    Why: the W operand of the fragment decoders' wgmmas comes from registers (the decoded fragments).
+    Triton 3.6 pipelines a K step's wgmma groups into the next step (up to three left in flight) and
+    the sm_90a code then writes the next step's decoded weights into registers that a queued wgmma
+    still reads (scripts/sass_report.py counts such writes: `loop_inflight_a_writes`). On the H200 the
+    frag8 GEMM2 with the bf16 wire epilogue gave wrong output columns in ~1 in 6 prefill tiles at
+    8192 tokens, different on every run; retired at the end of each K step, every run was bit for
+    bit the encode of the fp32 rows (benchmarks/results/h200_fp8_rs_race.json)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _frag_weights(words, scale_bytes, DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """One K step of fragment words [KB, RB, 32, 16] + the step's scale bytes as loaded (frag: read
     as [KB, RB, 8 (g), 4 (j, dr)]; frag8: [RB, 8 (g), 4 (c), 2 (dr)], BK = 128) -> the W tile [BN, BK]
@@ -358,6 +373,10 @@ def frag_mainloop_ride(
                 acc_r = _mma(w, r, acc_r, F32_DOT)
             else:
                 acc_r = _e4m3_mma(w, r, acc_r, F32_DOT)
+        if not F32_DOT:  # every wgmma of the step done before the next step's decode reuses w's registers
+            if RIDE > 0:
+                acc_r = _retire(acc_r)  # the step's last group: waiting for it waits for all
+            acc = _retire(acc)
     if DECODE == "frag":
         acc = acc * SPLIT_UNSCALE
         if RIDE > 0:

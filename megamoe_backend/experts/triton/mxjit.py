@@ -47,9 +47,15 @@ def scale_exponent(amax, MANT_LIMIT: tl.constexpr, MAX_EXP: tl.constexpr):
 
 
 @triton.jit
-def nonfinite(x):
-    """1 where x is NaN or +-Inf (int32), robust to max() dropping NaNs."""
-    return ((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
+def block_amax(x):
+    """x [B, 32] fp32 -> (amax [B] fp32, 0.0 for a block holding NaN / Inf; bad [B] bool, whether it does).
+
+    One integer max over |x|'s bits: monotonic for non-negative floats, and Inf / NaN bits lie above
+    every finite value, so one reduction gives both (robust to max() dropping NaNs; a separate max for
+    the NaN test doubled the shuffles of the GEMM epilogues)."""
+    abits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    bad = abits >= 0x7F800000
+    return tl.where(bad, 0.0, abits.to(tl.float32, bitcast=True)), bad
 
 
 @triton.jit
@@ -134,15 +140,14 @@ def round_bf16(x):
 @triton.jit
 def fake_quant_blocks(x, FMT: tl.constexpr):
     """x [B, 32] fp32 -> dequantize(quantize_mx(x)) in fp32, bit-exact (NaN blocks -> NaN)."""
-    bad = tl.max(nonfinite(x), axis=1)
-    amax = tl.where(bad != 0, 0.0, tl.max(tl.abs(x), axis=1))
+    amax, bad = block_amax(x)
     if FMT == "fp8":
         e = scale_exponent(amax, FP8_MANT_LIMIT, FP8_MAX_EXP)
         q = decode_e4m3(encode_e4m3(x * pow2(-e)[:, None]))
     else:
         e = scale_exponent(amax, FP4_MANT_LIMIT, FP4_MAX_EXP)
         q = decode_e2m1(encode_e2m1(x * pow2(-e)[:, None]))
-    return tl.where(bad[:, None] != 0, float("nan"), q * pow2(e)[:, None])
+    return tl.where(bad[:, None], float("nan"), q * pow2(e)[:, None])
 
 
 # e2m1 nibbles -> bf16 with the block scale, 8 values (one 32-bit register of 4 packed bytes) per call.
