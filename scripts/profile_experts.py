@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import sys
 
 import torch
@@ -114,9 +115,8 @@ def main() -> int:
                         if args.sustained:
                             us, graphed = time_fn(call, use_graph=True)
                         else:
-                            iso = time_isolated(capture_graph(call).replay)
-                            us, graphed = sorted(iso)[len(iso) // 2], True
-                            row["isolated_us"] = iso
+                            row["isolated_us"] = time_isolated(capture_graph(call).replay)
+                            us, graphed = statistics.median(row["isolated_us"]), True
                     row.update(graph_us=round(us, 1), graph=graphed, clock=clock.stats())
                     print(json.dumps(row), flush=True)
                     rows.append(row)

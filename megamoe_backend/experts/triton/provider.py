@@ -124,12 +124,7 @@ class TritonExperts(ExpertsProvider):
         self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """See ExpertsProvider.forward; ``out`` optionally supplies the fp32 [P, H] result buffer."""
-        p, hidden = len(pairs), weights.hidden
-        if out is None:
-            out = torch.empty(p, hidden, dtype=torch.float32, device=pairs.weight.device)
-        elif out.shape != (p, hidden) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != pairs.weight.device:
-            raise ValueError(f"out: expected contiguous fp32 [{p}, {hidden}] on {pairs.weight.device}, "
-                             f"got {tuple(out.shape)} {out.dtype}")
+        out = _result_buffer(out, len(pairs), weights.hidden, torch.float32, pairs.weight.device, "fp32 rows")
         return self._run(a, pairs, weights, math, out, "f32")
 
     def forward_wire(
@@ -139,16 +134,10 @@ class TritonExperts(ExpertsProvider):
         """See ExpertsProvider.forward_wire: GEMM2's epilogue writes the combine wire row itself (bf16, or
         fp8 + E8M0 per 1x32 via the same block quantiser as quant.py), so the fp32 rows are never
         stored. ``out`` optionally supplies the uint8 [P, row_bytes] buffer (e.g. a transport's)."""
-        p, hidden = len(pairs), weights.hidden
         if wire.mx not in (None, "fp8"):
             raise ValueError(f"combine wire {wire.name!r}: the Triton GEMM2 epilogue writes bf16 or fp8_blockwise_1x32 rows")
-        row_bytes = wire.row_bytes(hidden)
-        device = pairs.weight.device
-        if out is None:
-            out = torch.empty(p, row_bytes, dtype=torch.uint8, device=device)
-        elif out.shape != (p, row_bytes) or out.dtype != torch.uint8 or not out.is_contiguous() or out.device != device:
-            raise ValueError(f"out: expected contiguous uint8 [{p}, {row_bytes}] ({wire.name} combine wire rows at "
-                             f"hidden={hidden}) on {device}, got {tuple(out.shape)} {out.dtype}")
+        out = _result_buffer(out, len(pairs), wire.row_bytes(weights.hidden), torch.uint8, pairs.weight.device,
+                             f"{wire.name} combine wire rows at hidden={weights.hidden}")
         if wire.mx is None:
             self._run(a, pairs, weights, math, out.view(torch.bfloat16), "bf16")
         else:
@@ -289,6 +278,17 @@ class TritonExperts(ExpertsProvider):
                 W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, OUT_FMT=out_fmt, **common,
             )
         return out
+
+
+def _result_buffer(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
+                   what: str) -> torch.Tensor:
+    """The caller's result buffer, checked (contiguous [rows, cols] of dtype on device), or a new one."""
+    if out is None:
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    if out.shape != (rows, cols) or out.dtype != dtype or not out.is_contiguous() or out.device != device:
+        raise ValueError(f"out: expected contiguous {str(dtype).removeprefix('torch.')} [{rows}, {cols}] ({what}) on {device}, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    return out
 
 
 def _passes(cfg: TileConfig, mode: str) -> tuple[str, ...]:
