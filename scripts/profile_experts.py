@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=192)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 128, 1024])
     ap.add_argument("--config", action="append", default=[],
-                    help="[decoder:]block_m,block_n1,block_n2,block_k,num_warps,num_stages[,group_m[,tail_m[,max_registers[,tail_ride]]]] (repeatable; without a "
+                    help="[decoder:]block_m,block_n1,block_n2,block_k,num_warps,num_stages[,group_m[,tail_m[,max_registers[,tail_ride[,tail_max_registers]]]]] (repeatable; without a "
                          "decoder prefix it applies to every decoder; each decoder also runs its bucket default)")
     ap.add_argument("--variant", choices=["base", "nodecode"], default="base")
     ap.add_argument("--decoder", choices=["frag", "frag8"], nargs="+", default=["frag"])
@@ -66,6 +66,7 @@ def main() -> int:
 
     if args.variant == "nodecode":  # must precede the first compile of the kernels
         mxjit._FRAG_ASM = tl.constexpr("{\nmov.b32 $0, $4;\nmov.b32 $1, $5;\nmov.b32 $2, $7;\nmov.b32 $3, $4;\n}")
+        mxjit._FRAG8_ASM = tl.constexpr("{\nmov.b32 $0, $2;\nmov.b32 $1, $3;\n}")  # frag8: word and row g's table
     from megamoe_backend.bench.bench_experts import capture_graph, forward_call, make_routing, make_weights, time_fn, time_isolated
     from megamoe_backend.bench.gpu_clock import ClockSampler
     from megamoe_backend.experts import ExpertMath
@@ -125,18 +126,38 @@ def main() -> int:
                     for _ in range(args.iters):
                         call()
                     torch.cuda.synchronize()
+                kernels = [(ev.name.split("(")[0][:48], ev.device_time) for ev in prof.events()
+                           if ev.device_type == torch.autograd.DeviceType.CUDA]
                 per_kernel = collections.defaultdict(float)
-                for ev in prof.events():
-                    if ev.device_type == torch.autograd.DeviceType.CUDA:
-                        per_kernel[ev.name.split("(")[0][:48]] += ev.device_time / args.iters
+                for name, t in kernels:
+                    per_kernel[name] += t / args.iters
                 row.update(total_us=round(sum(per_kernel.values()), 1),
-                           kernels_us={k: round(v, 1) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])})
+                           kernels_us={k: round(v, 1) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])},
+                           launches_us=per_launch(kernels, args.iters))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def per_launch(kernels: list[tuple[str, float]], iters: int) -> dict[str, float]:
+    """Median time of each launch of one forward, keyed name#n (the n-th launch of that kernel in
+    the forward): a GEMM's tile passes (full / ride / short) share one kernel name, so only their
+    order tells them apart. Empty when the events do not split into iters equal forwards."""
+    if not kernels or len(kernels) % iters:
+        return {}
+    n = len(kernels) // iters
+    forwards = [kernels[i * n:(i + 1) * n] for i in range(iters)]
+    if any([k for k, _ in f] != [k for k, _ in forwards[0]] for f in forwards):
+        return {}
+    seen: collections.Counter = collections.Counter()
+    out = {}
+    for pos, (name, _) in enumerate(forwards[0]):
+        out[f"{name}#{seen[name]}"] = round(statistics.median(f[pos][1] for f in forwards), 1)
+        seen[name] += 1
+    return out
 
 
 if __name__ == "__main__":

@@ -74,8 +74,8 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible or n.startswith("stride")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()}, attrs=attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if cfg.max_registers:  # the provider's launch cap (Triton's maxnreg)
-        options["maxnreg"] = cfg.max_registers
+    if cfg.launch_registers(tile_pass):  # the provider's launch cap (Triton's maxnreg)
+        options["maxnreg"] = cfg.launch_registers(tile_pass)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -166,6 +166,11 @@ def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_
     }
 
 
+def launch_passes(cfg) -> tuple[str, ...]:
+    """The tile passes the provider launches for cfg (provider._passes, decoder aside)."""
+    return ("full",) + (("short",) if cfg.tail_m else ()) + (("ride",) if cfg.tail_ride else ())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="")
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tables = (("frag", FRAG_BUCKETS), ("frag8", FRAG8_BUCKETS), ("split", BUCKETS))  # split: row-major MXFP4 the frag layout refuses
     rows = [report(which, cfg, decoder, p) for decoder, table in tables for _, cfg in table
-            for p in (("full", "ride") if cfg.tail_ride else ("full",)) for which in ("gemm1", "gemm2")]
+            for p in launch_passes(cfg) for which in ("gemm1", "gemm2")]
     for r in rows:
         print(json.dumps(r), flush=True)
     if args.json:

@@ -345,6 +345,7 @@ def describe(cfg: TileConfig | None) -> str:
     tail = f" t{cfg.tail_m}" if cfg.tail_m else ""  # short last tiles (TileConfig.tail_m)
     tail += "+ride" if cfg.tail_ride else ""  # ... riding in their expert's previous tile (TileConfig.tail_ride)
     tail += f" r{cfg.max_registers}" if cfg.max_registers else ""  # register cap
+    tail += f" tr{cfg.tail_max_registers}" if cfg.tail_max_registers else ""  # the short launch's own cap
     return f"m{cfg.block_m} n{cfg.block_n1}/{cfg.block_n2} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{tail}"
 
 

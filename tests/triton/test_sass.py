@@ -42,9 +42,11 @@ def sass_rows(tmp_path_factory):
 def test_every_bucket_compiles_both_gemms(sass_rows):
     from megamoe_backend.experts.triton.config import BUCKETS, FRAG8_BUCKETS, FRAG_BUCKETS
 
-    launches = [p for t in (FRAG_BUCKETS, FRAG8_BUCKETS, BUCKETS) for _, c in t for p in (("full", "ride") if c.tail_ride else ("full",))]
+    launches = [p for t in (FRAG_BUCKETS, FRAG8_BUCKETS, BUCKETS) for _, c in t
+                for p in ("full",) + (("short",) if c.tail_m else ()) + (("ride",) if c.tail_ride else ())]
     assert len(sass_rows) == 2 * len(launches)
     assert sum(r["pass"] == "ride" for r in sass_rows) == 2 * launches.count("ride") > 0  # the prefill riders
+    assert sum(r["pass"] == "short" for r in sass_rows) == 2 * launches.count("short") > 0  # mid / prefill short tiles
     for row in sass_rows:
         assert row["loop_hgmma"] > 0, row  # the K loop really runs on wgmma (not an mma.sync fallback)
     assert {r["decoder"] for r in sass_rows} == {"frag", "frag8", "split"}
@@ -67,6 +69,21 @@ def test_no_register_operand_overwritten_in_flight(sass_rows):
     assert rows
     for row in rows:
         assert row["loop_inflight_a_writes"] == 0, row
+
+
+def test_short_tile_launches_fit_their_register_cap(sass_rows):
+    """A short-tile launch runs under its own register cap (TileConfig.tail_max_registers: 128 at mid
+    sizes, four CTAs per SM) and must not spill there: a kernel change that needs more registers
+    would otherwise trade the fourth CTA for local-memory traffic without a word."""
+    from megamoe_backend.experts.triton.config import FRAG8_BUCKETS
+
+    mid = next(c for _, c in FRAG8_BUCKETS if c.tail_max_registers)
+    shorts = [r for r in sass_rows if r["pass"] == "short"]
+    assert shorts
+    for row in shorts:
+        assert row["spill_bytes"] == 0, row
+    capped = [r for r in shorts if r["decoder"] == "frag8" and r["config"][0] == mid.block_m]
+    assert len(capped) == 2 and all(r["registers"] <= mid.tail_max_registers for r in capped), capped
 
 
 def test_decode_loop_stays_lean(sass_rows):

@@ -23,6 +23,7 @@ class TileConfig:
     tail_m: int = 0  # > 0: a tile whose rows from tail_m on are padding runs at height tail_m (mainloop.claim_tile)
     max_registers: int = 0  # > 0: ptxas register cap per thread (Triton's maxnreg), e.g. 168 = 3 CTAs of 4 warps per SM
     tail_ride: bool = False  # with tail_m: a short tile after a full one of its expert rides in that tile's K loop (frag decoders)
+    tail_max_registers: int = 0  # > 0: the short-tile launch's own register cap (else max_registers), e.g. 128 = 4 CTAs per SM
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k"):
@@ -38,9 +39,20 @@ class TileConfig:
             raise ValueError(f"TileConfig.tail_m={t} must be 0 (off) or a power of two in [16, block_m={self.block_m})")
         if self.tail_ride and not t:
             raise ValueError("TileConfig.tail_ride needs tail_m > 0 (the rider's height)")
-        r = self.max_registers
-        if r and (r % 8 or not 24 <= r <= 255):
-            raise ValueError(f"TileConfig.max_registers={r} must be 0 (compiler's choice) or a multiple of 8 in [24, 255]")
+        for name in ("max_registers", "tail_max_registers"):
+            r = getattr(self, name)
+            if r and (r % 8 or not 24 <= r <= 255):
+                raise ValueError(f"TileConfig.{name}={r} must be 0 (compiler's choice) or a multiple of 8 in [24, 255]")
+        if self.tail_max_registers and not t:
+            raise ValueError("TileConfig.tail_max_registers needs tail_m > 0 (it caps the short-tile launch)")
+
+    def launch_registers(self, tile_pass: str) -> int:
+        """ptxas register cap of one launch (0: the compiler's choice). The short-tile launch holds a
+        smaller accumulator than the full one, so it gets its own cap: a cap sized for the full tile
+        (3 CTAs per SM) leaves the short one a few registers above the 4-CTA line."""
+        if tile_pass == "short" and self.tail_max_registers:
+            return self.tail_max_registers
+        return self.max_registers
 
     def with_(self, **kw) -> "TileConfig":
         return replace(self, **kw)
@@ -87,10 +99,13 @@ FRAG_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
 # mostly the weight decode, which does not shrink with its height). tail_ride at prefill: a short
 # tile after a full one of its expert runs in that tile's K loop on the same decoded weights
 # (8192 tokens: faster in 6 of 8 interleaved sustained rounds, median -1.75 %, benchmarks/results/h200_ride_ab.json).
+# tail_max_registers 128 at mid sizes: the short launch needs 130 registers since the K steps retire their
+# wgmmas (mainloop._retire), one CTA per SM fewer; at 128 it has no spill and four again (1024 tokens: kernel
+# sums 1894-1897 -> 1874-1877 us, isolated replays 1897-1899 -> 1878-1880 us, benchmarks/results/h200_regcap_ab.json).
 FRAG8_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
     (16.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4)),
     (48.0, TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4, tail_m=32,
-                      max_registers=168)),
+                      max_registers=168, tail_max_registers=128)),
     (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3, tail_m=16,
                               tail_ride=True)),
 )

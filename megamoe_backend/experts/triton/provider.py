@@ -235,11 +235,13 @@ class TritonExperts(ExpertsProvider):
         limit = math.swiglu_limit
         common = dict(DECODE=mode, USE_ASM=use_asm, BM=cfg.block_m, GROUP_M=cfg.group_m, F32_DOT=interpreting(),
                       TAIL_M=cfg.tail_m, TAIL_RIDE=cfg.tail_ride, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if cfg.max_registers:
-            common["maxnreg"] = cfg.max_registers
 
         n1 = triton.cdiv(2 * inter, cfg.block_n1)
         passes = _passes(cfg, mode)
+        def cap(tile_pass: str) -> dict:
+            r = cfg.launch_registers(tile_pass)
+            return {"maxnreg": r} if r else {}
+
         for tile_pass in passes:
             gemm1_swiglu_kernel[(layout.num_tiles * n1,)](
                 layout.tile_expert, layout.sorted_row, layout.num_tiles,
@@ -249,7 +251,7 @@ class TritonExperts(ExpertsProvider):
                 a2, a2.stride(0), a2_scale, a2_scale.stride(0),
                 hidden, inter, float(limit) if limit is not None else 0.0,
                 W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
-                BN=cfg.block_n1, BK=bk1, BK2=bk2, PASS=tile_pass, **common,
+                BN=cfg.block_n1, BK=bk1, BK2=bk2, PASS=tile_pass, **common, **cap(tile_pass),
             )
         a2_rs = pairs.weight  # frag8 only
         if mode == "frag8":
@@ -276,6 +278,7 @@ class TritonExperts(ExpertsProvider):
                 out, out.stride(0),
                 inter, hidden,
                 W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, OUT_FMT=out_fmt, **common,
+                **cap(tile_pass),
             )
         return out
 
