@@ -23,7 +23,7 @@ class TileConfig:
     tail_m: int = 0  # > 0: a tile whose rows from tail_m on are padding runs at height tail_m (mainloop.claim_tile)
     max_registers: int = 0  # > 0: ptxas register cap per thread (Triton's maxnreg), e.g. 168 = 3 CTAs of 4 warps per SM
     tail_ride: bool = False  # with tail_m: a short tile after a full one of its expert rides in that tile's K loop (frag decoders)
-    tail_max_registers: int = 0  # > 0: the short-tile launch's own register cap (else max_registers), e.g. 128 = 4 CTAs per SM
+    tail_max_registers: int = 0  # > 0: the short-tile launch's own register cap (else max_registers), e.g. 128 = 4 CTAs per SM; moot without tail_m
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k"):
@@ -43,8 +43,6 @@ class TileConfig:
             r = getattr(self, name)
             if r and (r % 8 or not 24 <= r <= 255):
                 raise ValueError(f"TileConfig.{name}={r} must be 0 (compiler's choice) or a multiple of 8 in [24, 255]")
-        if self.tail_max_registers and not t:
-            raise ValueError("TileConfig.tail_max_registers needs tail_m > 0 (it caps the short-tile launch)")
 
     def launch_registers(self, tile_pass: str) -> int:
         """ptxas register cap of one launch (0: the compiler's choice). The short-tile launch holds a
