@@ -166,11 +166,6 @@ def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_
     }
 
 
-def launch_passes(cfg) -> tuple[str, ...]:
-    """The tile passes the provider launches for cfg (provider._passes, decoder aside)."""
-    return ("full",) + (("short",) if cfg.tail_m else ()) + (("ride",) if cfg.tail_ride else ())
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="")
@@ -180,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from megamoe_backend.experts.triton.config import BUCKETS, FRAG8_BUCKETS, FRAG_BUCKETS
 
+    from megamoe_backend.experts.triton.provider import tile_passes
+
     tables = (("frag", FRAG_BUCKETS), ("frag8", FRAG8_BUCKETS), ("split", BUCKETS))  # split: row-major MXFP4 the frag layout refuses
     rows = [report(which, cfg, decoder, p) for decoder, table in tables for _, cfg in table
-            for p in launch_passes(cfg) for which in ("gemm1", "gemm2")]
+            for p in tile_passes(cfg, decoder) for which in ("gemm1", "gemm2")]  # every launch of the provider
     for r in rows:
         print(json.dumps(r), flush=True)
     if args.json:

@@ -5,7 +5,7 @@ dispatch wire delivered), (row, slot, weight) pairs -> fp32 [P, H] route-weighte
 or (``forward_wire``, what the layer calls) those rows as combine wire rows written by GEMM2 itself.
 A forward is five to eleven Triton launches (layout; A converted once per received row, unless bf16
 rows feed frag as they are; GEMM1; frag8's A2 row re-scale; GEMM2; each GEMM twice when the tile
-config has short tiles, three times with tail riders: ``_passes``) and a few sync-free torch ops,
+config has short tiles, three times with tail riders: ``tile_passes``) and a few sync-free torch ops,
 so it can be CUDA-graph captured for a fixed pair count.
 """
 
@@ -237,11 +237,7 @@ class TritonExperts(ExpertsProvider):
                       TAIL_M=cfg.tail_m, TAIL_RIDE=cfg.tail_ride, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
         n1 = triton.cdiv(2 * inter, cfg.block_n1)
-        passes = _passes(cfg, mode)
-        def cap(tile_pass: str) -> dict:
-            r = cfg.launch_registers(tile_pass)
-            return {"maxnreg": r} if r else {}
-
+        passes = tile_passes(cfg, mode)
         for tile_pass in passes:
             gemm1_swiglu_kernel[(layout.num_tiles * n1,)](
                 layout.tile_expert, layout.sorted_row, layout.num_tiles,
@@ -251,7 +247,7 @@ class TritonExperts(ExpertsProvider):
                 a2, a2.stride(0), a2_scale, a2_scale.stride(0),
                 hidden, inter, float(limit) if limit is not None else 0.0,
                 W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
-                BN=cfg.block_n1, BK=bk1, BK2=bk2, PASS=tile_pass, **common, **cap(tile_pass),
+                BN=cfg.block_n1, BK=bk1, BK2=bk2, PASS=tile_pass, **common, **_register_cap(cfg, tile_pass),
             )
         a2_rs = pairs.weight  # frag8 only
         if mode == "frag8":
@@ -278,7 +274,7 @@ class TritonExperts(ExpertsProvider):
                 out, out.stride(0),
                 inter, hidden,
                 W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, OUT_FMT=out_fmt, **common,
-                **cap(tile_pass),
+                **_register_cap(cfg, tile_pass),
             )
         return out
 
@@ -294,7 +290,7 @@ def _result_buffer(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.
     return out
 
 
-def _passes(cfg: TileConfig, mode: str) -> tuple[str, ...]:
+def tile_passes(cfg: TileConfig, mode: str) -> tuple[str, ...]:
     """The launches of each GEMM (mainloop.claim_tile): with tail_m the short tiles run in a launch
     of their own at height tail_m (compiled apart: one kernel holding both heights was measured
     nondeterministic for A8W4 GEMM1 on the H200, docs/triton.md); with tail_ride the short tiles that
@@ -306,6 +302,12 @@ def _passes(cfg: TileConfig, mode: str) -> tuple[str, ...]:
     if mode not in ("frag", "frag8"):
         raise ValueError(f"TileConfig.tail_ride needs a fragment decoder (frag / frag8), not {mode!r}")
     return ("full", "ride", "short")
+
+
+def _register_cap(cfg: TileConfig, tile_pass: str) -> dict:
+    """Launch option for one tile pass's ptxas register cap (TileConfig.launch_registers), or none."""
+    r = cfg.launch_registers(tile_pass)
+    return {"maxnreg": r} if r else {}
 
 
 def _has_mx_activations(math: ExpertMath) -> bool:
