@@ -1,0 +1,37 @@
+"""scripts/profile_experts.py's per-launch split: a GEMM's tile passes (full / short / ride) are
+launches of one kernel name, so the A/B numbers in docs/triton.md that name a single pass depend on
+telling them apart by their order inside a forward. Pure Python; no GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "profile_experts.py"
+
+
+def _per_launch():
+    spec = importlib.util.spec_from_file_location("profile_experts", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.per_launch
+
+
+def test_launches_are_keyed_by_order_and_take_the_median():
+    per_launch = _per_launch()
+    forward = ["layout", "gemm1", "gemm1", "rowscale", "gemm2", "gemm2"]
+    times = [[1, 600, 500, 10, 300, 250], [2, 640, 560, 12, 330, 290], [3, 610, 520, 11, 310, 260]]
+    kernels = [(name, t) for row in times for name, t in zip(forward, row)]
+    out = per_launch(kernels, 3)
+    assert list(out) == ["layout#0", "gemm1#0", "gemm1#1", "rowscale#0", "gemm2#0", "gemm2#1"]
+    assert out["gemm1#0"] == 610 and out["gemm1#1"] == 520 and out["gemm2#1"] == 260  # medians, per position
+
+
+def test_forwards_that_do_not_line_up_give_nothing():
+    per_launch = _per_launch()
+    assert per_launch([("a", 1.0), ("b", 2.0), ("a", 1.0)], 2) == {}  # not a whole number of forwards
+    assert per_launch([("a", 1.0), ("b", 2.0), ("b", 2.0), ("a", 1.0)], 2) == {}  # different launch order
+    assert per_launch([], 3) == {}
