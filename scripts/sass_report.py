@@ -74,8 +74,9 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible or n.startswith("stride")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()}, attrs=attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if cfg.launch_registers(tile_pass):  # the provider's launch cap (Triton's maxnreg)
-        options["maxnreg"] = cfg.launch_registers(tile_pass)
+    cap = cfg.launch_registers(tile_pass)  # the provider's launch cap (Triton's maxnreg)
+    if cap:
+        options["maxnreg"] = cap
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

@@ -262,22 +262,28 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
+def graph_or_eager(fn) -> tuple:
+    """(call, graphed): fn's CUDA-graph replay (capturing also proves the forward is capturable), or fn
+    itself where capture fails (reported; the case records graphed=False) or there is no GPU."""
+    if not torch.cuda.is_available() or interpreting():
+        return fn, False
+    try:
+        return capture_graph(fn).replay, True
+    except Exception as exc:  # noqa: BLE001 - fall back to eager timing, recorded in the case
+        print(f"  graph capture failed ({type(exc).__name__}: {exc}); timing eagerly", file=sys.stderr)
+        torch.cuda.synchronize()
+        return fn, False
+
+
 def time_fn(fn, use_graph: bool) -> tuple[float, bool]:
-    """Median µs per call; CUDA-graph replays when possible (that also proves capture works)."""
+    """Median µs per call; CUDA-graph replays when possible (graph_or_eager)."""
     if not torch.cuda.is_available() or interpreting():
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6, False
     fn()
     torch.cuda.synchronize()
-    call = fn
-    graphed = False
-    if use_graph:
-        try:
-            call, graphed = capture_graph(fn).replay, True
-        except Exception as exc:  # noqa: BLE001 - fall back to eager timing, recorded in the case
-            print(f"  graph capture failed ({type(exc).__name__}: {exc}); timing eagerly", file=sys.stderr)
-            torch.cuda.synchronize()
+    call, graphed = graph_or_eager(fn) if use_graph else (fn, False)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     call()
@@ -377,11 +383,12 @@ def run_case(c: Case, fn, check) -> Case:
         y = fn()
         c.rel_l2_fp32, c.rel_l2_ref = check(y)
         del y
+        call, c.graph = graph_or_eager(fn)  # one capture serves both timings
         with ClockSampler(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")) as clock:
-            c.us, c.graph = time_fn(fn, use_graph=True)
+            c.us, _ = time_fn(call, use_graph=False)
         c.clock = clock.stats()
         if c.graph:  # the same forward near full clock, beside the power-capped sustained figure
-            c.us_isolated = statistics.median(time_isolated(capture_graph(fn).replay, 7, idle_s=0.05))
+            c.us_isolated = statistics.median(time_isolated(call, 7, idle_s=0.05))
     except Exception as exc:  # noqa: BLE001 - one failing variant must not sink the whole sweep
         c.error = f"{type(exc).__name__}: {str(exc)[:400]}"
         print(f"  FAILED {c.provider} {c.scheme} E{c.experts} T{c.tokens} {c.config}: {c.error}", file=sys.stderr)
