@@ -16,6 +16,10 @@ the time that remains is what the decode does not cost.
     # what GEMM2 writes: fp32 rows, fp32 rows + the layer's old torch encode to a combine wire, or the wire row itself
     PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 8192 \\
         --out f32 f32+bf16 bf16 f32+fp8_blockwise_1x32 fp8_blockwise_1x32
+    # timing proxy: beside the bench's routing, the same with the pairs of every expert holding 33-48 of them
+    # cut to its first 32 (those experts then run in 32-row tiles: what half the MMA width would buy them;
+    # the cut pairs' rows are not computed, so not a result the provider gives)
+    PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 --trim 33:48:32 --out bf16 --rounds 3
 
 Kernel sums time a few forwards after the GPU idled, at full clock; under sustained load the H200
 here runs power-capped and ~10 % slower (docs/triton.md), and a tile can win one way and tie the
@@ -55,6 +59,9 @@ def main() -> int:
                     choices=["f32", "f32+bf16", "f32+fp8_blockwise_1x32", "bf16", "fp8_blockwise_1x32"],
                     help="what a forward returns: fp32 rows (forward), fp32 rows then WireFormat.encode to that combine "
                          "wire in torch (f32+WIRE: the layer before forward_wire), or the combine wire written by GEMM2 (forward_wire)")
+    ap.add_argument("--trim", default="",
+                    help="LO:HI:KEEP: also time each token count with the pairs of every expert holding LO..HI of them "
+                         "cut to its first KEEP (a timing proxy for narrower tiles; the cut rows are not computed)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -100,17 +107,24 @@ def main() -> int:
 
     rows = []
     for tokens in args.tokens:
-        x, pairs = make_routing(tokens, args.experts, 6, 7168, dev, tokens)
+        x, full = make_routing(tokens, args.experts, 6, 7168, dev, tokens)
         a = quantize_rows(x, "fp8")
-        calls = [forward_of(TritonExperts(capacity=len(pairs), decoder=d, config=cfg), d, o, a, pairs) for d, cfg, o in runs]
+        routings = [("all", full)]
+        if args.trim:
+            lo, hi, keep = map(int, args.trim.split(":"))
+            routings.append((f"trim {args.trim}", trim_pairs(full, args.experts, lo, hi, keep)))
+        cases = [(r, run) for r in routings for run in runs]
+        calls = [forward_of(TritonExperts(capacity=len(p), decoder=d, config=cfg), d, o, a, p) for (_, p), (d, cfg, o) in cases]
         for call in calls:
             for _ in range(3):
                 call()
         torch.cuda.synchronize()
         for rnd in range(args.rounds):
-            for (dec, cfg, out), call in zip(runs, calls):
+            for ((routing, pairs), (dec, cfg, out)), call in zip(cases, calls):
                 row = {"variant": args.variant, "decoder": dec, "experts": args.experts, "tokens": tokens, "out": out,
                        "round": rnd, "config": None if cfg is None else list(vars(cfg).values())}
+                if args.trim:
+                    row.update(routing=routing, pairs=len(pairs))
                 if args.sustained or args.isolated:
                     with ClockSampler(dev) as clock:
                         if args.sustained:
@@ -140,6 +154,20 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def trim_pairs(pairs, n_exp: int, lo: int, hi: int, keep: int):
+    """The routing with, for every expert holding lo..hi pairs, only its first ``keep`` pairs (in
+    pair order). A timing proxy: those experts' tiles then run at the height of ``keep`` rows."""
+    from megamoe_backend.experts import ExpertPairs
+
+    counts = torch.bincount(pairs.slot, minlength=n_exp)
+    order = torch.argsort(pairs.slot, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order), device=order.device) - (torch.cumsum(counts, 0) - counts)[pairs.slot[order]]
+    n = counts[pairs.slot]
+    kept = ~((n >= lo) & (n <= hi) & (rank >= keep))
+    return ExpertPairs(pairs.row[kept], pairs.slot[kept].contiguous(), pairs.weight[kept].contiguous())
 
 
 def per_launch(kernels: list[tuple[str, float]], iters: int) -> dict[str, float]:
