@@ -57,7 +57,7 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
         const = dict(W_FMT="mxfp4", A_FMT=a_fmt, PLAIN=False, HAS_LIMIT=True, DECODE=decoder, USE_ASM=True,
                      BN=cfg.block_n1, BM=cfg.block_m, BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m,
                      F32_DOT=False, BK2=reduction_block(3072, cfg.block_k), TAIL_M=cfg.tail_m, PASS=tile_pass,
-                     TAIL_RIDE=cfg.tail_ride)
+                     TAIL_RIDE=cfg.tail_ride, W_FULL=6144 % cfg.block_n1 == 0)
         sig = {n: ("constexpr" if n in const else "fp32" if n == "limit" else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "I"}
     else:
@@ -67,7 +67,7 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
                 "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": out_ty, **rows}
         const = dict(W_FMT="mxfp4", A_FMT="fp8" if decoder == "frag8" else "bf16", DECODE=decoder, USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
                      BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False, TAIL_M=cfg.tail_m, PASS=tile_pass,
-                     TAIL_RIDE=cfg.tail_ride, OUT_FMT=out_fmt)
+                     TAIL_RIDE=cfg.tail_ride, OUT_FMT=out_fmt, W_FULL=7168 % cfg.block_n2 == 0)
         sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "N"}
     names = fn.arg_names

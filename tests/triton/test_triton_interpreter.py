@@ -251,6 +251,26 @@ def test_experts_match_reference(decoder, quant, wfmt, layout, limit):
     assert _rel(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("decoder,quant,hidden,inter", [("frag8", "a8w4", 384, 384), ("frag", "bf16", 192, 192)])
+def test_weight_tiles_past_the_last_row_match_reference(decoder, quant, hidden, inter):
+    """The fragment loops drop the weight rows' load mask when the tiles divide N (W_FULL: the DeepSeek
+    shapes and every other test here); this runs the masked loop, where the last tile reaches past N:
+    GEMM1's N = 2 x inter and GEMM2's N = hidden are not multiples of block_n1 / block_n2 here. (Rows
+    past N only feed output columns that are never stored, so what the mask guards is memory safety,
+    which the interpreter does not check.)"""
+    cfg = K["config"].TileConfig(block_m=16, block_n1=512 if decoder == "frag8" else 256, block_n2=256 if decoder == "frag8" else 128,
+                                 block_k=128 if decoder == "frag8" else 64, num_warps=4, num_stages=1, group_m=2)
+    assert (2 * inter) % cfg.block_n1 and hidden % cfg.block_n2
+    weights, x, pairs = _problem("mxfp4", hidden=hidden, inter=inter, tokens=5)
+    math = ExpertMath(quant, 10.0)
+    a = x if math.a_format is None else quantize_mx(x, math.a_format)
+    ref = TorchReferenceExperts().forward(a, pairs, weights, math)
+    prov = K["provider"].TritonExperts(decoder=decoder, config=cfg)
+    out = torch.full((len(pairs), hidden), float("nan"))
+    prov.forward(a, pairs, prov.prepare_weights(weights, math), math, out=out)
+    assert torch.isfinite(out).all() and _rel(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("decoder,quant,ride", [("frag8", "a8w4", False), ("frag8", "a8w4", True), ("frag8", "a4w4", True),
                                                 ("frag", "bf16", False), ("frag", "a8w4", True), ("split", "a4w4", False)])
 def test_short_tiles_match_reference(decoder, quant, ride):

@@ -28,7 +28,7 @@ def gemm1_swiglu_kernel(
     W_FMT: tl.constexpr, A_FMT: tl.constexpr, PLAIN: tl.constexpr, HAS_LIMIT: tl.constexpr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     GROUP_M: tl.constexpr, F32_DOT: tl.constexpr, BK2: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr,
-    TAIL_RIDE: tl.constexpr,
+    TAIL_RIDE: tl.constexpr, W_FULL: tl.constexpr,
 ):
     expert, row0, pid_n, mine = claim_tile(tile_expert_ptr, sorted_row_ptr, num_m_tiles, tl.cdiv(2 * I, BN), GROUP_M, BM, TAIL_M,
                                            PASS, TAIL_RIDE)
@@ -41,7 +41,7 @@ def gemm1_swiglu_kernel(
         expert, row0, pid_n, sorted_row_ptr, a_ptr, stride_am, as_ptr, stride_asm,
         w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr,
         o_ptr, stride_om, os_ptr, stride_osm, K, I, limit,
-        W_FMT, A_FMT, PLAIN, HAS_LIMIT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, BK2, RIDE,
+        W_FMT, A_FMT, PLAIN, HAS_LIMIT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, BK2, RIDE, W_FULL,
     )
 
 
@@ -52,7 +52,7 @@ def _gemm1_tile(
     o_ptr, stride_om, os_ptr, stride_osm, K, I, limit,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr, PLAIN: tl.constexpr, HAS_LIMIT: tl.constexpr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    F32_DOT: tl.constexpr, BK2: tl.constexpr, RIDE: tl.constexpr,
+    F32_DOT: tl.constexpr, BK2: tl.constexpr, RIDE: tl.constexpr, W_FULL: tl.constexpr,
 ):
     """One BN x BM tile of GEMM1 + epilogue (BM: the tile height, or TAIL_M for a short tile), and
     with RIDE > 0 the first RIDE rows of the next tile as a rider (frag decoders only)."""
@@ -72,7 +72,7 @@ def _gemm1_tile(
         acc, acc_r, r_rows, _ = frag_tile_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16),
             (2 * I) // 16, a_ptr, row0, a_rows, valid, stride_am, ars_ptr, K, sorted_row_ptr,
-            DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE, True,
+            DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE, True, W_FULL,
         )
     else:
         tl.static_assert(RIDE == 0, "tail riders need a fragment decoder (frag / frag8)")

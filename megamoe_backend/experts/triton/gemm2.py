@@ -30,6 +30,7 @@ def gemm2_weighted_kernel(
     W_FMT: tl.constexpr, A_FMT: tl.constexpr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     F32_DOT: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr, TAIL_RIDE: tl.constexpr, OUT_FMT: tl.constexpr,
+    W_FULL: tl.constexpr,
 ):
     expert, row0, pid_n, mine = claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, tl.cdiv(N, BN), GROUP_M, BM, TAIL_M,
                                            PASS, TAIL_RIDE)
@@ -41,7 +42,7 @@ def gemm2_weighted_kernel(
     _gemm2_tile(
         expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
         w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om,
-        K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, RIDE, OUT_FMT,
+        K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, RIDE, OUT_FMT, W_FULL,
     )
 
 
@@ -51,6 +52,7 @@ def _gemm2_tile(
     w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om, K, N,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr, DECODE: tl.constexpr, USE_ASM: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr, RIDE: tl.constexpr, OUT_FMT: tl.constexpr,
+    W_FULL: tl.constexpr,
 ):
     """One BN x BM output tile (BM: the tile height, or TAIL_M for a short tile's first rows), and with
     RIDE > 0 the first RIDE rows of the next tile as a rider (frag decoders only)."""
@@ -65,7 +67,7 @@ def _gemm2_tile(
         acc, acc_r, _, r_pair = frag_tile_mainloop(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16),
             N // 16, a_ptr, row0, rows, valid, stride_am, ars_ptr, K, sorted_pair_ptr,
-            DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE, False,
+            DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE, False, W_FULL,
         )
     else:
         tl.static_assert(RIDE == 0, "tail riders need a fragment decoder (frag / frag8)")

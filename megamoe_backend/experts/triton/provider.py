@@ -247,7 +247,8 @@ class TritonExperts(ExpertsProvider):
                 a2, a2.stride(0), a2_scale, a2_scale.stride(0),
                 hidden, inter, float(limit) if limit is not None else 0.0,
                 W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
-                BN=cfg.block_n1, BK=bk1, BK2=bk2, PASS=tile_pass, **common, **_register_cap(cfg, tile_pass),
+                BN=cfg.block_n1, BK=bk1, BK2=bk2, PASS=tile_pass, W_FULL=(2 * inter) % cfg.block_n1 == 0, **common,
+                **_register_cap(cfg, tile_pass),
             )
         a2_rs = pairs.weight  # frag8 only
         if mode == "frag8":
@@ -273,7 +274,8 @@ class TritonExperts(ExpertsProvider):
                 w2_rs, w2_rs.stride(0), a2_rs,
                 out, out.stride(0),
                 inter, hidden,
-                W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, OUT_FMT=out_fmt, **common,
+                W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, OUT_FMT=out_fmt,
+                W_FULL=hidden % cfg.block_n2 == 0, **common,
                 **_register_cap(cfg, tile_pass),
             )
         return out
