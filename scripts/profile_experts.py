@@ -64,6 +64,14 @@ def main() -> int:
                          "cut to its first KEEP (a timing proxy for narrower tiles; the cut rows are not computed)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    trim = None
+    if args.trim:
+        try:
+            trim = tuple(int(v) for v in args.trim.split(":"))
+        except ValueError:
+            trim = ()
+        if len(trim) != 3 or not 0 < trim[2] < trim[0] <= trim[1]:
+            ap.error(f"--trim {args.trim!r}: want LO:HI:KEEP with 0 < KEEP < LO <= HI (e.g. 33:48:32)")
     if not torch.cuda.is_available():
         print("profile_experts needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -110,9 +118,8 @@ def main() -> int:
         x, full = make_routing(tokens, args.experts, 6, 7168, dev, tokens)
         a = quantize_rows(x, "fp8")
         routings = [("all", full)]
-        if args.trim:
-            lo, hi, keep = map(int, args.trim.split(":"))
-            routings.append((f"trim {args.trim}", trim_pairs(full, args.experts, lo, hi, keep)))
+        if trim:
+            routings.append((f"trim {args.trim}", trim_pairs(full, args.experts, *trim)))
         cases = [(r, run) for r in routings for run in runs]
         calls = [forward_of(TritonExperts(capacity=len(p), decoder=d, config=cfg), d, o, a, p) for (_, p), (d, cfg, o) in cases]
         for call in calls:

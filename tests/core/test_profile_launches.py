@@ -59,3 +59,12 @@ def test_trim_keeps_the_first_pairs_of_the_experts_in_range():
         assert torch.equal(kept, pairs.row[mine[: len(kept)]])
         assert torch.equal(out.weight[out.slot == e], pairs.weight[mine[: len(kept)]])
     assert torch.equal(trim_pairs(pairs, 5, 60, 64, 32).row, pairs.row)  # no expert in range: unchanged
+
+
+@pytest.mark.parametrize("bad", ["33:48", "a:b:c", "33:48:40", "48:33:32"])
+def test_bad_trim_is_refused_naming_the_option(bad):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(_PATH), "--trim", bad], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--trim" in proc.stderr and "LO:HI:KEEP" in proc.stderr, proc.stderr[-500:]
