@@ -34,6 +34,9 @@ def _tools() -> tuple[str, str]:
     return str(bin_dir / "ptxas"), str(bin_dir / "nvdisasm")
 
 
+HIDDEN, INTER = 7168, 3072  # DSV4-Pro: GEMM1 is [2 x INTER, HIDDEN], GEMM2 [HIDDEN, INTER]
+
+
 def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", tile_pass: str = "full", out_fmt: str = "bf16"):
     """triton.compile of gemm1_swiglu_kernel / gemm2_weighted_kernel with the frag or split decoder
     (both read bf16 A gathered by gather.py) or frag8 (e4m3 A), as the provider launches them (DSV4-Pro
@@ -51,23 +54,23 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
     o_ty = "*u8" if decoder == "frag8" else "*bf16"  # frag8: GEMM1 writes A2 in the MX wire format
     rows = {"wrs_ptr": "*fp32", "ars_ptr": "*fp32"}
     if which == "gemm1":
-        fn, k = gemm1_swiglu_kernel, 7168
+        fn, k = gemm1_swiglu_kernel, HIDDEN
         ptrs = {"tile_expert_ptr": "*i32", "sorted_row_ptr": "*i32", "a_ptr": a_ty,
                 "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "o_ptr": o_ty, "os_ptr": "*u8", **rows}
         const = dict(W_FMT="mxfp4", A_FMT=a_fmt, PLAIN=False, HAS_LIMIT=True, DECODE=decoder, USE_ASM=True,
                      BN=cfg.block_n1, BM=cfg.block_m, BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m,
-                     F32_DOT=False, BK2=reduction_block(3072, cfg.block_k), TAIL_M=cfg.tail_m, PASS=tile_pass,
-                     TAIL_RIDE=cfg.tail_ride, W_FULL=6144 % cfg.block_n1 == 0)
+                     F32_DOT=False, BK2=reduction_block(INTER, cfg.block_k), TAIL_M=cfg.tail_m, PASS=tile_pass,
+                     TAIL_RIDE=cfg.tail_ride, W_FULL=(2 * INTER) % cfg.block_n1 == 0)  # as the provider decides it
         sig = {n: ("constexpr" if n in const else "fp32" if n == "limit" else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "I"}
     else:
-        fn, k = gemm2_weighted_kernel, 3072
+        fn, k = gemm2_weighted_kernel, INTER
         out_ty = {"f32": "*fp32", "bf16": "*bf16", "fp8": "*u8"}[out_fmt]
         ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "route_w_ptr": "*fp32", "a_ptr": a_ty,
                 "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": out_ty, **rows}
         const = dict(W_FMT="mxfp4", A_FMT="fp8" if decoder == "frag8" else "bf16", DECODE=decoder, USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
                      BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False, TAIL_M=cfg.tail_m, PASS=tile_pass,
-                     TAIL_RIDE=cfg.tail_ride, OUT_FMT=out_fmt, W_FULL=7168 % cfg.block_n2 == 0)
+                     TAIL_RIDE=cfg.tail_ride, OUT_FMT=out_fmt, W_FULL=HIDDEN % cfg.block_n2 == 0)
         sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "N"}
     names = fn.arg_names
@@ -145,7 +148,7 @@ def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_
         if m:
             ops[m.group(2).split(".")[0]] += 1
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", info)]
-    block_k = {"gemm1": 7168, "gemm2": 3072}[which]
+    block_k = {"gemm1": HIDDEN, "gemm2": INTER}[which]
     from megamoe_backend.experts.triton.config import reduction_block
 
     weights_per_thread = cfg.block_n1 if which == "gemm1" else cfg.block_n2

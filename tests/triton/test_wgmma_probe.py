@@ -24,7 +24,8 @@ def test_probe_loop_is_the_frag8_step_mma(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "wgmma_probe.py"), "--sass"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "No such file" in proc.stderr:
-        pytest.skip("needs the ptxas bundled in Triton's NVIDIA backend")
+        pytest.skip("the sm_90a check needs the ptxas bundled in Triton's NVIDIA backend; this Triton wheel ships none "
+                    "(e.g. a ROCm build)")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert sorted((r["N"], r["retire"]) for r in rows) == [(n, t) for n in (16, 32, 64, 128) for t in (0, 1)]

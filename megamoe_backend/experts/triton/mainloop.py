@@ -276,7 +276,8 @@ def frag_mainloop(
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     F32_DOT: tl.constexpr, W_FULL: tl.constexpr = False,
 ):
-    """acc[BN, BM] += W[BN, K] @ A[BM, K]^T with W in fragment order (fragments.py); see frag_mainloop_ride."""
+    """acc[BN, BM] += W[BN, K] @ A[BM, K]^T with W in fragment order (fragments.py); see frag_mainloop_ride.
+    W_FULL defaults to the masked loads for the standalone probes (scripts/gluon_*probe.py) that call this."""
     acc, _ = frag_mainloop_ride(
         acc, acc, w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, a_rows, a_mask, a_rows, a_mask, stride_am, ars_ptr, K,
         DECODE, USE_ASM, BN, BM, BK, F32_DOT, 0, W_FULL,
@@ -288,7 +289,7 @@ def frag_mainloop(
 def frag_tile_mainloop(
     acc, w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, row0, a_rows, valid, stride_am, ars_ptr, K, sorted_ptr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    F32_DOT: tl.constexpr, RIDE: tl.constexpr, A_ROWS_MAPPED: tl.constexpr, W_FULL: tl.constexpr = False,
+    F32_DOT: tl.constexpr, RIDE: tl.constexpr, A_ROWS_MAPPED: tl.constexpr, W_FULL: tl.constexpr,
 ):
     """A GEMM tile's K loop over fragment weights for the tile's rows (row0 + arange(BM); their A rows
     ``a_rows``), plus, with RIDE > 0, the rider: the next tile's first RIDE rows (claim_tile's "ride"
@@ -321,7 +322,7 @@ def frag_tile_mainloop(
 def frag_mainloop_ride(
     acc, acc_r, w_ptr, ws_ptr, wrs_ptr, rb0, num_rb, a_ptr, a_rows, a_mask, r_rows, r_mask, stride_am, ars_ptr, K,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    F32_DOT: tl.constexpr, RIDE: tl.constexpr, W_FULL: tl.constexpr = False,
+    F32_DOT: tl.constexpr, RIDE: tl.constexpr, W_FULL: tl.constexpr,
 ):
     """acc[BN, BM] += W[BN, K] @ A[BM, K]^T with W in fragment order (fragments.py), and with RIDE > 0
     also acc_r[BN, RIDE] += W @ A[r_rows]^T for a rider's rows (claim_tile's "ride" pass) from the
