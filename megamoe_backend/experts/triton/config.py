@@ -90,7 +90,8 @@ FRAG_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
 # (four k32 wgmmas per m64 slab; the weights' K order needs exactly 128). H200 interleaved A/B
 # (docs/triton.md): BN 128 at decode sizes (BN 256 within 1 %); at mid sizes BM 64 (one tile per expert)
 # x BN 128 capped at 168 registers, so three CTAs share an SM (the latency-bound loop wants warps:
-# -7 % against BN 256 at 255 registers and two CTAs); BM 128 x BN 128 for prefill. tail_m:
+# -7 % against BN 256 at 255 registers and two CTAs; at DSV4-Pro shapes with W_FULL ptxas fits 168
+# uncapped, 170 before: the cap guards other shapes and toolchains); BM 128 x BN 128 for prefill. tail_m:
 # an expert's last tile runs at that height, in a second launch, when its rows end before it
 # (mainloop.claim_tile): 1024 tokens -4 % with 32, 8192 tokens -4..-8 % with 16 (3 interleaved rounds each,
 # benchmarks/results/h200_tail_ab.json; 32 / 64 at prefill measured slower: a short tile's cost is
