@@ -49,6 +49,7 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
     from megamoe_backend.experts.triton.config import reduction_block
     from megamoe_backend.experts.triton.gemm1 import gemm1_swiglu_kernel
     from megamoe_backend.experts.triton.gemm2 import gemm2_weighted_kernel
+    from megamoe_backend.experts.triton.provider import whole_weight_tiles
 
     a_ty = "*fp8e4nv" if decoder == "frag8" else "*bf16"
     o_ty = "*u8" if decoder == "frag8" else "*bf16"  # frag8: GEMM1 writes A2 in the MX wire format
@@ -60,7 +61,7 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
         const = dict(W_FMT="mxfp4", A_FMT=a_fmt, PLAIN=False, HAS_LIMIT=True, DECODE=decoder, USE_ASM=True,
                      BN=cfg.block_n1, BM=cfg.block_m, BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m,
                      F32_DOT=False, BK2=reduction_block(INTER, cfg.block_k), TAIL_M=cfg.tail_m, PASS=tile_pass,
-                     TAIL_RIDE=cfg.tail_ride, W_FULL=(2 * INTER) % cfg.block_n1 == 0)  # as the provider decides it
+                     TAIL_RIDE=cfg.tail_ride, W_FULL=whole_weight_tiles(2 * INTER, cfg.block_n1))
         sig = {n: ("constexpr" if n in const else "fp32" if n == "limit" else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "I"}
     else:
@@ -70,7 +71,7 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
                 "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": out_ty, **rows}
         const = dict(W_FMT="mxfp4", A_FMT="fp8" if decoder == "frag8" else "bf16", DECODE=decoder, USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
                      BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False, TAIL_M=cfg.tail_m, PASS=tile_pass,
-                     TAIL_RIDE=cfg.tail_ride, OUT_FMT=out_fmt, W_FULL=HIDDEN % cfg.block_n2 == 0)
+                     TAIL_RIDE=cfg.tail_ride, OUT_FMT=out_fmt, W_FULL=whole_weight_tiles(HIDDEN, cfg.block_n2))
         sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "N"}
     names = fn.arg_names
@@ -130,17 +131,33 @@ def _inflight_a_writes(loop: list[str]) -> int:
     return writes
 
 
-def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_fmt: str = "bf16") -> dict:
-    """tile_pass: the launch compiled ("full"; "ride" = full tiles carrying a tail rider, TileConfig.tail_ride);
-    out_fmt: GEMM2's output (compile_gemm)."""
+def machine_code(kernel) -> tuple[str, str]:
+    """(SASS of the cubin Triton produced, ptxas -v's report on its PTX: registers, spills, C75xx
+    wgmma-serialisation infos) for a kernel compiled for sm_90a."""
     ptxas, nvdisasm = _tools()
-    kernel = compile_gemm(which, cfg, decoder, tile_pass=tile_pass, out_fmt=out_fmt)
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         Path(ptx).write_text(kernel.asm["ptx"])
         info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True).stderr
         Path(cubin).write_bytes(kernel.asm["cubin"])  # disassemble what Triton itself produced
         sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
+    return sass, info
+
+
+def registers_used(info: str) -> int:
+    """Registers per thread from ptxas -v (machine_code)."""
+    return int(re.search(r"Used (\d+) registers", info).group(1))
+
+
+def full_wgmma_waits(loop: list[str]) -> int:
+    """Waits in a loop that retire every wgmma in flight (wait_group 0)."""
+    return sum("DEPBAR.LE gsb0, 0x0" in x for x in loop)
+
+
+def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_fmt: str = "bf16") -> dict:
+    """tile_pass: the launch compiled ("full"; "ride" = full tiles carrying a tail rider, TileConfig.tail_ride);
+    out_fmt: GEMM2's output (compile_gemm)."""
+    sass, info = machine_code(compile_gemm(which, cfg, decoder, tile_pass=tile_pass, out_fmt=out_fmt))
     loop = _k_loop(sass)
     ops = collections.Counter()
     for line in loop:
@@ -159,12 +176,12 @@ def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_
         "pass": tile_pass,
         "out": out_fmt if which == "gemm2" else "",
         "config": [cfg.block_m, cfg.block_n1 if which == "gemm1" else cfg.block_n2, cfg.block_k, cfg.num_warps, cfg.num_stages],
-        "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+        "registers": registers_used(info),
         "spill_bytes": sum(spills),
         "wgmma_serialized": "C7515" in info or "C7510" in info,
         "loop_instructions": sum(ops.values()),
         "loop_hgmma": ops["HGMMA"] + ops["QGMMA"],  # bf16 / fp8 wgmma
-        "loop_full_wgmma_waits": sum("DEPBAR.LE gsb0, 0x0" in x for x in loop),
+        "loop_full_wgmma_waits": full_wgmma_waits(loop),
         "loop_inflight_a_writes": _inflight_a_writes(loop),
         "loop_instructions_per_weight": round(sum(ops.values()) / max(1, weights_per_thread), 3),
     }

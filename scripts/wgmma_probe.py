@@ -22,11 +22,9 @@ QGMMA.64xNx32 per step, one full wait per step with the retire, none without).
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -65,32 +63,26 @@ def compiled_loops() -> list[dict]:
     from triton.compiler import ASTSource
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from sass_report import _k_loop, _tools
+    from sass_report import _k_loop, full_wgmma_waits, machine_code, registers_used
 
-    ptxas, nvdisasm = _tools()
     sig = {"w_ptr": "*u8", "a_ptr": "*fp8e4nv", "out_ptr": "*fp32", "ITERS": "i32",
            "BN": "constexpr", "BK": "constexpr", "N": "constexpr", "RETIRE": "constexpr"}
     rows = []
     for n in (16, 32, 64, 128):
         for retire in (1, 0):
             src = ASTSource(fn=mma_steps_kernel, signature=sig, constexprs={"BN": BN, "BK": BK, "N": n, "RETIRE": retire})
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
-            with tempfile.TemporaryDirectory() as tmp:
-                cubin, ptx = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
-                Path(cubin).write_bytes(kernel.asm["cubin"])
-                Path(ptx).write_text(kernel.asm["ptx"])
-                loop = _k_loop(subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout)
-                info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "v.cubin")],
-                                      capture_output=True, text=True).stderr
+            sass, info = machine_code(triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                                     options={"num_warps": 4, "num_stages": 1}))
+            loop = _k_loop(sass)
             mma = [m for x in loop if (m := re.search(r"QGMMA\.(\d+x\d+x\d+)\.F32\.E4M3\.E4M3 R\d+, (\S+),", x))]
             # the loop may be unrolled: count per iteration by the wgmmas one step issues (BN/64 slabs x BK/32)
             per_step = (BN // 64) * (BK // 32)
             rows.append({"N": n, "retire": retire, "loop_wgmmas": len(mma), "steps_in_loop": len(mma) // per_step,
                          "shapes": sorted({m.group(1) for m in mma}),
                          "a_from_registers": all(m.group(2).startswith("R") for m in mma),
-                         "full_waits": sum("DEPBAR.LE gsb0, 0x0" in x for x in loop),
+                         "full_waits": full_wgmma_waits(loop),
                          # resident CTAs of 4 warps per SM are capped by registers: 65536 / (128 x registers)
-                         "registers": int(re.search(r"Used (\d+) registers", info).group(1))})
+                         "registers": registers_used(info)})
     return rows
 
 

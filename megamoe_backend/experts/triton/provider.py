@@ -247,7 +247,7 @@ class TritonExperts(ExpertsProvider):
                 a2, a2.stride(0), a2_scale, a2_scale.stride(0),
                 hidden, inter, float(limit) if limit is not None else 0.0,
                 W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
-                BN=cfg.block_n1, BK=bk1, BK2=bk2, PASS=tile_pass, W_FULL=(2 * inter) % cfg.block_n1 == 0, **common,
+                BN=cfg.block_n1, BK=bk1, BK2=bk2, PASS=tile_pass, W_FULL=whole_weight_tiles(2 * inter, cfg.block_n1), **common,
                 **_register_cap(cfg, tile_pass),
             )
         a2_rs = pairs.weight  # frag8 only
@@ -275,7 +275,7 @@ class TritonExperts(ExpertsProvider):
                 out, out.stride(0),
                 inter, hidden,
                 W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, OUT_FMT=out_fmt,
-                W_FULL=hidden % cfg.block_n2 == 0, **common,
+                W_FULL=whole_weight_tiles(hidden, cfg.block_n2), **common,
                 **_register_cap(cfg, tile_pass),
             )
         return out
@@ -304,6 +304,12 @@ def tile_passes(cfg: TileConfig, mode: str) -> tuple[str, ...]:
     if mode not in ("frag", "frag8"):
         raise ValueError(f"TileConfig.tail_ride needs a fragment decoder (frag / frag8), not {mode!r}")
     return ("full", "ride", "short")
+
+
+def whole_weight_tiles(n: int, block_n: int) -> bool:
+    """The GEMM's weight tiles all lie inside its N rows (true at DeepSeek shapes), so the K loops load
+    them without a row mask (W_FULL, mainloop.frag_mainloop_ride)."""
+    return n % block_n == 0
 
 
 def _register_cap(cfg: TileConfig, tile_pass: str) -> dict:
