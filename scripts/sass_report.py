@@ -165,11 +165,11 @@ def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_
         if m:
             ops[m.group(2).split(".")[0]] += 1
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", info)]
-    block_k = {"gemm1": HIDDEN, "gemm2": INTER}[which]
     from megamoe_backend.experts.triton.config import reduction_block
 
+    k = {"gemm1": HIDDEN, "gemm2": INTER}[which]  # the GEMM's reduction length; its K step is reduction_block(k, ...)
     weights_per_thread = cfg.block_n1 if which == "gemm1" else cfg.block_n2
-    weights_per_thread = weights_per_thread * reduction_block(block_k, cfg.block_k) // (32 * cfg.num_warps)
+    weights_per_thread = weights_per_thread * reduction_block(k, cfg.block_k) // (32 * cfg.num_warps)
     return {
         "kernel": which,
         "decoder": decoder,

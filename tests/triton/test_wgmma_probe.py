@@ -7,27 +7,16 @@ benchmarks/results/h200_wgmma_probe.json and docs/triton.md."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton", reason="the probe is a Triton kernel")
-ROOT = Path(__file__).resolve().parents[2]
+from sm90a_script import run_sm90a_script  # noqa: E402
 
 
 def test_probe_loop_is_the_frag8_step_mma(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "wgmma_probe.py"), "--sass"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "No such file" in proc.stderr:
-        pytest.skip("the sm_90a check needs the ptxas bundled in Triton's NVIDIA backend; this Triton wheel ships none "
-                    "(e.g. a ROCm build)")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    stdout = run_sm90a_script("wgmma_probe.py", ["--sass"], tmp_path / "cache", timeout=600)
+    rows = json.loads(stdout.strip().splitlines()[-1])
     assert sorted((r["N"], r["retire"]) for r in rows) == [(n, t) for n in (16, 32, 64, 128) for t in (0, 1)]
     for r in rows:
         assert r["shapes"] == [f"64x{r['N']}x32"], r
