@@ -12,6 +12,7 @@ SUBCOMMANDS = {
 }
 BENCH_TARGETS = {
     "experts": ("megamoe_backend.bench.bench_experts", "single-GPU expert kernels vs torch._grouped_mm and the floor"),
+    "layer": ("megamoe_backend.bench.bench_layer", "the whole layer in a CUDA graph vs its experts, naive torch, the floor"),
 }
 
 

@@ -6,6 +6,14 @@
 Each (token, expert) contribution comes back as its own row and the source sums the top-k rows in
 a fixed order, in fp32. That makes the bf16-wire result independent of the EP size (bit-identical
 to the single-process layer), and a NaN token can only touch its own rows.
+
+Two forwards compute the same thing:
+- the device forward (CUDA, ep_size 1, the Triton experts): four stages on fixed buffers — sender
+  quantisation (one Triton launch), route kernel (ids -> pairs + id check), the experts writing the
+  combine wire rows, the top-k sum kernel — no host synchronisation, no buffer sized by the data,
+  capturable in a CUDA graph (layer/device/). Data checks report through a status word.
+- the torch forward (CPU / gloo, EP transports over torch.distributed, mori): the dispatch layout in
+  torch, data checks on the host.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from ..experts import ExpertPairs, ExpertsProvider, ExpertWeights
 from ..experts.registry import make_provider
 from ..plan import LayerPlan
 from ..transport import PeerInputError, Transport, get_transport, received_pairs
-from ..transport.cache import cached_transport_keys, transport_key
+from ..transport.cache import cached_transport_keys, get_workspace, transport_key
 from ..transport.layout import DispatchLayout
 from ..transport.registry import make_transport
 
@@ -49,6 +57,8 @@ class MegaMoELayer:
         provider: ExpertsProvider | None = None,
         transport: Transport | None = None,
         layer_id: int = 0,
+        device_path: bool | None = None,
+        name: str | None = None,
     ) -> None:
         spec = plan.spec
         if weights.num_experts != plan.num_local_experts:
@@ -63,7 +73,10 @@ class MegaMoELayer:
         self.plan = plan
         self.weights = weights
         self.device = torch.device(device) if device is not None else weights.w1.device
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N", as tensors report it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._owner, self._slot = plan.placement.tables(self.device)
+        self.workspace = None  # the device forward's buffers (set below where it applies)
         if plan.backends.fused:
             # aiter's fused runtime owns dispatch, both GEMMs and combine (ROCm; see docs/rocm.md)
             from ..experts.aiter import AiterFusedMoE
@@ -75,6 +88,13 @@ class MegaMoELayer:
         self.fused = None
         self.provider = provider or make_provider(plan.backends.provider, capacity=plan.mtpr * plan.topk * plan.ep_size)
         self.weights = self.provider.prepare_weights(weights, plan.math)
+        self.name = name or f"layer {layer_id}"
+        if device_path is None:
+            device_path = self._device_path_applies(transport)
+        if device_path:
+            self._init_device_path(group)
+            self.transport = None
+            return
         if transport is None:
             key = transport_key(plan.layout_key(), group, self.device)
             is_new = key not in cached_transport_keys()
@@ -82,6 +102,94 @@ class MegaMoELayer:
             if is_new:
                 logger.info(plan.startup_line(transport.name))
         self.transport = transport
+
+    def _device_path_applies(self, transport: Transport | None) -> bool:
+        """The sync-free forward runs on CUDA at ep_size 1 with the Triton experts (unless a transport
+        was injected: the caller asked for the torch forward's exchange)."""
+        return (transport is None and self.device.type == "cuda" and self.plan.ep_size == 1
+                and getattr(self.provider, "name", "") == "triton")
+
+    def _init_device_path(self, group: Any) -> None:
+        from .device.workspace import DeviceWorkspace
+
+        plan = self.plan
+        if plan.ep_size != 1:
+            raise ValueError(f"the device forward runs at ep_size 1 (this plan: ep_size {plan.ep_size})")
+        if plan.combine.mx not in (None, "fp8"):
+            raise ValueError(f"the device forward's top-k sum reads bf16 or fp8_blockwise_1x32 rows, not {plan.combine.name}")
+        self.workspace, is_new = get_workspace(plan.layout_key(), group, self.device, lambda: DeviceWorkspace(plan, self.device))
+        self._status_index = self.workspace.register_layer(self.name)
+        if is_new:
+            logger.info(plan.startup_line("device"))
+
+    def _check_shapes(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Everything that can be checked from shapes alone (no device data is read)."""
+        plan = self.plan
+        if x.dim() != 2 or x.shape[1] != plan.hidden:
+            raise ValueError(f"[megamoe] hidden_states must be [tokens, {plan.hidden}], got {tuple(x.shape)}")
+        t = x.shape[0]
+        if tuple(topk_ids.shape) != (t, plan.topk) or tuple(topk_weights.shape) != (t, plan.topk):
+            raise ValueError(
+                f"[megamoe] topk_ids / topk_weights must be [{t}, {plan.topk}], got {tuple(topk_ids.shape)} / "
+                f"{tuple(topk_weights.shape)}"
+            )
+        if t > plan.mtpr:
+            raise PeerInputError(
+                f"[megamoe] {t} tokens on ep_rank {plan.ep_rank} exceed MEGA_MAX_TOKENS_PER_RANK={plan.mtpr}; "
+                "raise the knob (or the engine's max batched tokens must stay below it); no token was dropped"
+            )
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"[megamoe] topk_ids must be int32 or int64, got {topk_ids.dtype}")
+        for tensor_name, tensor in (("hidden_states", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if tensor.device != self.device:
+                raise ValueError(f"[megamoe] {tensor_name} is on {tensor.device}, the layer on {self.device}")
+
+    def raise_if_bad_input(self) -> None:
+        """Raise what the device checks recorded in earlier forwards (finished on the GPU) and clear it.
+
+        Called at the start of every eager forward; engines that replay CUDA graphs may call it once
+        per step (a host read of pinned memory: no stall)."""
+        if self.workspace is not None:
+            self.workspace.status.raise_if_bad(self.workspace.layer_names)
+
+    def _forward_device(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        output_scale: float, out: torch.Tensor | None) -> torch.Tensor:
+        from ..experts.triton.quant import encode_wire_rows
+        from ..formats import MXTensor, dispatch_wire
+        from .device.route import route_pairs
+        from .device.status import NONFINITE_INPUT
+        from .device.topk_sum import topk_sum
+
+        plan, ws = self.plan, self.workspace
+        self._check_shapes(x, topk_ids, topk_weights)
+        if not _capturing(self.device):
+            self.raise_if_bad_input()
+        t, k, hidden = x.shape[0], plan.topk, plan.hidden
+        if out is None:
+            out = torch.empty(t, hidden, dtype=torch.bfloat16, device=self.device)
+        elif out.shape != (t, hidden) or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.device != self.device:
+            raise ValueError(f"[megamoe] out must be bf16 [{t}, {hidden}] on {self.device}, got {tuple(out.shape)} {out.dtype}")
+        if t == 0:
+            return out
+        n = t * k
+        pair_slot, pair_weight = ws.pair_slot[:n], ws.pair_weight[:n]
+        route_pairs(topk_ids, topk_weights, self._owner, self._slot, plan.ep_rank, pair_slot, pair_weight,
+                    ws.status.word, self._status_index)
+        a_fmt = ws.a_format
+        if a_fmt is None:
+            rows_a = x.to(torch.bfloat16).contiguous()  # bf16 activations: the rows as they are
+        else:
+            # one quantisation per token into the A format (= the quantised dispatch wire; with the bf16
+            # wire at ep_size 1 it is the receiver's quantisation, the same bits), reporting NaN / Inf rows
+            rows = encode_wire_rows(x.contiguous(), a_fmt, out=ws.token_rows[:t],
+                                    status=(ws.status.word, NONFINITE_INPUT, self._status_index))
+            payload = dispatch_wire(a_fmt).payload_bytes(hidden)
+            rows_a = MXTensor(data=rows[:, :payload], scales=rows[:, payload:], fmt=a_fmt)
+        pairs = ExpertPairs(row=ws.pair_row[:n], slot=pair_slot, weight=pair_weight)
+        wire_rows = self.provider.forward_wire(rows_a, pairs, self.weights, plan.math, plan.combine, out=ws.combine_rows[:n])
+        topk_sum(wire_rows, pair_slot, out, plan.combine.mx, hidden, k, ws.status.word, self._status_index, output_scale)
+        ws.status.publish()
+        return out
 
     def _check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, str]:
         """(status, message) for this rank's input; status != 0 is reported to every rank."""
@@ -107,13 +215,19 @@ class MegaMoELayer:
         return 0, ""
 
     def forward(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, output_scale: float = 1.0
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, output_scale: float = 1.0,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [T, H] (bf16/fp32), topk_ids [T, k] (-1 = masked), topk_weights [T, k] -> bf16 [T, H].
 
         ``output_scale`` multiplies the fp32 sum before the one bf16 rounding (engines that apply
-        routed_scaling_factor after the experts pass it here instead of rounding twice).
+        routed_scaling_factor after the experts pass it here instead of rounding twice). ``out``
+        (device forward only) is a bf16 [T, H] buffer to write instead of a new tensor.
         """
+        if self.workspace is not None:
+            return self._forward_device(x, topk_ids, topk_weights, output_scale, out)
+        if out is not None:
+            raise ValueError("[megamoe] out= is supported by the device forward (CUDA, ep_size 1) only")
         plan = self.plan
         status, message = self._check_inputs(x, topk_ids, topk_weights)
         if self.fused is not None:
@@ -161,3 +275,7 @@ class MegaMoELayer:
         return summed.to(torch.bfloat16)
 
     __call__ = forward
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -3,18 +3,21 @@
 Why: a transport owns communication buffers sized by the plan (hidden, top-k, MTPR, wires, EP
 size); every MoE layer of a model has the same shapes, so all layers share one transport instead
 of allocating 60 copies. The key holds everything that changes the buffer layout, the wire
-included, so a layer with a different wire never reuses a buffer laid out for another.
+included, so a layer with a different wire never reuses a buffer laid out for another. The
+device workspaces of the sync-free forward (layer/device/workspace.py) are cached beside the
+transports, under the same key, for the same reason.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from .base import Transport
 
 _TRANSPORTS: dict[tuple, Transport] = {}
+_WORKSPACES: dict[tuple, Any] = {}
 
 
 def transport_key(layout_key: tuple, group: object, device: torch.device) -> tuple:
@@ -30,10 +33,21 @@ def get_transport(layout_key: tuple, group: object, device: torch.device, factor
     return transport
 
 
+def get_workspace(layout_key: tuple, group: object, device: torch.device, factory: Callable[[], Any]) -> tuple[Any, bool]:
+    """(workspace, created now): the device buffers shared by every layer of this shape."""
+    key = transport_key(layout_key, group, device)
+    workspace = _WORKSPACES.get(key)
+    if workspace is not None:
+        return workspace, False
+    workspace = _WORKSPACES[key] = factory()
+    return workspace, True
+
+
 def cached_transport_keys() -> list[tuple]:
     return list(_TRANSPORTS)
 
 
 def clear_transport_cache() -> None:
-    """Drop all cached transports (process-group teardown, tests)."""
+    """Drop all cached transports and workspaces (process-group teardown, tests)."""
     _TRANSPORTS.clear()
+    _WORKSPACES.clear()

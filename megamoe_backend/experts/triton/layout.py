@@ -46,8 +46,10 @@ def build_layout(
     pairs as ``sorted_row``, so GEMM1 finds a tile's A rows with one load instead of two dependent ones.
 
     ``capacity`` is the most pairs this layout may ever hold (MTPR-derived); more pairs raise
-    instead of being dropped. Slots must lie in [0, num_experts) (checked only on CPU tensors, where
-    the check costs no device synchronisation). On CUDA (and under the Triton interpreter) three
+    instead of being dropped. Slots lie in [0, num_experts), or are -1 for a pair that does not run
+    here (the device forward keeps every (token, k) entry in place: masked ids, experts of other
+    ranks); such a pair gets no row. Other values are checked only on CPU tensors, where the check
+    costs no device synchronisation (the GPU kernels give any out-of-range slot no row). On CUDA (and under the Triton interpreter) three
     small Triton launches build it (`layout_kernels.py`); otherwise torch ops do (`build_layout_torch`,
     also the tests' reference). Both keep the pairs' order within an expert, so they agree exactly.
     """
@@ -59,8 +61,9 @@ def build_layout(
             f"{p} routed pairs exceed the experts capacity of {capacity} pairs "
             "(MEGA_MAX_TOKENS_PER_RANK x top-k x ep_size); raise MEGA_MAX_TOKENS_PER_RANK, rows are never dropped"
         )
-    if slot.device.type == "cpu" and p and (int(slot.min()) < 0 or int(slot.max()) >= num_experts):
-        raise ValueError(f"pairs.slot out of range [0, {num_experts}): min {int(slot.min())}, max {int(slot.max())}")
+    if slot.device.type == "cpu" and p and (int(slot.min()) < -1 or int(slot.max()) >= num_experts):
+        raise ValueError(f"pairs.slot out of range [0, {num_experts}) (or -1: not here): "
+                         f"min {int(slot.min())}, max {int(slot.max())}")
     if row is None:
         row = torch.arange(p, dtype=torch.int32, device=slot.device)
     elif tuple(row.shape) != (p,):
@@ -82,7 +85,9 @@ def build_layout_torch(slot: torch.Tensor, num_experts: int, block_m: int, row: 
     dev = slot.device
     n_tiles = max_tiles(p, num_experts, block_m)
     slot = slot.to(torch.int64)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).index_add_(0, slot, torch.ones_like(slot))
+    placed = slot >= 0  # -1: the pair does not run here and gets no row
+    slot = torch.where(placed, slot, num_experts)  # a spare bin past the real experts, sorted last
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).index_add_(0, slot, torch.ones_like(slot))[:num_experts]
     tiles_per_expert = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles_per_expert, 0)
     tile_start = tile_end - tiles_per_expert
@@ -91,9 +96,10 @@ def build_layout_torch(slot: torch.Tensor, num_experts: int, block_m: int, row: 
     tile_expert = torch.where(tile_expert >= num_experts, -1, tile_expert)
 
     order = torch.sort(slot, stable=True).indices
+    order = order[: int(placed.sum())]
     sorted_slot = slot[order]
     row_start = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(p, dtype=torch.int64, device=dev) - row_start[sorted_slot]
+    rank = torch.arange(order.shape[0], dtype=torch.int64, device=dev) - row_start[sorted_slot]
     dest = tile_start[sorted_slot] * block_m + rank
     sorted_pair = torch.full((n_tiles * block_m,), -1, dtype=torch.int32, device=dev)
     sorted_pair.index_copy_(0, dest, order.to(torch.int32))

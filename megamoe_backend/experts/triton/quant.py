@@ -58,8 +58,8 @@ def quantize_blocks(x, FMT: tl.constexpr, HW_CVT: tl.constexpr = False):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, stride_x, data_ptr, stride_data, scale_ptr, stride_scale, K,
-    FMT: tl.constexpr, BLOCKS: tl.constexpr, HW_CVT: tl.constexpr,
+    x_ptr, stride_x, data_ptr, stride_data, scale_ptr, stride_scale, K, status_ptr, status_code, layer_id,
+    FMT: tl.constexpr, BLOCKS: tl.constexpr, HW_CVT: tl.constexpr, STATUS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
@@ -68,6 +68,13 @@ def _quantize_rows_kernel(
     bmask = blk < nblk
     x = tl.load(x_ptr + row * stride_x + blk[:, None] * 32 + col[None, :], mask=bmask[:, None], other=0.0)
     payload, scales = quantize_blocks(x.to(tl.float32), FMT, HW_CVT)
+    if STATUS:  # report a row holding NaN / Inf (its blocks get the NaN scale 0xFF) in the status word
+        n_bad = tl.sum(((scales == 255) & bmask).to(tl.int32), axis=0)
+        if n_bad > 0:
+            zero = n_bad.to(tl.int64) * 0
+            if tl.atomic_cas(status_ptr, zero, zero + status_code) == 0:
+                tl.store(status_ptr + 1, zero + layer_id)
+                tl.store(status_ptr + 3, row)
     if FMT == "fp8":
         tl.store(data_ptr + row * stride_data + blk[:, None] * 32 + col[None, :], payload, mask=bmask[:, None])
     else:
@@ -89,14 +96,17 @@ def _check_rows(x: torch.Tensor, fmt: str, name: str) -> None:
         raise ValueError(f"{name}: rows must be contiguous along K (stride(1) == 1), got strides {x.stride()}")
 
 
-def _launch(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch.Tensor) -> None:
+def _launch(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch.Tensor, status: tuple | None = None) -> None:
+    """``status``: (int64 status word, code, layer id) to record the first row holding NaN / Inf
+    (layer/device/status.py); None: no report (the NaN scale alone marks such blocks)."""
     n, k = x.shape
     if n == 0:
         return
+    word, code, layer = status if status is not None else (scales, 0, 0)
     grid = (n, triton.cdiv(k // MX_BLOCK, BLOCKS_PER_PROGRAM))
     _quantize_rows_kernel[grid](
-        x, x.stride(0), data, data.stride(0), scales, scales.stride(0), k,
-        FMT=fmt, BLOCKS=BLOCKS_PER_PROGRAM, HW_CVT=x.is_cuda and not interpreting(),
+        x, x.stride(0), data, data.stride(0), scales, scales.stride(0), k, word, code, layer,
+        FMT=fmt, BLOCKS=BLOCKS_PER_PROGRAM, HW_CVT=x.is_cuda and not interpreting(), STATUS=status is not None,
     )
 
 
@@ -110,11 +120,11 @@ def quantize_rows(x: torch.Tensor, fmt: str, name: str = "x") -> MXTensor:
     return MXTensor(data=data, scales=scales, fmt=fmt)
 
 
-def encode_wire_rows(x: torch.Tensor, fmt: str, out: torch.Tensor | None = None) -> torch.Tensor:
+def encode_wire_rows(x: torch.Tensor, fmt: str, out: torch.Tensor | None = None, status: tuple | None = None) -> torch.Tensor:
     """[N, K] -> wire rows [N, payload + K // 32] uint8 (payload then scales), quantised once.
 
     ``out`` may be a preallocated (e.g. symmetric-memory) buffer with at least that many columns;
-    only the first row_bytes of each row are written.
+    only the first row_bytes of each row are written. ``status`` as for ``_launch``.
     """
     _check_rows(x, fmt, "wire rows")
     n, k = x.shape
@@ -124,5 +134,5 @@ def encode_wire_rows(x: torch.Tensor, fmt: str, out: torch.Tensor | None = None)
         out = torch.empty(n, row_bytes, dtype=torch.uint8, device=x.device)
     elif out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] < n or out.shape[1] < row_bytes or out.stride(1) != 1:
         raise ValueError(f"wire out buffer must be uint8 [>= {n}, >= {row_bytes}] with stride(1) == 1, got {tuple(out.shape)} {out.dtype}")
-    _launch(x, fmt, out[:, :payload], out[:, payload:row_bytes])
+    _launch(x, fmt, out[:, :payload], out[:, payload:row_bytes], status)
     return out

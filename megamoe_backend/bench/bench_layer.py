@@ -1,0 +1,321 @@
+"""`megamoe bench layer`: the whole MegaMoE layer (ep_size 1) in a CUDA graph, beside its experts.
+
+One GPU. DeepSeek-V4-Pro shapes by default (hidden 7168, intermediate 3072, top-6), local expert
+counts 192 (EP2's share) and 48 (EP8's), token buckets of T tokens per rank, uniform random routing,
+A8W4 + fp8 dispatch wire and A4W4 + fp4 wire, both combine wires. Per case, all from the same run:
+
+  layer_us            the whole forward (sender quantisation, route kernel, experts, top-k sum),
+                      replayed from a CUDA graph, back to back (what a decoding GPU does)
+  experts_us          the same layer's experts half alone (``forward_wire`` on the same pairs), graph
+  naive_torch_us      argsort + bf16 ``torch._grouped_mm`` on the dequantised weights + index_add
+  floor_us            max(weight bytes of the experts hit / HBM, FLOPs / bf16 MMA peak) (datasheet
+                      H200 ceilings, as ``megamoe bench experts``; the measured ones are in meta)
+  chain_us_per_layer  a 61-layer chain (RMSNorm + residual between layers, independent routing per
+                      layer, one shared weight set: the weights of 61 layers do not fit one GPU and
+                      are streamed from HBM either way) captured in ONE graph, replay time / 61
+  chain_glue_us_per_layer  the same chain with the MoE layers left out (RMSNorm + residual alone), so
+                      chain - glue is what the MoE layer costs inside the chain
+
+JSON (``--json``), a table, and a PNG (``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..experts import ExpertPairs, ExpertWeights, swiglu
+from ..formats import MXTensor
+from ..knobs import Knobs
+from ..plan import build_plan
+from ..spec import preset
+from ..transport import clear_transport_cache
+from .bench_experts import (
+    BF16_TFLOPS,
+    HBM_TBS,
+    environment,
+    graph_or_eager,
+    make_weights,
+    measure_ceilings,
+    slice_weights,
+    time_fn,
+    weight_bytes_per_expert,
+)
+from .gpu_clock import ClockSampler
+
+SCHEMES = {"a8w4": "fp8", "a4w4": "fp4"}  # quant -> its dispatch wire
+COMBINES = ("bf16", "fp8_blockwise_1x32")
+CHAIN_LAYERS = 61
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--experts", type=int, nargs="+", default=[192, 48], help="local experts (ep_size 1 holds them all)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8, 128, 1024, 8192], help="tokens per rank")
+    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    parser.add_argument("--combine-wires", nargs="+", default=list(COMBINES), choices=list(COMBINES))
+    parser.add_argument("--mtpr", type=int, default=8192, help="MEGA_MAX_TOKENS_PER_RANK of the layer")
+    parser.add_argument("--no-chain", action="store_true", help="skip the 61-layer chain")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the naive torch layer")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None)
+
+
+@dataclass
+class LayerCase:
+    experts: int
+    tokens: int
+    scheme: str
+    dispatch_wire: str
+    combine_wire: str
+    ep: int = 1
+    layer_us: float = float("nan")
+    experts_us: float = float("nan")
+    naive_torch_us: float = float("nan")
+    floor_us: float = float("nan")
+    chain_us_per_layer: float = float("nan")
+    chain_glue_us_per_layer: float = float("nan")
+    chain_moe_us_per_layer: float = float("nan")
+    layer_x_experts: float = float("nan")
+    layer_minus_experts_us: float = float("nan")
+    chain_x_layer: float = float("nan")
+    graphed: bool = False
+    active_experts: int = 0
+    clock: dict = field(default_factory=dict)
+    error: str = ""
+
+
+class Routes:
+    """Static tokens + routing tensors, refilled in place (graphs read their addresses)."""
+
+    def __init__(self, tokens: int, n_exp: int, topk: int, hidden: int, device: torch.device, seed: int) -> None:
+        self.g = torch.Generator(device=device).manual_seed(seed)
+        self.x = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
+        self.ids = torch.empty(tokens, topk, dtype=torch.int64, device=device)
+        self.w = torch.empty(tokens, topk, dtype=torch.float32, device=device)
+        self.n_exp, self.topk = n_exp, topk
+        self.refill()
+
+    def refill(self) -> None:
+        t = self.x.shape[0]
+        self.x.copy_(torch.randn(self.x.shape, generator=self.g, device=self.x.device))
+        self.ids.copy_(torch.rand(t, self.n_exp, generator=self.g, device=self.x.device).topk(self.topk, dim=1).indices)
+        w = torch.rand(t, self.topk, generator=self.g, device=self.x.device)
+        self.w.copy_(w / w.sum(1, keepdim=True))
+
+
+def naive_torch_layer(x, ids, w, wd: ExpertWeights, limit):
+    """argsort + gather + two bf16 torch._grouped_mm + SwiGLU + route weight + index_add (capturable)."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(wd.num_experts, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    rows = order // k
+    h = torch._grouped_mm(x[rows], wd.w1.transpose(1, 2), offs=offs)
+    act = swiglu(h.float(), wd.gate_up_layout, limit).to(torch.bfloat16)
+    y = torch._grouped_mm(act, wd.w2.transpose(1, 2), offs=offs).float() * w.reshape(-1)[order, None]
+    return torch.zeros(t, wd.hidden, dtype=torch.float32, device=x.device).index_add_(0, rows, y).to(torch.bfloat16)
+
+
+def rms_norm(h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=eps)
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, n: int = 5) -> float:
+    """Median µs of n back-to-back replays of a long graph (after one warm replay)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def experts_alone(layer, routes: Routes):
+    """The experts half of the forward just run, on the pairs it built: a closure for timing."""
+    plan, ws = layer.plan, layer.workspace
+    t, n = routes.x.shape[0], routes.x.shape[0] * plan.topk
+    pairs = ExpertPairs(ws.pair_row[:n], ws.pair_slot[:n].clone(), ws.pair_weight[:n].clone())
+    if plan.dispatch.mx is None:
+        rows = routes.x
+    else:
+        payload = plan.dispatch.payload_bytes(plan.hidden)
+        rows = MXTensor(ws.token_rows[:t, :payload].clone(), ws.token_rows[:t, payload:].clone(), plan.dispatch.mx)
+    out = torch.empty_like(ws.combine_rows[:n])
+    return lambda: layer.provider.forward_wire(rows, pairs, layer.weights, plan.math, plan.combine, out=out)
+
+
+def run_case(c: LayerCase, args, weights: ExpertWeights, bf16_weights: ExpertWeights, device) -> LayerCase:
+    from ..layer import MegaMoELayer
+
+    spec = preset("dsv4-pro").scaled(n_routed_experts=c.experts)
+    knobs = Knobs(dispatch_wire=c.dispatch_wire, combine_wire=c.combine_wire, max_tokens_per_rank=args.mtpr)
+    plan = build_plan(spec, knobs, quant=c.scheme, device_type="cuda")
+    layer = MegaMoELayer(plan, weights, device=device)
+    if layer.workspace is None:
+        raise RuntimeError(f"the layer did not take the device forward (provider {plan.backends.provider})")
+    routes = Routes(c.tokens, c.experts, plan.topk, plan.hidden, device, args.seed)
+    c.active_experts = int(torch.unique(routes.ids).numel())
+    wbytes = c.active_experts * weight_bytes_per_expert(plan.hidden, spec.moe_intermediate_size, "mxfp4")
+    flops = 6 * c.tokens * plan.topk * plan.hidden * spec.moe_intermediate_size
+    c.floor_us = max(wbytes / (HBM_TBS * 1e12), flops / (BF16_TFLOPS * 1e12)) * 1e6
+
+    layer_call, c.graphed = graph_or_eager(lambda: layer(routes.x, routes.ids, routes.w))
+    with ClockSampler(device) as clock:
+        c.layer_us, _ = time_fn(layer_call, use_graph=False)
+    c.clock = clock.stats()
+    experts_call, _ = graph_or_eager(experts_alone(layer, routes))
+    c.experts_us, _ = time_fn(experts_call, use_graph=False)
+    if not args.no_baseline:
+        naive_call, _ = graph_or_eager(lambda: naive_torch_layer(routes.x, routes.ids, routes.w, bf16_weights,
+                                                                 spec.swiglu_limit))
+        c.naive_torch_us, _ = time_fn(naive_call, use_graph=False)
+    if not args.no_chain:
+        c.chain_us_per_layer = chain_us(layer, c, args, device)
+        c.chain_glue_us_per_layer = chain_us(layer, c, args, device, glue_only=True)
+    c.layer_x_experts = c.layer_us / c.experts_us
+    c.layer_minus_experts_us = c.layer_us - c.experts_us
+    c.chain_moe_us_per_layer = c.chain_us_per_layer - c.chain_glue_us_per_layer
+    c.chain_x_layer = c.chain_moe_us_per_layer / c.layer_us
+    return c
+
+
+def chain_us(first, c: LayerCase, args, device, glue_only: bool = False) -> float:
+    """µs per layer of the 61-layer chain in one graph (``glue_only``: RMSNorm + residual, no MoE)."""
+    from ..layer import MegaMoELayer
+
+    layers = [first] + [MegaMoELayer(first.plan, first.weights, device=device, layer_id=i) for i in range(1, CHAIN_LAYERS)]
+    routes = [Routes(c.tokens, c.experts, first.plan.topk, first.plan.hidden, device, args.seed + 1 + i)
+              for i in range(CHAIN_LAYERS)]
+    x0 = routes[0].x.clone()
+
+    def chain():
+        h = x0
+        for layer, r in zip(layers, routes):
+            n = rms_norm(h)
+            h = h + (r.x if glue_only else layer(n, r.ids, r.w))
+        return h
+
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    us = replay_us(graph) / CHAIN_LAYERS
+    del graph
+    return us
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("bench layer needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    meta = environment(argparse.Namespace(**{**vars(args), "hidden": 7168, "intermediate": 3072, "topk": 6}))
+    meta["what"] = "megamoe bench layer: MegaMoELayer device forward, ep_size 1, one GPU"
+    meta["ceilings"] = {"hbm_tbs": HBM_TBS, "bf16_tflops": BF16_TFLOPS, **measure_ceilings(device)}
+    spec = preset("dsv4-pro")
+    fp4_all, bf16_all = make_weights(max(args.experts), spec.hidden_size, spec.moe_intermediate_size, device, args.seed)
+    cases: list[LayerCase] = []
+    t0 = time.time()
+    for n_exp in sorted(args.experts, reverse=True):
+        fp4, bf16 = slice_weights(fp4_all, n_exp), slice_weights(bf16_all, n_exp)
+        for scheme in args.schemes:
+            for combine in args.combine_wires:
+                for tokens in args.tokens:
+                    c = LayerCase(n_exp, tokens, scheme, SCHEMES[scheme], combine)
+                    try:
+                        run_case(c, args, fp4, bf16, device)
+                    except Exception as exc:  # noqa: BLE001 - one failing case must not sink the sweep
+                        c.error = f"{type(exc).__name__}: {str(exc)[:400]}"
+                    clear_transport_cache()  # the next case has other wires: drop this one's workspace
+                    torch.cuda.empty_cache()
+                    cases.append(c)
+                    print(line(c), flush=True)
+                    save(args.json, meta, cases, time.time() - t0)
+    print_table(cases)
+    if args.plot:
+        plot(cases, args.plot)
+    return 0
+
+
+def line(c: LayerCase) -> str:
+    return (f"E{c.experts:<4d} T{c.tokens:<5d} {c.scheme} {c.dispatch_wire}/{c.combine_wire:18s} layer {c.layer_us:9.1f} "
+            f"experts {c.experts_us:9.1f} (x{c.layer_x_experts:.3f}, +{c.layer_minus_experts_us:.1f}) naive "
+            f"{c.naive_torch_us:9.1f} floor {c.floor_us:8.1f} chain/layer {c.chain_us_per_layer:9.1f} "
+            f"- glue {c.chain_glue_us_per_layer:.1f} (x{c.chain_x_layer:.3f}) {'graph' if c.graphed else 'EAGER'} {c.error[:120]}")
+
+
+def save(path, meta, cases, seconds) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": {**meta, "seconds": round(seconds, 1)}, "cases": [asdict(c) for c in cases]}, f, indent=1,
+                  default=str)
+
+
+def print_table(cases: list[LayerCase]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="MegaMoE layer, ep_size 1, one GPU (µs)")
+    for col in ("E", "T", "scheme", "combine", "layer", "experts", "x", "naive torch", "floor", "chain/layer", "glue",
+                "x"):
+        t.add_column(col, justify="right")
+    for c in cases:
+        t.add_row(str(c.experts), str(c.tokens), c.scheme, c.combine_wire[:4], f"{c.layer_us:.1f}", f"{c.experts_us:.1f}",
+                  f"{c.layer_x_experts:.3f}", f"{c.naive_torch_us:.1f}", f"{c.floor_us:.1f}", f"{c.chain_us_per_layer:.1f}",
+                  f"{c.chain_glue_us_per_layer:.1f}", f"{c.chain_x_layer:.3f}")
+    Console(width=140).print(t)
+
+
+def plot(cases: list[LayerCase], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(c.experts, c.scheme, c.combine_wire) for c in cases if not c.error}, reverse=True)
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(4.2 * max(1, len(groups)), 4), squeeze=False)
+    for ax, key in zip(axes[0], groups):
+        rows = sorted((c for c in cases if (c.experts, c.scheme, c.combine_wire) == key and not c.error), key=lambda c: c.tokens)
+        tok = [c.tokens for c in rows]
+        for attr, style, label in (("layer_us", "o-", "layer (graph)"), ("experts_us", "s--", "experts alone"),
+                                   ("chain_moe_us_per_layer", "^:", "in a 61-layer graph (less glue)"),
+                                   ("naive_torch_us", "x-", "naive torch"), ("floor_us", "k--", "floor")):
+            ax.plot(tok, [getattr(c, attr) for c in rows], style, label=label, markersize=4)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"E{key[0]} {key[1]} combine {key[2][:4]}", fontsize=9)
+        ax.set_xlabel("tokens per rank")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("µs per layer")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megamoe bench layer", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
