@@ -8,8 +8,9 @@
 #   TRANSPORT      -> MEGA_DISPATCH (auto | nccl | symm | mori | flydsl)
 #   MTPR           -> MEGA_MAX_TOKENS_PER_RANK
 #   PORT=30000     server port (binds 127.0.0.1 unless HOST is set)
-#   CUDA_GRAPH=0   MegaMoE's layer syncs with the host (token counts for the all-to-all, input
-#                  checks), which CUDA-graph capture forbids: --disable-cuda-graph unless CUDA_GRAPH=1
+#   CUDA_GRAPH     1: SGLang captures its decode CUDA graphs (MegaMoE's device forward is sync-free and
+#                  capturable at ep_size 1); 0: --disable-cuda-graph. Default: 1 for N=1, 0 for N>1
+#                  (expert parallelism over several ranks still reads row counts on the host)
 #   --dry-run      print the environment and command, run nothing
 # Extra arguments after the options go to `sglang serve` unchanged.
 
@@ -33,8 +34,12 @@ megamoe_serve() {
   [[ -n ${MTPR:-} ]] && envs+=("MEGA_MAX_TOKENS_PER_RANK=$MTPR")
   # SGLANG_PLUGINS is a whitelist of *all* general plugins: pass it on only when the operator set it
   [[ -n ${SGLANG_PLUGINS:-} ]] && envs+=("SGLANG_PLUGINS=$SGLANG_PLUGINS")
+  local cuda_graph=${CUDA_GRAPH:-$(( n == 1 ? 1 : 0 ))}
+  case $cuda_graph in 0|1) ;; *)
+    echo "error: CUDA_GRAPH=$cuda_graph must be 0 or 1" >&2; return 2;;
+  esac
   local graph=(--disable-cuda-graph)
-  [[ ${CUDA_GRAPH:-0} == 1 ]] && graph=()
+  [[ $cuda_graph == 1 ]] && graph=()
   local cmd=(sglang serve --model-path "$model" --trust-remote-code
              --tp "$n" --attn-dp-size "$n" --ep-size "$n"
              --moe-a2a-backend megamoe_ep "${graph[@]}"

@@ -526,18 +526,19 @@ def slice_weights(w: ExpertWeights, n: int) -> ExpertWeights:
                          cut(w.w1_row_scale), cut(w.w2_row_scale))
 
 
-def command_line() -> str:
+def command_line(module: str = __name__) -> str:
     prog = os.path.basename(sys.argv[0]) if sys.argv else ""
-    head = "megamoe" if prog == "megamoe" else "python -m megamoe_backend.bench.bench_experts"
+    head = "megamoe" if prog == "megamoe" else f"python -m {module}"
     return " ".join([head] + sys.argv[1:])
 
 
-def environment(args: argparse.Namespace) -> dict:
+def environment(args: argparse.Namespace, module: str = __name__) -> dict:
+    """Versions, GPU, command and commit of a bench run (``module``: the bench that ran)."""
     import triton
 
     meta = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command_line(),
+        "command": command_line(module),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,

@@ -66,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--replot", default=None, metavar="JSON", help="only draw --plot from a saved JSON (no GPU)")
 
 
 @dataclass
@@ -220,12 +221,16 @@ def chain_us(first, c: LayerCase, args, device, glue_only: bool = False) -> floa
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replot:
+        with open(args.replot) as f:
+            plot([LayerCase(**c) for c in json.load(f)["cases"]], args.plot or args.replot.replace(".json", ".png"))
+        return 0
     if not torch.cuda.is_available():
         print("bench layer needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
-    meta = environment(argparse.Namespace(**{**vars(args), "hidden": 7168, "intermediate": 3072, "topk": 6}))
+    meta = environment(argparse.Namespace(**{**vars(args), "hidden": 7168, "intermediate": 3072, "topk": 6}), __name__)
     meta["what"] = "megamoe bench layer: MegaMoELayer device forward, ep_size 1, one GPU"
     meta["ceilings"] = {"hbm_tbs": HBM_TBS, "bf16_tflops": BF16_TFLOPS, **measure_ceilings(device)}
     spec = preset("dsv4-pro")
@@ -285,29 +290,37 @@ def print_table(cases: list[LayerCase]) -> None:
 
 
 def plot(cases: list[LayerCase], path: str) -> None:
+    """One panel per (experts, scheme, combine wire): a row per expert count."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(c.experts, c.scheme, c.combine_wire) for c in cases if not c.error}, reverse=True)
-    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(4.2 * max(1, len(groups)), 4), squeeze=False)
-    for ax, key in zip(axes[0], groups):
-        rows = sorted((c for c in cases if (c.experts, c.scheme, c.combine_wire) == key and not c.error), key=lambda c: c.tokens)
-        tok = [c.tokens for c in rows]
-        for attr, style, label in (("layer_us", "o-", "layer (graph)"), ("experts_us", "s--", "experts alone"),
-                                   ("chain_moe_us_per_layer", "^:", "in a 61-layer graph (less glue)"),
-                                   ("naive_torch_us", "x-", "naive torch"), ("floor_us", "k--", "floor")):
-            ax.plot(tok, [getattr(c, attr) for c in rows], style, label=label, markersize=4)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"E{key[0]} {key[1]} combine {key[2][:4]}", fontsize=9)
-        ax.set_xlabel("tokens per rank")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("µs per layer")
+    ok = [c for c in cases if not c.error]
+    rows = sorted({c.experts for c in ok}, reverse=True)
+    cols = sorted({(c.scheme, c.combine_wire) for c in ok}, reverse=True)
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(3.6 * len(cols), 3.2 * len(rows)), squeeze=False)
+    for i, e in enumerate(rows):
+        for j, (scheme, combine) in enumerate(cols):
+            ax = axes[i][j]
+            pts = sorted((c for c in ok if (c.experts, c.scheme, c.combine_wire) == (e, scheme, combine)), key=lambda c: c.tokens)
+            tok = [c.tokens for c in pts]
+            for attr, style, label in (("layer_us", "o-", "layer (graph)"), ("experts_us", "s--", "experts alone"),
+                                       ("chain_moe_us_per_layer", "^:", "in a 61-layer graph"),
+                                       ("naive_torch_us", "x-", "naive torch"), ("floor_us", "k--", "floor")):
+                ax.plot(tok, [getattr(c, attr) for c in pts], style, label=label, markersize=4)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{e} experts, {scheme}, combine {'fp8' if combine != 'bf16' else 'bf16'}", fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+            if i == len(rows) - 1:
+                ax.set_xlabel("tokens per rank")
+            if j == 0:
+                ax.set_ylabel("µs per layer")
     axes[0][0].legend(fontsize=7)
+    fig.suptitle("MegaMoE layer on one H200 (ep_size 1, DSV4-Pro shapes): megamoe bench layer", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     print(f"wrote {path}")
 
 

@@ -228,6 +228,13 @@ class MegaMoELayer:
             return self._forward_device(x, topk_ids, topk_weights, output_scale, out)
         if out is not None:
             raise ValueError("[megamoe] out= is supported by the device forward (CUDA, ep_size 1) only")
+        if _capturing(self.device):
+            raise RuntimeError(
+                f"[megamoe] {self.name}: this forward (ep_size {self.plan.ep_size}, transport "
+                f"{getattr(self.transport, 'name', 'fused')}) reads row counts on the host and cannot be captured in a "
+                "CUDA graph; only the device forward (CUDA, ep_size 1, triton experts) can. Run the engine eagerly "
+                "(vLLM --enforce-eager, SGLang --disable-cuda-graph) for expert parallelism on CUDA."
+            )
         plan = self.plan
         status, message = self._check_inputs(x, topk_ids, topk_weights)
         if self.fused is not None:

@@ -30,9 +30,19 @@ def test_r1_mxfp4_dry_run_maps_wire_and_knobs():
     ]
 
 
+@pytest.mark.parametrize("env, graphed", [({"N": "1"}, True), ({"N": "1", "CUDA_GRAPH": "0"}, False),
+                                           ({"N": "2"}, False), ({"N": "2", "CUDA_GRAPH": "1"}, True)])
+def test_cuda_graphs_by_default_where_the_layer_is_capturable(env, graphed):
+    """ep_size 1 (N=1) runs MegaMoE's sync-free device forward: SGLang's CUDA graphs stay on by default."""
+    proc = dry_run("serve_sglang_r1_mxfp4_ep.sh", {"MODEL": "/m", **env})
+    assert proc.returncode == 0, proc.stderr
+    assert ("--disable-cuda-graph" not in proc.stdout) == graphed
+
+
 @pytest.mark.parametrize("env, message", [
     ({"WIRE": "fp16"}, "WIRE=fp16 (MEGA_DISPATCH_WIRE) is not valid; allowed values: bf16 | fp8 | fp4"),
     ({"N": "0"}, "N=0 must be a positive GPU count"),
+    ({"CUDA_GRAPH": "yes"}, "CUDA_GRAPH=yes must be 0 or 1"),
 ])
 def test_serve_script_refuses_bad_input(env, message):
     proc = dry_run("serve_sglang_r1_mxfp4_ep.sh", env)

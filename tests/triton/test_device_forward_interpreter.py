@@ -139,7 +139,7 @@ def test_layers_of_one_shape_share_one_workspace() -> None:
 
 
 def test_bad_id_contributes_nothing_and_is_raised_at_the_next_forward() -> None:
-    device, _, p = layers("a8w4", "fp8", "bf16", masked=0.0)
+    device, _, p = layers("bf16", "bf16", "bf16", masked=0.0)  # the route kernel does not depend on the quant
     ids = p.topk_ids.clone()
     ids[4, 1] = 8  # one past the last physical expert
     got = device(p.x, ids, p.topk_weights)  # reported through the status word, not raised here

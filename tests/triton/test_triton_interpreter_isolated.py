@@ -1,4 +1,5 @@
-"""Runs test_triton_interpreter.py in a fresh process when this process cannot interpret Triton.
+"""Runs the interpreter modules (test_triton_interpreter.py, test_device_forward_interpreter.py) in a
+fresh process when this process cannot interpret Triton.
 
 Why: Triton decides interpreted vs compiled when a function is decorated, its own standard library
 included; a test elsewhere that imported Triton first (e.g. through an engine) leaves this process
@@ -19,14 +20,18 @@ import torch
 pytest.importorskip("triton")
 
 
-def test_interpreter_suite_in_fresh_process():
+INTERPRETER_MODULES = ("test_triton_interpreter.py", "test_device_forward_interpreter.py")
+
+
+@pytest.mark.parametrize("module", INTERPRETER_MODULES)
+def test_interpreter_suite_in_fresh_process(module):
     if torch.cuda.is_available():
         pytest.skip("CUDA machine: tests/triton/test_gpu_experts.py covers the kernels")
     import triton.language.standard as std
 
     if type(std._elementwise_max).__name__ == "InterpretedFunction":
-        pytest.skip("this process interprets Triton: test_triton_interpreter.py ran in-process")
-    target = Path(__file__).with_name("test_triton_interpreter.py")
+        pytest.skip(f"this process interprets Triton: {module} ran in-process")
+    target = Path(__file__).with_name(module)
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(target)],
                           env=env, capture_output=True, text=True, timeout=900)

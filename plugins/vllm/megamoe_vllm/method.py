@@ -173,7 +173,7 @@ class MegaMoEMethod:
                     f"the MoE parallel config (ep_rank {mpc.ep_rank} of {mpc.ep_size})"
                 )
             group = ep_group.device_group
-        self.runtime = MegaMoELayer(self.plan, weights, group=group, device=weights.w1.device)
+        self.runtime = MegaMoELayer(self.plan, weights, group=group, device=weights.w1.device, name=self.layer_name)
 
         # MegaMoE holds the weights now; drop vLLM's copies (they are not read again).
         for name in params:

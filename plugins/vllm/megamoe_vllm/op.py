@@ -1,9 +1,11 @@
 """``torch.ops.megamoe_vllm.routed_experts``: the MegaMoE call as one opaque op.
 
 Why an op: on CPU vLLM lets Dynamo trace straight into the MoE runner (it skips its own
-``moe_forward`` custom op there), and MegaMoE's dispatch has data-dependent sizes (per-rank row
-counts exchanged at run time) that Dynamo cannot put in a graph. Behind an op with a shape-only fake
-implementation the compiled graph just calls it. Layers are found by name in a per-process table
+``moe_forward`` custom op there), and MegaMoE's torch forward (CPU, EP transports) has
+data-dependent sizes (per-rank row counts exchanged at run time) that Dynamo cannot put in a graph.
+Behind an op with a shape-only fake implementation the compiled graph just calls it. On CUDA at
+ep_size 1 the op body is MegaMoE's device forward (no host sync, fixed buffers), so vLLM's CUDA
+graphs capture it like any other kernel sequence. Layers are found by name in a per-process table
 that each layer fills when its weights are ready.
 """
 
