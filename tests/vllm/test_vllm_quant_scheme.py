@@ -4,7 +4,7 @@ The quant method comes from vLLM itself where it can be built without a model: v
 QuarkConfig / DeepseekV4FP8Config parse the checkpoint's ``quantization_config`` and, as on a CPU
 without an MXFP4 MoE kernel, the plugin's fallback declares the parameters (``_mxfp4_params_or_raise``);
 a checkpoint without quantization gets vLLM's UnquantizedFusedMoEMethod, block FP8 its Fp8MoEMethod.
-`megamoe info` is held to the same table in tests/core/test_quant_scheme_table.py.
+`megamoe info` is held to the same table in tests/core/test_info_quant_scheme.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`megamoe info` runs the scheme of tests/fixtures/quant_scheme_table.json for every (checkpoint, knob) pair.
 
-The vLLM and SGLang plugins are held to the same table (tests/vllm/test_quant_scheme_table.py,
-tests/sglang/test_quant_scheme_table.py): what info prints is what the engines would run.
+The vLLM and SGLang plugins are held to the same table (tests/vllm/test_vllm_quant_scheme.py,
+tests/sglang/test_sglang_quant_scheme.py): what info prints is what the engines would run.
 """
 
 from __future__ import annotations
