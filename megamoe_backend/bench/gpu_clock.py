@@ -2,7 +2,7 @@
 
 Why: on the H200 here a sustained experts forward reaches the 700 W limit within ~0.1 s and the
 driver lowers the SM clock from 1980 to ~1650 MHz ("SW power cap"), also at 1024 tokens per rank,
-while a short burst (a few forwards after an idle gap, what ``scripts/profile_experts.py`` times)
+while a short burst (a few forwards after an idle gap, what ``benchmarks/research/profile_experts.py`` times)
 runs at 1980 MHz: the same kernels then measure 7-14 % apart (docs/triton.md). The bench times
 back-to-back replays, as a serving GPU runs; each case records what the clock did meanwhile so
 that figures taken in different modes, or on a cooler or hotter GPU, can be told apart.

@@ -7,7 +7,7 @@ import json
 
 from ..knobs import KnobError, Knobs
 from ..plan import build_plan, facts_for
-from ..spec import ConfigError, MoESpec, preset
+from ..spec import ConfigError, MoESpec, describe_scheme, expert_quant_scheme, preset
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,8 +40,10 @@ def load_spec(model: str | None, preset_name: str | None) -> MoESpec:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        spec = load_spec(args.model, args.preset)
+        declared = load_spec(args.model, args.preset)
         knobs = Knobs.from_env()
+        # What the engines would run: the checkpoint's scheme under AITER_FORCE_A8W4 (the plugins call the same function).
+        spec = declared.scaled(quant=expert_quant_scheme(declared.quant, knobs.aiter_force_a8w4, "config.json"))
         device = detect_device_type() if args.device == "auto" else args.device
         plan = build_plan(spec, knobs, args.ep_rank, args.ep_size, device_type=device)
         platform = facts_for(device).describe()
@@ -51,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     wb = plan.wire_bytes()
     info = {
         "spec": spec.to_dict(),
+        "declared_quant": declared.quant,
         "knobs": knobs.to_dict(),
         "device": device,
         "platform": platform,
@@ -75,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"MegaMoE plan: {spec.name or spec.model_type or 'model'}", show_header=False)
     for key in ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
                 "num_hidden_layers", "first_k_dense_replace", "n_group", "topk_group", "scoring_func", "topk_method",
-                "routed_scaling_factor", "norm_topk_prob", "swiglu_limit", "quant"):
+                "routed_scaling_factor", "norm_topk_prob", "swiglu_limit"):
         table.add_row(key, str(getattr(spec, key)))
+    table.add_row("quant", describe_scheme(declared.quant, spec.quant))
     table.add_row("knobs", ", ".join(f"{k}={v}" for k, v in knobs.to_dict().items()))
     table.add_row("device / provider / transport", f"{device} / {plan.backends.provider} / {plan.backends.transport}")
     table.add_row("platform", "\n".join(platform))

@@ -107,24 +107,33 @@ class MoESpec:
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             swiglu_limit=float(limit) if limit else None,
-            quant=quant_scheme_from_config(quant_cfg),
+            quant=quant_scheme_from_config(quant_cfg, cfg.get("expert_dtype"), str(cfg.get("model_type") or "")),
             model_type=str(cfg.get("model_type") or ""),
             name=name,
         )
 
 
-def quant_scheme_from_config(quant_cfg: Mapping[str, Any] | None) -> str:
-    """``quantization_config`` -> "bf16" | "fp8_block" | "a8w4" | "a4w4".
+def quant_scheme_from_config(quant_cfg: Mapping[str, Any] | None, expert_dtype: Any = None, model_type: str = "") -> str:
+    """``quantization_config`` (+ the model's ``expert_dtype``) -> the routed experts' declared scheme:
+    "bf16" | "fp8_block" | "a8w4" | "a4w4" (``expert_quant_scheme`` then applies AITER_FORCE_A8W4).
 
     Quark MXFP4: quant_method "quark", weights fp4 in groups of 32 with e8m0 scales; the input
     tensors' dtype picks the A operand (fp4 -> a4w4, fp8 -> a8w4). DeepSeek block FP8:
-    quant_method "fp8" with weight_block_size. Anything else is refused by name, never guessed.
+    quant_method "fp8" with weight_block_size. DeepSeek V4 keeps that config but stores the routed
+    experts as MXFP4 unless ``expert_dtype`` says fp8 (vLLM's DeepseekV4FP8Config defaults a V4
+    model to "fp4" too); fp4 experts declare no activation format: a4w4.
+    Anything else is refused by name, never guessed.
     """
     if not quant_cfg:
         return "bf16"
     method = str(quant_cfg.get("quant_method", "")).lower()
     if method == "fp8":
-        return "fp8_block"
+        if str(quant_cfg.get("routed_experts_quant_method", "")).lower() == "mxfp4":
+            expert_dtype = expert_dtype or "fp4"  # SGLang's mixed layout: MXFP4 routed experts in an fp8 checkpoint
+        experts = str(expert_dtype or ("fp4" if model_type == "deepseek_v4" else "fp8")).lower()
+        if experts not in ("fp4", "fp8"):
+            raise ConfigError(f"expert_dtype={expert_dtype!r} with quant_method fp8: expected fp4 (DeepSeek V4) or fp8")
+        return "a4w4" if experts == "fp4" else "fp8_block"
     if method == "mxfp4":
         return "a4w4"
     if method == "quark":

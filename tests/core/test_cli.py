@@ -61,3 +61,28 @@ def test_demo_small(tmp_path) -> None:
     assert len(rows) == 10
     assert all(row["rel_l2"] < row["gate"] for row in rows)
     assert [row["bit_identical_to_local"] for row in rows if row["bit_identical_to_local"] is not None] == [True] * 3
+    # Piped (capture_output): the table fits 80 columns, nothing cut ("…"), and no per-rank startup lines,
+    # only the summary: 10 EP plans (2 ranks each) + 3 single-process ones.
+    lines = r.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in r.stdout, r.stdout
+    assert "[megamoe] Created MegaMoE" not in r.stdout + r.stderr
+    assert "startup: 23 runtimes, 13 distinct plans" in r.stdout
+    header = next(line for line in lines if "=local" in line).split()
+    assert header == ["quant", "disp", "comb", "relL2", "gate", "=local", "B/tok", "B/pair", "ms"]
+    assert sum(1 for line in lines if line.split()[:2] in (["bf16", "bf16"], ["a8w4", "fp8"], ["a4w4", "fp4"])) == 6
+
+
+def test_startup_lines_fold_into_one_row_per_plan() -> None:
+    from megamoe_backend.cli.startup_summary import summarise_startup_lines
+
+    line = ("[megamoe] Created MegaMoE: ep_rank={r} ep_size=2 hidden=64 experts=8 quant={q} transport=gloo "
+            "wire={w} combine=bf16")
+    lines = [line.format(r=r, q=q, w=w) for q, w in (("a8w4", "fp8"), ("a4w4", "fp4")) for r in (1, 0)]
+    lines.append(line.format(r=0, q="a8w4", w="bf16"))
+    s = summarise_startup_lines(lines)
+    assert s.runtimes == 5 and s.columns == ("quant", "wire")
+    assert s.shared == {"ep_size": "2", "hidden": "64", "experts": "8", "transport": "gloo", "combine": "bf16"}
+    assert s.plans == (("0,1", ("a8w4", "fp8")), ("0,1", ("a4w4", "fp4")), ("0", ("a8w4", "bf16")))
+    assert s.lines()[1] == "  ranks 0,1: quant=a8w4 wire=fp8"
+    with pytest.raises(ValueError, match="not a MegaMoE startup line"):
+        summarise_startup_lines(["hello"])

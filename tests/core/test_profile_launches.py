@@ -1,4 +1,4 @@
-"""scripts/profile_experts.py's per-launch split: a GEMM's tile passes (full / short / ride) are
+"""benchmarks/research/profile_experts.py's per-launch split: a GEMM's tile passes (full / short / ride) are
 launches of one kernel name, so the A/B numbers in docs/triton.md that name a single pass depend on
 telling them apart by their order inside a forward; and its ``--trim`` routing (the timing proxy for
 narrower tiles in docs/triton.md) cuts exactly the pairs it says. Pure Python; no GPU."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "profile_experts.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "research" / "profile_experts.py"
 
 
 def _module():

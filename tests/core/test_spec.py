@@ -33,6 +33,20 @@ def test_deepseek_block_fp8(fixtures) -> None:
     assert MoESpec.from_config(fixtures / "deepseek_v3_fp8_config.json").quant == "fp8_block"
 
 
+def test_deepseek_v4_fp8_config_has_mxfp4_experts(fixtures) -> None:
+    """V4 keeps quant_method fp8 for attention / linears; its routed experts are MXFP4 (expert_dtype fp4,
+    the default for a deepseek_v4 model in vLLM and SGLang), block FP8 only when expert_dtype says fp8."""
+    s = MoESpec.from_config(fixtures / "dsv4_pro_fp4_experts_config.json")
+    assert s.quant == "a4w4" and s == preset("dsv4-pro").scaled(name=s.name)
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert quant_scheme_from_config(fp8, None, "deepseek_v4") == "a4w4"
+    assert quant_scheme_from_config(fp8, "fp8", "deepseek_v4") == "fp8_block"
+    assert quant_scheme_from_config(fp8, None, "deepseek_v3") == "fp8_block"
+    assert quant_scheme_from_config({**fp8, "routed_experts_quant_method": "mxfp4"}, None, "deepseek_v3") == "a4w4"
+    with pytest.raises(ConfigError, match="expert_dtype='int4'"):
+        quant_scheme_from_config(fp8, "int4", "deepseek_v4")
+
+
 def test_nested_text_config(fixtures) -> None:
     s = MoESpec.from_config(fixtures / "nested_text_config.json")
     assert s.n_routed_experts == 256 and s.quant == "bf16"

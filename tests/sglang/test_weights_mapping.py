@@ -50,13 +50,13 @@ def test_format_classification_uses_sglang_quant_methods():
 def test_bf16_gate_then_up_becomes_interleaved():
     w13 = torch.randn(E, 2 * I, H).to(torch.bfloat16)
     w2 = torch.randn(E, H, I).to(torch.bfloat16)
-    ew = expert_weights_from_params({"w13_weight": w13, "w2_weight": w2}, ExpertFormat("bf16", "bf16", None, "t"), I)
+    ew = expert_weights_from_params({"w13_weight": w13, "w2_weight": w2}, ExpertFormat("bf16", "bf16", "t"), I)
     assert ew.gate_up_layout == "interleaved"
     assert torch.equal(ew.w1[:, 0::2], w13[:, :I]) and torch.equal(ew.w1[:, 1::2], w13[:, I:])
     assert torch.equal(ew.w2, w2)
     # up-first loaders (TRT-LLM layouts) swap the halves
     up_first = torch.cat((w13[:, I:], w13[:, :I]), dim=1)
-    ew2 = expert_weights_from_params({"w13_weight": up_first, "w2_weight": w2}, ExpertFormat("bf16", "bf16", None, "t"), I, up_first=True)
+    ew2 = expert_weights_from_params({"w13_weight": up_first, "w2_weight": w2}, ExpertFormat("bf16", "bf16", "t"), I, up_first=True)
     assert torch.equal(ew2.w1, ew.w1)
 
 
@@ -80,7 +80,7 @@ def _mxfp4_layer(pad: int):
 @pytest.mark.parametrize("pad", [0, 32])
 def test_quark_mxfp4_mapping_strips_padding_and_interleaves(pad):
     params, q13, q2 = _mxfp4_layer(pad)
-    ew = expert_weights_from_params(params, ExpertFormat("a4w4", "mxfp4", "_scale", "quark"), I)
+    ew = expert_weights_from_params(params, ExpertFormat("a4w4", "mxfp4", "quark", scale_param="_scale"), I)
     assert ew.fmt == "mxfp4" and ew.intermediate == I
     assert torch.equal(ew.w1, interleave_gate_up(q13.data)) and torch.equal(ew.w1_scale, interleave_gate_up(q13.scales))
     assert torch.equal(ew.w2, q2.data) and torch.equal(ew.w2_scale, q2.scales)
@@ -95,7 +95,7 @@ def test_v4_fp4_experts_with_float32_and_e8m0fnu_scales():
         "w13_weight_scale_inv": as_float(params["w13_weight_scale"]),
         "w2_weight_scale_inv": as_float(params["w2_weight_scale"]),
     }
-    ew = expert_weights_from_params(v4, ExpertFormat("a4w4", "mxfp4", "_scale_inv", "v4"), I)
+    ew = expert_weights_from_params(v4, ExpertFormat("a4w4", "mxfp4", "v4", scale_param="_scale_inv"), I)
     assert torch.equal(ew.w1_scale, interleave_gate_up(q13.scales)) and torch.equal(ew.w2_scale, q2.scales)
     e8 = params["w2_weight_scale"].view(torch.float8_e8m0fnu)
     assert torch.equal(e8m0_bytes(e8, "s"), q2.scales)
@@ -107,7 +107,7 @@ def test_bad_scales_and_missing_params_are_named():
     with pytest.raises(UnsupportedExpertsError, match="w13_weight_scale"):
         expert_weights_from_params(
             {"w13_weight": torch.zeros(E, 2 * I, H // 2, dtype=torch.uint8), "w2_weight": torch.zeros(E, H, I // 2, dtype=torch.uint8)},
-            ExpertFormat("a4w4", "mxfp4", "_scale", "quark"), I,
+            ExpertFormat("a4w4", "mxfp4", "quark", scale_param="_scale"), I,
         )
     with pytest.raises(UnsupportedExpertsError, match="w2_weight"):
-        expert_weights_from_params({"w13_weight": torch.zeros(1)}, ExpertFormat("bf16", "bf16", None, "t"), I)
+        expert_weights_from_params({"w13_weight": torch.zeros(1)}, ExpertFormat("bf16", "bf16", "t"), I)

@@ -1,4 +1,4 @@
-"""Run one of the offline sm_90a scripts (scripts/sass_report.py, scripts/wgmma_probe.py) for a test.
+"""Run one of the offline sm_90a scripts (benchmarks/research/sass_report.py, benchmarks/research/wgmma_probe.py) for a test.
 
 Why a subprocess: the kernels must be compiled, not interpreted, and this test directory's conftest
 puts Triton into interpreter mode on CPU machines before anything imports it. Shared so that the
@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_sm90a_script(script: str, args: list[str], cache_dir: Path, timeout: int) -> str:
-    """stdout of ``python scripts/<script> <args>`` with TRITON_INTERPRET unset and its own Triton
+    """stdout of ``python benchmarks/research/<script> <args>`` with TRITON_INTERPRET unset and its own Triton
     cache; skips the test where Triton's wheel ships no NVIDIA ptxas, fails it on any other error."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(cache_dir)
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "research" / script), *args],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "No such file" in proc.stderr:
         pytest.skip("the sm_90a check needs the ptxas bundled in Triton's NVIDIA backend; this Triton wheel ships none "

@@ -154,7 +154,7 @@ def test_short_tiles_gpu(counts, quant):
     ref = TorchReferenceExperts().forward(a, pd, wd, math)
     assert torch.isfinite(out).all()
     assert rel_l2(out, ref) < (FRAG8_TOL if mode == "frag8" else 2e-3)
-    if cfg.tail_m:  # deterministic, and bit for bit the full-height result (scripts/check_short_tiles.py)
+    if cfg.tail_m:  # deterministic, and bit for bit the full-height result (benchmarks/research/check_short_tiles.py)
         plain = TritonExperts(config=cfg.with_(tail_m=0, tail_ride=False)).forward(a, pd, prepared, math)
         assert torch.equal(out, prov.forward(a, pd, prepared, math)) and torch.equal(out, plain)
         # short tiles riding in their expert's previous tile, or in a launch of their own: the same bits

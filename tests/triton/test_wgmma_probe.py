@@ -1,4 +1,4 @@
-"""scripts/wgmma_probe.py times what its docstring says: compiled for sm_90a (Triton's ptxas, no GPU),
+"""benchmarks/research/wgmma_probe.py times what its docstring says: compiled for sm_90a (Triton's ptxas, no GPU),
 its loop is the frag8 K step's MMA alone — BN/64 x BK/32 = 8 FP8 wgmmas per step of shape
 64 x N x 32 with the weights as the register A operand — and, with the retire, exactly one full wait
 per step (without it, none: Triton keeps groups in flight). The H200 numbers it gave are in

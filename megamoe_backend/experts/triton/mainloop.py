@@ -235,7 +235,7 @@ def _retire(acc):
     Why: the W operand of the fragment decoders' wgmmas comes from registers (the decoded fragments).
     Triton 3.6 pipelines a K step's wgmma groups into the next step (up to three left in flight) and
     the sm_90a code then writes the next step's decoded weights into registers that a queued wgmma
-    still reads (scripts/sass_report.py counts such writes: `loop_inflight_a_writes`). On the H200 the
+    still reads (benchmarks/research/sass_report.py counts such writes: `loop_inflight_a_writes`). On the H200 the
     frag8 GEMM2 with the bf16 wire epilogue gave wrong output columns in ~1 in 6 prefill tiles at
     8192 tokens, different on every run; retired at the end of each K step, every run was bit for
     bit the encode of the fp32 rows (benchmarks/results/h200_fp8_rs_race.json)."""

@@ -201,7 +201,7 @@ class TritonExperts(ExpertsProvider):
             # A once per received row (GEMM1 reads it through layout.sorted_row): not a copy per pair
             a8 = torch.empty(n_recv, hidden, dtype=torch.uint8, device=device)
             a_rs = torch.empty(n_recv, dtype=torch.float32, device=device)
-            # 2 warps per row: fastest of 1 / 2 / 4 / 8 at 8192 tokens, within noise of them at 1024 (scripts/rowscale_ab.py)
+            # 2 warps per row: fastest of 1 / 2 / 4 / 8 at 8192 tokens, within noise of them at 1024 (benchmarks/research/rowscale_ab.py)
             rowscale_e4m3_kernel[(n_recv,)](
                 layout.sorted_pair, a_data, a_data.stride(0), a_scale, a_scale.stride(0),
                 a8, a8.stride(0), a_rs, hidden, A_FMT=a_fmt, SORTED=False,

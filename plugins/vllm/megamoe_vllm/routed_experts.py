@@ -58,21 +58,22 @@ class MegaMoERoutedExperts(RoutedExperts):
         except NotImplementedError as exc:
             # vLLM found no MoE kernel for this checkpoint's format on this platform (e.g. MXFP4
             # on CPU). MegaMoE brings its own experts; it only needs the parameters declared.
-            inner = _mxfp4_params_or_raise(quant_config, exc, self._megamoe_knobs)
+            inner = _mxfp4_params_or_raise(quant_config, exc)
         from .method import make_method
 
         return make_method(inner, moe_config, self._megamoe_knobs, prefix)
 
 
-def _mxfp4_params_or_raise(quant_config: Any, exc: Exception, knobs: Any) -> Any:
-    """MXFP4ExpertParams for a Quark MXFP4 or DeepSeek V4 (fp4 experts) checkpoint; else re-raise."""
+def _mxfp4_params_or_raise(quant_config: Any, exc: Exception) -> Any:
+    """MXFP4ExpertParams (the checkpoint's declared scheme: its parameters) for a Quark MXFP4 or
+    DeepSeek V4 (fp4 experts) checkpoint; else re-raise."""
     from megamoe_backend.spec import ConfigError, quant_scheme_from_config
 
     from .mxfp4_params import MXFP4ExpertParams
 
     name = quant_config.get_name() if quant_config is not None else None
-    if name == "deepseek_v4_fp8":  # V4 routed experts are MXFP4 (vLLM's Mxfp4MoEMethod layout)
-        return MXFP4ExpertParams("a8w4" if knobs.aiter_force_a8w4 else "a4w4")
+    if name == "deepseek_v4_fp8":  # V4 routed experts are MXFP4 (vLLM's Mxfp4MoEMethod layout), declared A4W4
+        return MXFP4ExpertParams("a4w4")  # AITER_FORCE_A8W4 is applied by expert_format_of, as for every method
     raw = getattr(quant_config, "quant_config", None)
     if name != "quark" or not isinstance(raw, dict):
         raise exc

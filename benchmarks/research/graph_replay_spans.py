@@ -7,7 +7,7 @@ nvidia-smi to see the clock of each phase (docs/triton.md, "Sustained runs are p
 
     nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active \\
         --format=csv -lms 50 > $OUT/smi.csv &
-    PYTHONPATH=. python3 scripts/graph_replay_spans.py     # $OUT/graph_replay_spans.json, $OUT/marks.txt
+    PYTHONPATH=. python3 benchmarks/research/graph_replay_spans.py     # $OUT/graph_replay_spans.json, $OUT/marks.txt
 
 marks.txt holds the wall-clock start of each phase, to cut the nvidia-smi log. 192 experts, a8w4,
 DSV4-Pro shapes, bucket-default tiles; needs a CUDA GPU.

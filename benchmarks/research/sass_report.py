@@ -6,8 +6,8 @@ accumulators inside the MMA pipeline (GEMM1 at commit ce681ac: 25-42 % of its st
 1024 / 8192 tokens), register spills, or the instruction count of the K loop. Triton's
 wheel ships ptxas and nvdisasm, so CI checks these without a GPU (tests/triton/test_sass.py).
 
-    python3 scripts/sass_report.py            # the default tile of every frag / frag8 / split bucket
-    python3 scripts/sass_report.py --json r.json
+    python3 benchmarks/research/sass_report.py            # the default tile of every frag / frag8 / split bucket
+    python3 benchmarks/research/sass_report.py --json r.json
 
 Must run without TRITON_INTERPRET (the kernels must be JIT functions, not interpreted ones).
 """
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 
 def _tools() -> tuple[str, str]:

@@ -11,7 +11,7 @@ Why: a first design held both tile heights in one kernel; on the H200 its A8W4 G
 that changed between identical forwards (benchmarks/results/h200_tail_ab.json). This is the check
 that found it and that the two-launch design passes.
 
-    PYTHONPATH=. python3 scripts/check_short_tiles.py out.json      # on an H200
+    PYTHONPATH=. python3 benchmarks/research/check_short_tiles.py out.json      # on an H200
 """
 import json
 import sys

@@ -1,7 +1,7 @@
 """One experts forward timed four ways in one process, each with the SM clock NVML saw meanwhile.
 
 Why: `megamoe bench experts` (median of CUDA-graph replays, ~60 ms of back-to-back forwards per
-sample) and `scripts/profile_experts.py` (torch.profiler kernel sums over a few eager forwards) have
+sample) and `benchmarks/research/profile_experts.py` (torch.profiler kernel sums over a few eager forwards) have
 disagreed by 8-19 % for the same kernels (docs/triton.md); a tile that wins in one can tie in the
 other. Modes per case, each twice: ``graph`` / ``eager`` (the bench's time_fn with / without a
 graph), ``burstN`` (events around N eager forwards after 5 ms of GPU sleep), ``prof6`` (profiler
@@ -10,7 +10,7 @@ beside its time (bench/gpu_clock.py): on the H200 here sustained modes run with 
 (~1550-1700 MHz), measurements right after an idle gap mostly without, and the cap state is what
 separates fast from slow (docs/triton.md). 192 experts, a8w4, DSV4-Pro shapes; needs a CUDA GPU.
 
-    PYTHONPATH=. python3 scripts/timing_modes.py                # writes $OUT/timing_modes.json (or ./)
+    PYTHONPATH=. python3 benchmarks/research/timing_modes.py                # writes $OUT/timing_modes.json (or ./)
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ needs warp specialisation, not just async issue. Known issue: the BK128 variant 
 GEMM2-shaped: 192 experts, N 7168, K 3072, random fragment bytes with E8M0 scales 118..125;
 decode = 16-row tiles with 4 real rows, prefill = 128 real rows.
 
-    PYTHONPATH=. python3 scripts/gluon_probe.py out.json      # on an H200
+    PYTHONPATH=. python3 benchmarks/research/gluon_probe.py out.json      # on an H200
 """
 import json
 import sys

@@ -5,21 +5,21 @@ it into GEMM1 / GEMM2 / gather / layout so a change can be attributed. `--varian
 the frag decoder's PTX for plain moves (frag only) (same loads, registers and MMAs; wrong numbers on purpose):
 the time that remains is what the decode does not cost.
 
-    PYTHONPATH=. python3 scripts/profile_experts.py --tokens 8 128 --config 16,128,128,128,4,3 \\
+    PYTHONPATH=. python3 benchmarks/research/profile_experts.py --tokens 8 128 --config 16,128,128,128,4,3 \\
         --json $OUT/profile.json
     # interleaved A/B of decoders: each decoder's bucket default plus extra frag8 tiles
-    PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag frag8 --config frag8:16,256,256,64,4,4 --rounds 3
+    PYTHONPATH=. python3 benchmarks/research/profile_experts.py --decoder frag frag8 --config frag8:16,256,256,64,4,4 --rounds 3
     # the same A/B timed as the bench times (sustained graph replays, SM clock recorded), no kernel split
-    PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 --config 64,256,256,128,4,3,4,32 --rounds 3 --sustained
+    PYTHONPATH=. python3 benchmarks/research/profile_experts.py --decoder frag8 --tokens 1024 --config 64,256,256,128,4,3,4,32 --rounds 3 --sustained
     # ... or as single graph replays after a GPU sleep: the whole forward at full clock (gaps included)
-    PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 --config 64,256,256,128,4,3,4,32 --isolated
+    PYTHONPATH=. python3 benchmarks/research/profile_experts.py --decoder frag8 --tokens 1024 --config 64,256,256,128,4,3,4,32 --isolated
     # what GEMM2 writes: fp32 rows, fp32 rows + the layer's old torch encode to a combine wire, or the wire row itself
-    PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 8192 \\
+    PYTHONPATH=. python3 benchmarks/research/profile_experts.py --decoder frag8 --tokens 1024 8192 \\
         --out f32 f32+bf16 bf16 f32+fp8_blockwise_1x32 fp8_blockwise_1x32
     # timing proxy: beside the bench's routing, the same with the pairs of every expert holding 33-48 of them
     # cut to its first 32 (those experts then run in 32-row tiles: what half the MMA width would buy them;
     # the cut pairs' rows are not computed, so not a result the provider gives)
-    PYTHONPATH=. python3 scripts/profile_experts.py --decoder frag8 --tokens 1024 --trim 33:48:32 --out bf16 --rounds 3
+    PYTHONPATH=. python3 benchmarks/research/profile_experts.py --decoder frag8 --tokens 1024 --trim 33:48:32 --out bf16 --rounds 3
 
 Kernel sums time a few forwards after the GPU idled, at full clock; under sustained load the H200
 here runs power-capped and ~10 % slower (docs/triton.md), and a tile can win one way and tie the

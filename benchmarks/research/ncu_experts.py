@@ -6,7 +6,7 @@ launch of each kernel at the real DSV4-Pro shapes. Weights are random MXFP4 byte
 a normal range (the kernels' speed does not depend on the values), re-laid for the decoder once.
 
     ncu --clock-control none --set full --nvtx --nvtx-include prof128/ -k regex:gemm -o rep \\
-        python3 scripts/ncu_experts.py frag 128
+        python3 benchmarks/research/ncu_experts.py frag 128
     ncu -i rep.ncu-rep --page details        # or --page source --csv --print-source sass
 
 Arguments: decoder, then token buckets as T or T:block_m,block_n1,block_n2,block_k,warps,stages.

@@ -12,8 +12,8 @@ give the MMA time of a launch: steps per SM x ns per step / CTAs per SM. ``ctas_
 programs launched per SM; how many are resident at once is capped by registers (``--sass`` prints
 them: at N 128 only two fit, so 3 programs per SM run in two waves).
 
-    PYTHONPATH=. python3 scripts/wgmma_probe.py out.json        # on an H200 (~20 s)
-    python3 scripts/wgmma_probe.py --sass                        # any machine: the compiled sm_90a loops
+    PYTHONPATH=. python3 benchmarks/research/wgmma_probe.py out.json        # on an H200 (~20 s)
+    python3 benchmarks/research/wgmma_probe.py --sass                        # any machine: the compiled sm_90a loops
 
 The weights are loaded once and stay in registers, so the loop is nothing but the step's wgmmas
 (and the wait); tests/triton/test_wgmma_probe.py checks the compiled loop on CPU (sm_90a: 8 register-A
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 from megamoe_backend.experts.triton.mainloop import _retire  # noqa: E402  the kernels' own per-step retire
 
 BN = 128  # weight rows per tile (two m64 slabs), as the frag8 tiles
@@ -101,7 +101,7 @@ def main(out_path: str, iters: int = 2000) -> None:
     w = torch.randint(0, 0x30, (BN, BK), dtype=torch.uint8, device=dev, generator=g)  # finite e4m3 bytes
     res = {"meta": {"gpu": torch.cuda.get_device_name(), "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
                     "date": time.strftime("%Y-%m-%d"), "iters": iters, "BN": BN, "BK": BK,
-                    "command": "PYTHONPATH=. python3 scripts/wgmma_probe.py " + " ".join(sys.argv[1:]),
+                    "command": "PYTHONPATH=. python3 benchmarks/research/wgmma_probe.py " + " ".join(sys.argv[1:]),
                     "clock_before": _clock_mhz()}, "rows": []}
     for n in (16, 32, 64, 128):
         a = (torch.randn(BK, n, device=dev, generator=g) * 0.1).to(torch.float8_e4m3fn)

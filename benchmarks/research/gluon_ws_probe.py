@@ -25,7 +25,7 @@ Shapes: 192 experts, GEMM1 (N 6144, K 7168) / GEMM2 (N 7168, K 3072), random fp8
 mid = 64 with 32, prefill = 128 with 128. Specs: scen:gemm:kind:BN[:...] with kind tl (`:stages`),
 ws (`:RST:WST:DEC_WARPS:DEC_REGS`) or rs (`:RST:CW:safe|race[:maxnreg]`):
 
-    PYTHONPATH=. python3 scripts/gluon_ws_probe.py out.json mid:g1:tl:256 mid:g1:rs:128:4:4:safe:128   # on an H200
+    PYTHONPATH=. python3 benchmarks/research/gluon_ws_probe.py out.json mid:g1:tl:256 mid:g1:rs:128:4:4:safe:128   # on an H200
 
 Historical: written and measured at commit ed2e9b9. Since 15546d8 the provider's fp8 fragments keep
 their S bytes per (row, 128-wide K step) in a permuted K order (fragments.fp8_k_order), while the Gluon
@@ -298,7 +298,7 @@ def main(out_path, which):
     E = 192
     g = torch.Generator(device=dev).manual_seed(0)
     res = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                    "date": time.strftime("%Y-%m-%d"), "command": "PYTHONPATH=. python3 scripts/gluon_ws_probe.py " + " ".join(sys.argv[1:])}, "rows": []}
+                    "date": time.strftime("%Y-%m-%d"), "command": "PYTHONPATH=. python3 benchmarks/research/gluon_ws_probe.py " + " ".join(sys.argv[1:])}, "rows": []}
     shapes = {"g1": (6144, 7168), "g2": (7168, 3072)}
     scen = {"decode": (16, 4), "mid": (64, 32), "prefill": (128, 128)}
     plan = [x.split(":") for x in which]  # scen:gemm:kind:BN[:RST:WST:DEC_WARPS:DEC_REGS]

@@ -5,8 +5,8 @@ are small launches whose share of a forward is hard to see in the bench; this ti
 new version alone (CUDA events around 30 launches, median of 3) on the bench's routing, and checks
 that the old and new rowscale write the same bytes and row scales for every live row.
 
-    PYTHONPATH=. python3 scripts/rowscale_ab.py 5836006        # $OUT/rowscale_ab.json
-    PYTHONPATH=. python3 scripts/rowscale_ab.py old_checkout/  # the same, old files read from a folder
+    PYTHONPATH=. python3 benchmarks/research/rowscale_ab.py 5836006        # $OUT/rowscale_ab.json
+    PYTHONPATH=. python3 benchmarks/research/rowscale_ab.py old_checkout/  # the same, old files read from a folder
 
 The old versions are read with ``git show REV:...`` (or from the folder) into a temporary module;
 REV must be a commit whose rowscale_e4m3_kernel still copied A per pair (GATHER, up to 5836006).
