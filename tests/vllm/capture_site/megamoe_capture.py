@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 ENV = "MEGAMOE_TEST_CAPTURE_DIR"
-_counter = itertools.count()
+_counter = itertools.count()  # per-process call number, for the file names (the only state kept)
 
 
 def register() -> None:
