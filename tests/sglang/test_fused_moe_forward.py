@@ -56,8 +56,10 @@ SCENARIOS = {
     "bf16": ("forward_bf16", {}),
     "mxfp4": ("forward_mxfp4", {"MEGA_DISPATCH_WIRE": "fp4"}),  # A4W4: quantise once on the sender
 }
-# bf16: only output rounding. A4W4: fp4 activations vs an fp32 reference without activation quant.
-REF_TOL = {"bf16": 1e-2, "mxfp4": 0.35}
+# bf16: only output rounding. A4W4: fp4 activations vs an fp32 reference without activation quant,
+# held to the project's A4W4 layer gate. Neither depends on the CPU: seeded inputs, and MegaMoE's CPU
+# experts accumulate in float64 (the same bits on every machine; docs/vllm.md, "Numeric bounds").
+REF_TOL = {"bf16": 1e-2, "mxfp4": 0.28}
 
 
 @pytest.fixture(scope="module", params=["bf16", "mxfp4"])

@@ -28,5 +28,5 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def engines(tiny_models) -> EngineCache:
-    return EngineCache(tiny_models)
+def engines(tiny_models, tmp_path_factory) -> EngineCache:
+    return EngineCache(tiny_models, tmp_path_factory.mktemp("captures"))
