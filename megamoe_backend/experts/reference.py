@@ -14,7 +14,7 @@ import torch
 
 from ..formats import MXTensor, dequantize_mx, fake_quantize
 from .base import Activations, ExpertMath, ExpertPairs, ExpertsProvider, swiglu
-from .weights import EXPERT_FIELDS, ExpertWeights
+from .weights import ExpertWeights
 
 
 def activations_in_a_format(a: Activations, math: ExpertMath) -> torch.Tensor:
@@ -37,21 +37,27 @@ class TorchReferenceExperts(ExpertsProvider):
     name = "torch"
 
     def __init__(self) -> None:
-        # id(weights) -> (weakref to weights, tensor versions, w1 fp64, w2 fp64); the weakref guards
-        # against id reuse, the versions against in-place writes (EPLB moving experts between ranks).
-        self._dequant_cache: dict[int, tuple[weakref.ref, tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
+        # id(weights) -> (weakref to weights, w1 fp64, w2 fp64); the weakref guards against id reuse.
+        self._dequant_cache: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}
+        # id(weights) -> weakref, for weights an engine may rewrite in place (EPLB): never cached
+        self._movable: dict[int, weakref.ref] = {}
+
+    def weights_become_movable(self, weights: ExpertWeights) -> None:
+        """From now on ``weights`` may be rewritten in place at any time (EPLB moves experts through
+        engine-side views whose writes nothing here can observe): keep no fp64 copy of them."""
+        self._dequant_cache.pop(id(weights), None)
+        self._movable[id(weights)] = weakref.ref(weights)
 
     def _weights64(self, weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
-        versions = _tensor_versions(weights)
-        hit = self._dequant_cache.get(id(weights))
-        if hit is None or hit[0]() is not weights or versions is None or hit[1] != versions:
+        movable = self._movable.get(id(weights))
+        hit = None if movable is not None and movable() is weights else self._dequant_cache.get(id(weights))
+        if hit is None or hit[0]() is not weights:
             w1, w2 = weights.dequantized()
             # stored transposed ([E, K, N]) so each expert GEMM is a plain contiguous x @ w
-            hit = (weakref.ref(weights), versions, w1.double().transpose(1, 2).contiguous(),
-                   w2.double().transpose(1, 2).contiguous())
-            if versions is not None:
+            hit = (weakref.ref(weights), w1.double().transpose(1, 2).contiguous(), w2.double().transpose(1, 2).contiguous())
+            if movable is None or movable() is not weights:
                 self._dequant_cache[id(weights)] = hit
-        return hit[2], hit[3]
+        return hit[1], hit[2]
 
     def forward(self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath) -> torch.Tensor:
         hidden = weights.hidden
@@ -70,11 +76,3 @@ class TorchReferenceExperts(ExpertsProvider):
             out[sel] = y * pairs.weight[sel].unsqueeze(1)
         return out
 
-
-def _tensor_versions(weights: ExpertWeights) -> tuple[int, ...] | None:
-    """The autograd version counters of the weight tensors (bumped by every in-place write, through
-    any view), or None when they are not tracked (inference-mode tensors): then nothing is cached."""
-    try:
-        return tuple(t._version for t in (getattr(weights, n) for n in EXPERT_FIELDS) if t is not None)
-    except RuntimeError:
-        return None
