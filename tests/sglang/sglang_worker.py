@@ -193,9 +193,92 @@ def forward_scenario(rank: int, world: int, fmt: str) -> dict:
     }
 
 
+EPLB_LAYER = 3
+
+
+def eplb_scenario(rank: int, world: int, redundant: int = 2) -> dict:
+    """--enable-eplb --ep-num-redundant-experts 2: SGLang's ExpertLocationMetadata (init_trivial) places
+    10 physical experts, SGLang's loader fills every replica, SGLang's dispatch ("static": a replica on
+    this rank when there is one) maps logical -> physical ids; then SGLang's own rebalance (init_by_eplb on a skewed load) and ExpertLocationUpdater move
+    the experts between the ranks over gloo. Every output is compared with the run without redundancy
+    (the core layer on logical ids) and the fp32 reference. The model config (DeepSeek, 8 experts, 61
+    layers) comes from MEGAMOE_TEST_MODEL; the server runs with --model-path dummy (see start_sglang)."""
+    import os
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.eplb.expert_location import (ExpertLocationMetadata, get_global_expert_location_metadata,
+                                                 set_global_expert_location_metadata)
+    from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo, topk_ids_logical_to_physical
+    from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.models.deepseek_v2 import DeepseekV2MoE
+
+    from megamoe_backend.layer import fp32_reference_moe, rel_l2
+
+    model_config = ModelConfig(os.environ["MEGAMOE_TEST_MODEL"], trust_remote_code=False)
+    set_global_expert_location_metadata(ExpertLocationMetadata.init_trivial(model_config, moe_ep_rank=rank))
+    physical = EXPERTS + redundant
+    layer = FusedMoE(num_experts=physical, top_k=TOPK, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=EPLB_LAYER,
+                     params_dtype=torch.bfloat16, reduce_results=False, quant_config=None,
+                     prefix=f"model.layers.{EPLB_LAYER}.mlp.experts")
+    w13, w2, ckpt = all_experts("bf16")
+    load_like_sglang(layer, ckpt)
+    w13_ref, w2_ref = w13.to(torch.bfloat16).float(), w2.to(torch.bfloat16).float()
+    g = torch.Generator().manual_seed(30 + rank)
+    x = torch.randn(16, HIDDEN, generator=g).to(torch.bfloat16)
+    w, logical_ids = torch.softmax(torch.randn(16, EXPERTS, generator=g), -1).topk(TOPK, dim=-1)
+    sweep_ids = torch.arange(2 * physical).view(physical, 2) % physical  # every physical slot, twice
+    x_sweep = torch.randn(physical, HIDDEN, generator=g).to(torch.bfloat16)
+    w_sweep = torch.rand(physical, TOPK, generator=g)
+
+    def forward(x_, physical_ids, w_):
+        return layer.forward(x_, StandardTopKOutput(w_, physical_ids.to(torch.int32), torch.zeros(len(x_), EXPERTS)))
+
+    def check(tag: str) -> dict:
+        """This rank's tokens through SGLang's dispatch map, and the all-slots sweep, vs the run
+        without redundancy (bit for bit) and the fp32 reference."""
+        p2l = get_global_expert_location_metadata().physical_to_logical_map_cpu[EPLB_LAYER]
+        phys = topk_ids_logical_to_physical(logical_ids, ExpertLocationDispatchInfo.init_new(layer_id=EPLB_LAYER))
+        out, out_sweep = forward(x, phys, w), forward(x_sweep, sweep_ids, w_sweep)
+        core = core_reference(x, logical_ids, w, "bf16", "bf16", w13_ref, w2_ref)
+        core_sweep = core_reference(x_sweep, p2l[sweep_ids], w_sweep, "bf16", "bf16", w13_ref, w2_ref)
+        ref = fp32_reference_moe(x, logical_ids, w, w13_ref, w2_ref, gate_up_layout="plain")
+        return {
+            f"{tag}_map": p2l.tolist(),
+            f"{tag}_physical_ids_valid": bool(torch.equal(p2l[phys.long()], logical_ids)),
+            f"{tag}_physical_ids_used": sorted(set(phys.flatten().tolist())),
+            f"{tag}_equal_to_core": bool(torch.equal(out, core)),
+            f"{tag}_sweep_equal_to_core": bool(torch.equal(out_sweep, core_sweep)),
+            f"{tag}_rel_l2_vs_fp32_reference": rel_l2(out, ref),
+        }
+
+    result = check("initial")
+    runtime = layer._megamoe_ep[1].runtime
+    # DeepseekV2MoE.get_moe_weights is what SGLang's model hands the updater; its self is only read for these two
+    moe_weights = DeepseekV2MoE.get_moe_weights(SimpleNamespace(experts=layer, num_fused_shared_experts=0))
+    megamoe = runtime.expert_tensors()
+    logical_count = torch.ones(model_config.num_hidden_layers, EXPERTS)
+    logical_count[EPLB_LAYER, 5], logical_count[EPLB_LAYER, 6] = 60.0, 40.0
+    new_meta = ExpertLocationMetadata.init_by_eplb(model_config, logical_count=logical_count)
+    updater = ExpertLocationUpdater()
+    updater._first_execution = False  # its first call empties the accelerator's cache; torch.cpu has none
+    updater.update({EPLB_LAYER: moe_weights}, new_meta, update_layer_ids=[EPLB_LAYER], nnodes=1, rank=rank)
+    result.update(check("moved"))
+    result.update({
+        "startup_line": runtime.plan.startup_line(),
+        "num_local_experts": layer.num_local_experts,
+        "moe_weights": [(list(t.shape), t.is_contiguous(), t.data_ptr()) for t in moe_weights],
+        "megamoe_tensors": {name: (list(t.shape), t.data_ptr()) for name, t in megamoe.items()},
+    })
+    return result
+
+
 SCENARIOS = {
     "forward_bf16": lambda r, w: forward_scenario(r, w, "bf16"),
     "forward_mxfp4": lambda r, w: forward_scenario(r, w, "mxfp4"),
+    "eplb_bf16": eplb_scenario,
 }
 
 
