@@ -15,6 +15,12 @@ import time
 import traceback
 
 
+# what a printed serve command is checked for (scripts/_sglang_common.sh, scripts/_eplb.sh)
+SCRIPT_FIELDS = ("moe_a2a_backend", "tp_size", "attn_dp_size", "ep_size", "enable_eplb", "ep_num_redundant_experts",
+                 "expert_distribution_recorder_buffer_size", "eplb_rebalance_num_iterations",
+                 "expert_balancedness_report_mode", "eplb_min_rebalancing_utilization_threshold")
+
+
 def attempt(fn):
     try:
         return {"ok": True, **(fn() or {})}
@@ -101,7 +107,7 @@ def main() -> None:
                                                       "--enable-eplb", "--ep-num-redundant-experts", "2"]))
     if len(sys.argv) > 4:
         for name, argv in json.loads(open(sys.argv[4]).read()).items():
-            res[f"script:{name}"] = attempt(parse(argv))
+            res[f"script:{name}"] = attempt(lambda argv=argv: {"parsed": fields(prepare_server_args(argv), SCRIPT_FIELDS)})
     res["total_s"] = time.perf_counter() - t0
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1, default=str)
