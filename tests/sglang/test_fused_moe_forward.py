@@ -108,11 +108,12 @@ def test_world2_gloo_matches_core_and_world1(world1, world2, fmt):
     assert torch.equal(world2[0]["out"], world1[0]["out"])
 
 
-def test_eplb_redundant_experts_and_sglangs_rebalance_over_gloo(tmp_path, model_dirs):
+def test_eplb_redundant_experts_and_sglangs_rebalance_over_gloo(tmp_path, model_dirs, fmt):
     """--enable-eplb --ep-num-redundant-experts 2 on 2 ranks (10 physical experts, 5 per rank): SGLang's
     placement, loader, dispatch map, rebalance and ExpertLocationUpdater (see sglang_worker.eplb_scenario);
-    bit-identical to the run without redundancy before and after the experts moved."""
-    ranks = run_ranks(2, tmp_path, "eplb_bf16", {"MEGAMOE_TEST_MODEL": str(model_dirs[8])},
+    bit-identical to the run without redundancy before and after the experts moved (A4W4: scales too)."""
+    scenario, env = SCENARIOS[fmt]
+    ranks = run_ranks(2, tmp_path, f"eplb_{fmt}", {**env, "MEGAMOE_TEST_MODEL": str(model_dirs[8])},
                       # static: SGLang's choice under --enable-eplb with an a2a backend (resolution of a
                       # dummy model stops before that step, so it is given here)
                       ("--enable-eplb", "--ep-num-redundant-experts", "2", "--ep-dispatch-algorithm", "static"))
@@ -126,7 +127,8 @@ def test_eplb_redundant_experts_and_sglangs_rebalance_over_gloo(tmp_path, model_
             assert r[f"{tag}_physical_ids_valid"], tag  # SGLang's dispatch picked replicas of the routed experts
             assert r[f"{tag}_equal_to_core"], tag
             assert r[f"{tag}_sweep_equal_to_core"], tag  # every physical slot holds its logical expert's weights
-            assert r[f"{tag}_rel_l2_vs_fp32_reference"] < 1e-2, (tag, r[f"{tag}_rel_l2_vs_fp32_reference"])
+            assert r[f"{tag}_rel_l2_vs_fp32_reference"] < REF_TOL[fmt], (tag, r[f"{tag}_rel_l2_vs_fp32_reference"])
+        assert set(r["megamoe_tensors"]) == ({"w1", "w2"} if fmt == "bf16" else {"w1", "w2", "w1_scale", "w2_scale"})
     assert {8, 9} & set(ranks[1]["initial_physical_ids_used"])  # rank 1 routes logical 0, 1 to its replicas
     assert not {8, 9} & set(ranks[0]["initial_physical_ids_used"])  # rank 0 to its originals
     old, new = ranks[0]["initial_map"], ranks[0]["moved_map"]

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from megamoe_backend.layer.eplb import expose_expert_tensors
+
 from .runner import MegaMoEQuantInfo
 from .runtime import build_layer_runtime, convert_layer_weights, eplb_metadata, eplb_moves_experts, sglang_ep_group
 from .selection import BACKEND_NAME
@@ -68,16 +70,8 @@ def expose_for_eplb(layer: Any, runtime: Any) -> None:
     SGLang's EPLB moves ``get_moe_weights()`` — every parameter of the FusedMoE with one row per
     local expert, as ``param.data`` — with ``ExpertLocationUpdater`` (torch.distributed P2P into
     temp buffers, then in-place copies). That list is collected lazily (``LazyValue``) at the first
-    rebalance, which comes after the first forward, where this runs: from then on those moves move
-    MegaMoE's prepared experts, scales and row scales, and MegaMoE keeps nothing derived from them.
+    rebalance, which comes after the first forward, where this runs.
     """
-    fmt_scale = "_scale_inv" if getattr(layer, "w13_weight_scale_inv", None) is not None else "_scale"
-    names = {"w1": "w13_weight", "w2": "w2_weight", "w1_scale": f"w13_weight{fmt_scale}",
-             "w2_scale": f"w2_weight{fmt_scale}", "w1_row_scale": "w13_megamoe_row_scale",
-             "w2_row_scale": "w2_megamoe_row_scale"}
-    for field, tensor in runtime.expert_tensors().items():
-        param = getattr(layer, names[field], None)
-        if isinstance(param, torch.nn.Parameter):
-            param.data = tensor
-        else:
-            layer.register_parameter(names[field], torch.nn.Parameter(tensor, requires_grad=False))
+    scale = "_scale_inv" if getattr(layer, "w13_weight_scale_inv", None) is not None else "_scale"
+    expose_expert_tensors(layer, runtime, {"w1": "w13_weight", "w2": "w2_weight",
+                                           "w1_scale": f"w13_weight{scale}", "w2_scale": f"w2_weight{scale}"})

@@ -23,6 +23,7 @@ import torch
 
 from megamoe_backend.knobs import Knobs
 from megamoe_backend.layer import MegaMoELayer
+from megamoe_backend.layer.eplb import expose_expert_tensors
 from megamoe_backend.plan import ExpertPlacement, LayerPlan, PlacementError, build_plan
 from megamoe_backend.spec import MoESpec
 
@@ -227,8 +228,7 @@ class MegaMoEMethod:
 
 
 # ExpertWeights field -> the RoutedExperts parameter that carries it for vLLM's EPLB
-EPLB_PARAMS = {"w1": "w13_weight", "w2": "w2_weight", "w1_scale": "w13_weight_scale", "w2_scale": "w2_weight_scale",
-               "w1_row_scale": "w13_megamoe_row_scale", "w2_row_scale": "w2_megamoe_row_scale"}
+EPLB_PARAMS = {"w1": "w13_weight", "w2": "w2_weight", "w1_scale": "w13_weight_scale", "w2_scale": "w2_weight_scale"}
 
 
 def expose_for_eplb(layer: Any, runtime: MegaMoELayer) -> None:
@@ -236,19 +236,11 @@ def expose_for_eplb(layer: Any, runtime: MegaMoELayer) -> None:
 
     vLLM's EPLB moves every parameter of the layer as ``weight.view(local_experts, -1)``
     (``RoutedExperts.get_expert_weights``, collected after loading) with in-place copies
-    (``rearrange_expert_weights_inplace``). Pointing the parameters at MegaMoE's prepared tensors
-    (whatever layout the experts provider chose; expert-major, contiguous) means those moves move
-    MegaMoE's experts, scales and row scales, and nothing else holds a copy: the replaced vLLM
-    tensors are freed. vLLM 0.32 calls no quant-method hook after a rearrangement, and none is
-    needed: from ``expert_tensors()`` on, MegaMoE keeps no state derived from these tensors.
+    (``rearrange_expert_weights_inplace``); the replaced vLLM tensors are freed. vLLM 0.32 calls no
+    quant-method hook after a rearrangement, and none is needed: from ``expert_tensors()`` on,
+    MegaMoE keeps no state derived from these tensors.
     """
-    for field, tensor in runtime.expert_tensors().items():
-        name = EPLB_PARAMS[field]
-        param = getattr(layer, name, None)
-        if isinstance(param, torch.nn.Parameter):
-            param.data = tensor
-        else:
-            layer.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+    expose_expert_tensors(layer, runtime, EPLB_PARAMS)
 
 
 def _tp_position() -> tuple[int, int]:
