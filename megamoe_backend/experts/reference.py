@@ -75,4 +75,3 @@ class TorchReferenceExperts(ExpertsProvider):
             y = (act @ w2[slot]).float()
             out[sel] = y * pairs.weight[sel].unsqueeze(1)
         return out
-

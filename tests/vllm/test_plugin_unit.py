@@ -176,6 +176,8 @@ def test_bad_eplb_maps_are_startup_errors_naming_the_map():
         vllm_placement(10, 4, "linear", [0, 1, 2, 3, 4, 5, 6, 7, 0, 1])
     with pytest.raises(PlacementError, match=r"vLLM's EPLB physical_to_logical map: logical experts \[5\] have no"):
         vllm_placement(8, 4, "linear", [0, 1, 2, 3, 4, 0, 6, 7])
+    with pytest.raises(PlacementError, match=r"logical experts \[7\] have no physical replica"):  # the last one
+        vllm_placement(8, 4, "linear", [0, 1, 2, 3, 4, 5, 6, 0], num_logical=8)
     with pytest.raises(PlacementError, match="map has 6 physical experts, the layer has 8"):
         vllm_placement(8, 2, "linear", [0, 1, 2, 3, 4, 5])
 

@@ -72,7 +72,8 @@ EPLB_MAP = "vLLM's EPLB physical_to_logical map"
 
 
 def vllm_placement(
-    num_experts: int, ep_size: int, strategy: str, physical_to_logical: list[int] | None = None
+    num_experts: int, ep_size: int, strategy: str, physical_to_logical: list[int] | None = None,
+    num_logical: int | None = None,
 ) -> ExpertPlacement:
     """vLLM's expert -> (rank, local slot) assignment for every rank, as an ExpertPlacement.
 
@@ -85,7 +86,7 @@ def vllm_placement(
     if physical_to_logical is not None:
         if len(logical) != num_experts:
             raise PlacementError(f"{EPLB_MAP} has {len(logical)} physical experts, the layer has {num_experts}")
-        eplb = ExpertPlacement.contiguous(list(logical), ep_size, map_name=EPLB_MAP)
+        eplb = ExpertPlacement.contiguous(list(logical), ep_size, num_logical, map_name=EPLB_MAP)
     if ep_size == 1:
         return ExpertPlacement(1, (0,) * num_experts, tuple(range(num_experts)), logical)
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
@@ -183,7 +184,8 @@ class MegaMoEMethod:
             quant=self.fmt.quant,
             name=self.layer_name,
         )
-        placement = vllm_placement(moe.num_experts, mpc.ep_size, layer.expert_placement_strategy, eplb_initial_map(moe))
+        placement = vllm_placement(moe.num_experts, mpc.ep_size, layer.expert_placement_strategy, eplb_initial_map(moe),
+                                   moe.num_logical_experts)
         device_type = "cpu" if weights.w1.device.type == "cpu" else ("rocm" if torch.version.hip else "cuda")
         self.plan = build_plan(spec, self.knobs, ep_rank=mpc.ep_rank, ep_size=mpc.ep_size,
                                placement=placement, device_type=device_type)
