@@ -6,6 +6,7 @@
 #                  A operand: fp4 for A4W4, fp8 for A8W4; bf16 always works)
 #   COMBINE_WIRE   -> MEGA_COMBINE_WIRE (bf16 | fp8_blockwise_1x32)
 #   TRANSPORT      -> MEGA_DISPATCH (auto | nccl | symm | mori | flydsl)
+#   EPLB=off|rN    EPLB with N redundant experts (+ EPLB_WINDOW, EPLB_INTERVAL, EPLB_THRESHOLD): scripts/_eplb.sh
 #   MTPR           -> MEGA_MAX_TOKENS_PER_RANK
 #   PORT=30000     server port (binds 127.0.0.1 unless HOST is set)
 #   CUDA_GRAPH     1: SGLang captures its decode CUDA graphs (MegaMoE's device forward is sync-free and
@@ -28,6 +29,9 @@ megamoe_serve() {
   case $wire in bf16|fp8|fp4) ;; *)
     echo "error: WIRE=$wire (MEGA_DISPATCH_WIRE) is not valid; allowed values: bf16 | fp8 | fp4" >&2; return 2;;
   esac
+  source "$(dirname "${BASH_SOURCE[0]}")/_eplb.sh"
+  eplb_flags sglang || return 2
+  extra=("${EPLB_FLAGS[@]}" "${extra[@]}")
   local envs=("MEGA_DISPATCH_WIRE=$wire")
   [[ -n ${COMBINE_WIRE:-} ]] && envs+=("MEGA_COMBINE_WIRE=$COMBINE_WIRE")
   [[ -n ${TRANSPORT:-} ]] && envs+=("MEGA_DISPATCH=$TRANSPORT")

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from ..knobs import KnobError, Knobs
-from ..plan import build_plan, facts_for
+from ..plan import ExpertPlacement, build_plan, facts_for, initial_redundant_map
 from ..spec import ConfigError, MoESpec, describe_scheme, expert_quant_scheme, preset
 
 
@@ -16,6 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", default=None, help="dsv4-pro | r1-mxfp4 (default dsv4-pro)")
     p.add_argument("--ep-size", type=int, default=8)
     p.add_argument("--ep-rank", type=int, default=0)
+    p.add_argument("--redundant-experts", type=int, default=0, metavar="R",
+                   help="EPLB redundant experts (vLLM num_redundant_experts, SGLang --ep-num-redundant-experts): "
+                        "plan the engines' initial map, n_routed_experts + R physical experts")
     p.add_argument("--device", choices=("auto", "cpu", "cuda", "rocm"), default="auto",
                    help="device kind to plan for (auto: what this machine has)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -45,7 +48,12 @@ def run(args: argparse.Namespace) -> int:
         # What the engines would run: the checkpoint's scheme under AITER_FORCE_A8W4 (the plugins call the same function).
         spec = declared.scaled(quant=expert_quant_scheme(declared.quant, knobs.aiter_force_a8w4, "config.json"))
         device = detect_device_type() if args.device == "auto" else args.device
-        plan = build_plan(spec, knobs, args.ep_rank, args.ep_size, device_type=device)
+        placement = None
+        if args.redundant_experts:
+            p2l = initial_redundant_map(spec.n_routed_experts, args.redundant_experts)
+            placement = ExpertPlacement.contiguous(p2l, args.ep_size, spec.n_routed_experts,
+                                                   map_name=f"--redundant-experts {args.redundant_experts} map")
+        plan = build_plan(spec, knobs, args.ep_rank, args.ep_size, placement=placement, device_type=device)
         platform = facts_for(device).describe()
     except (KnobError, ConfigError, ValueError) as exc:
         print(f"megamoe info: error: {exc}")
@@ -61,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
         "transport": plan.backends.transport,
         "selection_reasons": list(plan.backends.reasons),
         "local_experts": plan.num_local_experts,
+        "experts": {
+            "physical": plan.placement.num_physical, "logical": plan.placement.num_logical,
+            "redundant_per_rank": list(plan.placement.redundant_per_rank()),
+        },
         "dispatch_bytes_per_token_per_destination": {
             "payload": wb.dispatch_payload, "scales": wb.dispatch_scales, "row": wb.dispatch_row,
             "routing_meta": wb.dispatch_meta,
@@ -82,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(key, str(getattr(spec, key)))
     table.add_row("quant", describe_scheme(declared.quant, spec.quant))
     table.add_row("knobs", ", ".join(f"{k}={v}" for k, v in knobs.to_dict().items()))
+    table.add_row("experts (EPLB)", f"{plan.placement.describe()} local/rank={plan.num_local_experts}")
     table.add_row("device / provider / transport", f"{device} / {plan.backends.provider} / {plan.backends.transport}")
     table.add_row("platform", "\n".join(platform))
     table.add_row("selection", plan.backends.describe())

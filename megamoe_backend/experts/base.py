@@ -87,6 +87,11 @@ class ExpertsProvider(ABC):
         """Capability predicate used by provider selection; overridden by hardware providers."""
         return True
 
+    def weights_become_movable(self, weights: ExpertWeights) -> None:
+        """``weights`` (as prepare_weights returned them) may from now on be rewritten in place, expert
+        by expert, at any time (an engine's EPLB moving experts between ranks): drop and stop keeping
+        any state derived from them. Providers that read the tensors directly keep none."""
+
     def prepare_weights(self, weights: ExpertWeights, math: ExpertMath | None = None) -> ExpertWeights:
         """Once per layer, before the first forward: weights in the storage this provider reads
         fastest for ``math`` (e.g. MMA-fragment order). The default keeps them as they are."""

@@ -39,14 +39,24 @@ class TorchReferenceExperts(ExpertsProvider):
     def __init__(self) -> None:
         # id(weights) -> (weakref to weights, w1 fp64, w2 fp64); the weakref guards against id reuse.
         self._dequant_cache: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}
+        # id(weights) -> weakref, for weights an engine may rewrite in place (EPLB): never cached
+        self._movable: dict[int, weakref.ref] = {}
+
+    def weights_become_movable(self, weights: ExpertWeights) -> None:
+        """From now on ``weights`` may be rewritten in place at any time (EPLB moves experts through
+        engine-side views whose writes nothing here can observe): keep no fp64 copy of them."""
+        self._dequant_cache.pop(id(weights), None)
+        self._movable[id(weights)] = weakref.ref(weights)
 
     def _weights64(self, weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
-        hit = self._dequant_cache.get(id(weights))
+        movable = self._movable.get(id(weights))
+        hit = None if movable is not None and movable() is weights else self._dequant_cache.get(id(weights))
         if hit is None or hit[0]() is not weights:
             w1, w2 = weights.dequantized()
             # stored transposed ([E, K, N]) so each expert GEMM is a plain contiguous x @ w
             hit = (weakref.ref(weights), w1.double().transpose(1, 2).contiguous(), w2.double().transpose(1, 2).contiguous())
-            self._dequant_cache[id(weights)] = hit
+            if movable is None or movable() is not weights:
+                self._dequant_cache[id(weights)] = hit
         return hit[1], hit[2]
 
     def forward(self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath) -> torch.Tensor:

@@ -30,6 +30,8 @@ WEIGHT_FORMATS = ("bf16", "mxfp4")
 GATE_UP_LAYOUTS = ("interleaved", "plain")
 STORAGES = ("rowmajor", "fragments", "fragments_fp8")
 FRAGMENT_STORAGE = {"bf16": "fragments", "fp8": "fragments_fp8"}  # fragment kind -> storage name
+# the per-expert tensor fields, in the order expert_tensors() returns them
+EXPERT_FIELDS = ("w1", "w2", "w1_scale", "w2_scale", "w1_row_scale", "w2_row_scale")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,24 @@ class ExpertWeights:
     @property
     def num_experts(self) -> int:
         return self.w1.shape[0]
+
+    def expert_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor set here, by field name: one row per local expert, each contiguous.
+
+        What an engine's EPLB moves between ranks as ``[experts, -1]`` views: all fields of every
+        storage are expert-major (fragment storage re-lays bytes within an expert only), so moving
+        an expert's rows moves the whole expert, scales and row scales included.
+        """
+        out = {}
+        for name in EXPERT_FIELDS:
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if t.shape[0] != self.num_experts or not t.is_contiguous():
+                raise ValueError(f"ExpertWeights.{name} {tuple(t.shape)} is not a contiguous tensor with one row per "
+                                 f"expert ({self.num_experts}); EPLB cannot move it as [experts, -1] rows")
+            out[name] = t
+        return out
 
     @property
     def hidden(self) -> int:

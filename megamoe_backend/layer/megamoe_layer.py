@@ -191,6 +191,23 @@ class MegaMoELayer:
         ws.status.publish()
         return out
 
+    def expert_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors this rank's experts compute with (the provider-prepared ``self.weights``), by
+        field, each contiguous with one row per local slot: what an engine's EPLB moves between ranks
+        in place (vLLM ``get_expert_weights``, SGLang ``get_moe_weights``). From this call on the
+        provider keeps nothing derived from them, so every forward reads what the engine moved there;
+        the placement's physical ids never move (only which logical expert a slot holds), so the
+        routing tables stay valid.
+        """
+        if self.fused is not None:
+            raise NotImplementedError(
+                "[megamoe] EPLB with aiter's fused runtime is not supported: its weights are aiter-shuffled "
+                "copies that no engine can move per expert; serve without EPLB there (ROCm)"
+            )
+        tensors = self.weights.expert_tensors()
+        self.provider.weights_become_movable(self.weights)
+        return tensors
+
     def _check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, str]:
         """(status, message) for this rank's input; status != 0 is reported to every rank."""
         plan = self.plan

@@ -102,7 +102,7 @@ class LayerPlan:
             fused = f" runtime=aiter:{self.backends.runtime} dispatch={self.backends.dispatch_kernel}"
         return (
             f"[megamoe] Created MegaMoE: ep_rank={self.ep_rank} ep_size={self.ep_size} hidden={s.hidden_size} "
-            f"inter={s.moe_intermediate_size} experts={self.placement.num_physical} topk={s.num_experts_per_tok} "
+            f"inter={s.moe_intermediate_size} {self.placement.describe()} topk={s.num_experts_per_tok} "
             f"mtpr={self.mtpr} quant={self.math.quant} experts_provider={self.backends.provider} "
             f"transport={transport_name or self.backends.transport} wire={self.dispatch.name} combine={self.combine.name} "
             f"swiglu_limit={limit}{fused}"

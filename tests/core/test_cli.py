@@ -32,7 +32,25 @@ def test_info_json_for_config(fixtures) -> None:
 def test_info_text_preset() -> None:
     r = megamoe("info", "--preset", "dsv4-pro", "--device", "cpu")
     assert r.returncode == 0, r.stderr
-    assert "[megamoe] Created MegaMoE: ep_rank=0 ep_size=8 hidden=7168 inter=3072 experts=384 topk=6" in r.stdout
+    assert ("[megamoe] Created MegaMoE: ep_rank=0 ep_size=8 hidden=7168 inter=3072 experts=384 logical=384 "
+            "redundant/rank=0 topk=6") in r.stdout
+
+
+def test_info_with_redundant_experts(fixtures) -> None:
+    """r64 on 8 ranks (R1: 256 routed experts): 320 physical, the engines' initial map puts the 64
+    replicas of logical 0..63 on the last 64 physical slots, i.e. 24 + 40 on ranks 6 and 7."""
+    r = megamoe("info", "--model", str(fixtures / "r1_mxfp4_config.json"), "--ep-size", "8",
+                "--redundant-experts", "64", "--json", env={"MEGA_DISPATCH_WIRE": "fp4"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    info = json.loads(r.stdout)
+    assert info["experts"] == {"physical": 320, "logical": 256, "redundant_per_rank": [0] * 6 + [24, 40]}
+    assert info["local_experts"] == 40
+    assert "experts=320 logical=256 redundant/rank=0,0,0,0,0,0,24,40 " in info["startup_line"]
+    text = megamoe("info", "--preset", "dsv4-pro", "--device", "cpu", "--redundant-experts", "64")
+    assert text.returncode == 0 and "experts=448 logical=384 redundant/rank=0,0,0,0,0,0,8,56" in text.stdout
+    bad = megamoe("info", "--preset", "dsv4-pro", "--redundant-experts", "3")
+    assert bad.returncode == 2
+    assert "--redundant-experts 3 map has 387 physical experts, which do not split over 8 EP ranks" in bad.stdout
 
 
 @pytest.mark.parametrize("env, needle", [

@@ -158,3 +158,25 @@ def test_layer_takes_combine_rows_from_forward_wire(combine) -> None:
     out = spied(p.x, p.topk_ids, p.topk_weights)
     assert spy.wires == [combine]
     assert torch.equal(out.float(), 2 * plain(p.x, p.topk_ids, p.topk_weights).float())
+
+
+@pytest.mark.parametrize("quant", ["bf16", "a4w4"])
+def test_in_place_expert_moves_are_seen_by_the_next_forward(quant) -> None:
+    """What EPLB does to a layer: copy other experts' rows into its expert tensors in place. The
+    tensors the layer hands out are its own (no copy), and nothing derived from them goes stale."""
+    layer, p = layer_for(quant)
+    tensors = layer.expert_tensors()
+    assert tensors["w1"] is layer.weights.w1 and all(t.is_contiguous() for t in tensors.values())
+    assert set(tensors) == ({"w1", "w2"} if quant == "bf16" else {"w1", "w2", "w1_scale", "w2_scale"})
+    before = layer(p.x, p.topk_ids, p.topk_weights)
+    # slot s now holds logical expert perm[s] (what an engine's rearrangement leaves behind)
+    perm = torch.roll(torch.arange(SPEC.n_routed_experts), 3)
+    originals = {name: t.clone() for name, t in tensors.items()}
+    for name, t in tensors.items():
+        rows = t.view(t.shape[0], -1)  # exactly the [local_experts, -1] view vLLM's EPLB moves
+        for slot, logical in enumerate(perm.tolist()):
+            rows[slot].copy_(originals[name].view(t.shape[0], -1)[logical])
+    inverse = torch.argsort(perm)  # logical -> the slot holding it now
+    moved_ids = torch.where(p.topk_ids >= 0, inverse[p.topk_ids.clamp_min(0)], p.topk_ids)
+    assert torch.equal(layer(p.x, moved_ids, p.topk_weights), before)
+    assert not torch.equal(layer(p.x, p.topk_ids, p.topk_weights), before)  # the old ids now reach other experts

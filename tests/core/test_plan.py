@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megamoe_backend.knobs import KnobError, Knobs
-from megamoe_backend.plan import ExpertPlacement, PlacementError, build_plan, select_backends
+from megamoe_backend.plan import ExpertPlacement, PlacementError, build_plan, initial_redundant_map, select_backends
 from megamoe_backend.experts import ExpertMath
 from megamoe_backend.spec import preset
 
@@ -57,11 +57,35 @@ def test_placement_with_replicas() -> None:
         ExpertPlacement.from_assignment([0, 2], 2)
 
 
+def test_eplb_contiguous_placement_from_the_engines_initial_map() -> None:
+    # 6 logical + 2 redundant over 4 ranks: replicas of logical 0 and 1 on rank 3
+    p2l = initial_redundant_map(6, 2)
+    assert p2l == [0, 1, 2, 3, 4, 5, 0, 1]
+    p = ExpertPlacement.contiguous(p2l, 4, num_logical=6, map_name="test map")
+    assert p.local_experts(3) == [6, 7] and p.slot[7] == 1
+    assert (p.num_physical, p.num_logical, p.num_redundant) == (8, 6, 2)
+    assert p.redundant_per_rank() == (0, 0, 0, 2)
+    assert p.describe() == "experts=8 logical=6 redundant/rank=0,0,0,2"
+    plan = build_plan(preset("dsv4-pro").scaled(n_routed_experts=8), Knobs(), 3, 4, placement=p)
+    assert "experts=8 logical=6 redundant/rank=0,0,0,2 " in plan.startup_line()
+
+
+def test_bad_eplb_maps_are_errors_naming_the_map() -> None:
+    with pytest.raises(PlacementError, match="test map has 9 physical experts, which do not split over 4 EP ranks"):
+        ExpertPlacement.contiguous(initial_redundant_map(6, 3), 4, map_name="test map")
+    # logical 5 has no replica (also when it is the last one: num_logical says there are 6)
+    with pytest.raises(PlacementError, match=r"test map: logical experts \[5\] have no physical replica"):
+        ExpertPlacement.contiguous([0, 1, 2, 3, 4, 0, 1, 2], 4, num_logical=6, map_name="test map")
+    with pytest.raises(PlacementError, match=r"test map holds logical ids \[7\] outside 0..5"):
+        ExpertPlacement.contiguous([0, 1, 2, 3, 4, 5, 7, 0], 4, num_logical=6, map_name="test map")
+
+
 def test_startup_line() -> None:
     plan = build_plan(preset("dsv4-pro"), Knobs(dispatch_wire="fp4", combine_wire="fp8_blockwise_1x32"), 0, 8)
     line = plan.startup_line("nccl")
     assert line == (
-        "[megamoe] Created MegaMoE: ep_rank=0 ep_size=8 hidden=7168 inter=3072 experts=384 topk=6 mtpr=8192 "
+        "[megamoe] Created MegaMoE: ep_rank=0 ep_size=8 hidden=7168 inter=3072 experts=384 logical=384 "
+        "redundant/rank=0 topk=6 mtpr=8192 "
         "quant=a4w4 experts_provider=torch transport=nccl wire=fp4 combine=fp8_blockwise_1x32 swiglu_limit=10.0"
     )
 

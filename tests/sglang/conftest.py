@@ -44,6 +44,7 @@ def script_argv(model_dirs) -> dict[str, list[str]]:
     for name, script, env in (
         ("dsv4", "serve_sglang_dsv4_pro_ep.sh", {"N": "8"}),
         ("r1", "serve_sglang_r1_mxfp4_ep.sh", {"N": "4", "WIRE": "fp4"}),
+        ("r1_eplb", "serve_sglang_r1_mxfp4_ep.sh", {"N": "4", "WIRE": "fp4", "EPLB": "r64"}),
     ):
         proc = dry_run(script, {**env, "MODEL": str(model_dirs[8])})
         assert proc.returncode == 0, proc.stderr

@@ -15,6 +15,12 @@ import time
 import traceback
 
 
+# what a printed serve command is checked for (scripts/_sglang_common.sh, scripts/_eplb.sh)
+SCRIPT_FIELDS = ("moe_a2a_backend", "tp_size", "attn_dp_size", "ep_size", "enable_eplb", "ep_num_redundant_experts",
+                 "expert_distribution_recorder_buffer_size", "eplb_rebalance_num_iterations",
+                 "expert_balancedness_report_mode", "eplb_min_rebalancing_utilization_threshold")
+
+
 def attempt(fn):
     try:
         return {"ok": True, **(fn() or {})}
@@ -54,13 +60,13 @@ def main() -> None:
     def parse(argv):
         return lambda: {"parsed": fields(prepare_server_args(argv))}
 
-    def parse_resolve(argv, env=None):
+    def parse_resolve(argv, env=None, names=None):
         def run():
             old = {k: os.environ.get(k) for k in (env or {})}
             os.environ.update(env or {})
             try:
                 sa = prepare_server_args(argv)
-                parsed = fields(sa)
+                parsed = fields(sa, *(names,) if names else ())
                 sa.resolve_once()
                 resolved = {k: v for k, v in sa.resolved_dict().items() if k in parsed}
                 return {"parsed": parsed, "resolved": resolved}
@@ -92,9 +98,16 @@ def main() -> None:
     res["intree_megamoe_resolve"] = attempt(parse_resolve(["--model-path", "dummy", *dp8, "--moe-a2a-backend", "megamoe"]))
     res["intree_alias_resolve"] = attempt(parse_resolve(["--model-path", "dummy", *dp8, "--moe-runner-backend", "megamoe"]))
     res["none_resolve"] = attempt(parse_resolve(["--model-path", "dummy", *dp8]))
+    eplb_fields = ("moe_a2a_backend", "enable_eplb", "ep_num_redundant_experts", "ep_dispatch_algorithm",
+                   "expert_distribution_recorder_mode")
+    res["eplb_resolve"] = attempt(parse_resolve(["--model-path", "dummy", *dp8, "--moe-a2a-backend", "megamoe_ep",
+                                                 "--enable-eplb", "--ep-num-redundant-experts", "64"], names=eplb_fields))
+    res["eplb_not_dividing"] = attempt(parse_resolve(["--model-path", model8, "--tp", "4", "--attn-dp-size", "4",
+                                                      "--ep-size", "4", "--moe-a2a-backend", "megamoe_ep",
+                                                      "--enable-eplb", "--ep-num-redundant-experts", "2"]))
     if len(sys.argv) > 4:
         for name, argv in json.loads(open(sys.argv[4]).read()).items():
-            res[f"script:{name}"] = attempt(parse(argv))
+            res[f"script:{name}"] = attempt(lambda argv=argv: {"parsed": fields(prepare_server_args(argv), SCRIPT_FIELDS)})
     res["total_s"] = time.perf_counter() - t0
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1, default=str)

@@ -26,7 +26,7 @@ def dry_run(script: str, env: dict | None = None, args: tuple[str, ...] = ()) ->
     """Run a scripts/*.sh in --dry-run mode with a clean set of MEGA_* / script variables."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MEGA_", "SGLANG_PLUGINS"))}
     for k in ("N", "WIRE", "COMBINE_WIRE", "TRANSPORT", "MTPR", "PORT", "HOST", "MODEL", "ISL", "OSL", "PROMPTS",
-              "CONCURRENCY", "OUT", "PYTHON", "CUDA_GRAPH"):
+              "CONCURRENCY", "OUT", "PYTHON", "CUDA_GRAPH", "EPLB", "EPLB_WINDOW", "EPLB_INTERVAL", "EPLB_THRESHOLD"):
         clean.pop(k, None)
     return subprocess.run(["bash", str(REPO / "scripts" / script), "--dry-run", *args], capture_output=True,
                           text=True, env={**clean, **(env or {})}, timeout=60)

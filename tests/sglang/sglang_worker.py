@@ -111,6 +111,25 @@ def core_reference(x, ids, w, weights_fmt: str, quant: str, w13, w2):
     return MegaMoELayer(plan, weights, group=None).forward(x, ids, w)
 
 
+def sglang_quant(fmt: str):
+    """(SGLang quant config, MegaMoE quant scheme): none / bf16, or Quark MXFP4 A4W4 from the R1 fixture."""
+    if fmt != "mxfp4":
+        return None, "bf16"
+    from sglang.srt.layers.quantization.quark.quark import QuarkConfig
+
+    qc = json.loads((Path(__file__).parent.parent / "fixtures" / "r1_mxfp4_config.json").read_text())["quantization_config"]
+    return QuarkConfig.from_config({**qc, "packed_modules_mapping": {}}), "a4w4"
+
+
+def reference_weights(fmt: str, w13, w2):
+    """The fp32 weights MegaMoE actually holds: MXFP4-dequantised, or bf16-rounded."""
+    if fmt == "mxfp4":
+        from megamoe_backend.formats import dequantize_mx, quantize_mx
+
+        return dequantize_mx(quantize_mx(w13, "fp4")), dequantize_mx(quantize_mx(w2, "fp4"))
+    return w13.to(torch.bfloat16).float(), w2.to(torch.bfloat16).float()
+
+
 def forward_scenario(rank: int, world: int, fmt: str) -> dict:
     """SGLang FusedMoE built with SGLang's quant method (unquantised, or Quark MXFP4 A4W4 from the
     R1 MXFP4 fixture's quantization_config), loaded through SGLang's loader, forward via megamoe_ep."""
@@ -118,17 +137,10 @@ def forward_scenario(rank: int, world: int, fmt: str) -> dict:
     from sglang.srt.layers.moe.topk import StandardTopKOutput
     from sglang.srt.layers.moe.utils import get_moe_a2a_backend
 
-    from megamoe_backend.formats import dequantize_mx, quantize_mx
     from megamoe_backend.layer import fp32_reference_moe, rel_l2
     from megamoe_sglang.dispatcher import MegaMoEDispatcher
 
-    quant_config, quant = None, "bf16"
-    if fmt == "mxfp4":
-        from sglang.srt.layers.quantization.quark.quark import QuarkConfig
-
-        qc = json.loads((Path(__file__).parent.parent / "fixtures" / "r1_mxfp4_config.json").read_text())["quantization_config"]
-        quant_config = QuarkConfig.from_config({**qc, "packed_modules_mapping": {}})
-        quant = "a4w4"
+    quant_config, quant = sglang_quant(fmt)
     layer = FusedMoE(
         num_experts=EXPERTS, top_k=TOPK, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=3,
         params_dtype=torch.bfloat16, reduce_results=False, quant_config=quant_config, prefix="model.layers.3.mlp.experts",
@@ -144,11 +156,7 @@ def forward_scenario(rank: int, world: int, fmt: str) -> dict:
     t0 = time.perf_counter()
     out2 = layer.forward(x, topk)
     t_second = time.perf_counter() - t0
-    if fmt == "mxfp4":  # the fp32 reference runs on the weights MegaMoE actually holds (dequantised)
-        deq = lambda t: dequantize_mx(quantize_mx(t, "fp4"))  # noqa: E731
-        w13_ref, w2_ref = deq(w13), deq(w2)
-    else:
-        w13_ref, w2_ref = w13.to(torch.bfloat16).float(), w2.to(torch.bfloat16).float()
+    w13_ref, w2_ref = reference_weights(fmt, w13, w2)
     ref = fp32_reference_moe(x, ids, w, w13_ref, w2_ref, gate_up_layout="plain")
     core = core_reference(x, ids, w, "bf16" if fmt == "bf16" else "mxfp4", quant, w13_ref if fmt == "bf16" else w13, w2_ref if fmt == "bf16" else w2)
     runtime = layer._megamoe_ep[1].runtime
@@ -193,9 +201,97 @@ def forward_scenario(rank: int, world: int, fmt: str) -> dict:
     }
 
 
+EPLB_LAYER = 3
+
+
+def eplb_scenario(rank: int, world: int, fmt: str = "bf16", redundant: int = 2) -> dict:
+    """--enable-eplb --ep-num-redundant-experts 2: SGLang's ExpertLocationMetadata (init_trivial) places
+    10 physical experts, SGLang's loader fills every replica, SGLang's dispatch ("static": a replica on
+    this rank when there is one) maps logical -> physical ids; then SGLang's own rebalance (init_by_eplb on a skewed load) and ExpertLocationUpdater move
+    the experts between the ranks over gloo. Every output is compared with the run without redundancy
+    (the core layer on logical ids) and the fp32 reference. ``fmt`` "mxfp4": Quark A4W4 (scales move too). The model config (DeepSeek, 8 experts, 61
+    layers) comes from MEGAMOE_TEST_MODEL; the server runs with --model-path dummy (see start_sglang)."""
+    import os
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.eplb.expert_location import (ExpertLocationMetadata, get_global_expert_location_metadata,
+                                                 set_global_expert_location_metadata)
+    from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo, topk_ids_logical_to_physical
+    from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.models.deepseek_v2 import DeepseekV2MoE
+
+    from megamoe_backend.layer import fp32_reference_moe, rel_l2
+
+    model_config = ModelConfig(os.environ["MEGAMOE_TEST_MODEL"], trust_remote_code=False)
+    set_global_expert_location_metadata(ExpertLocationMetadata.init_trivial(model_config, moe_ep_rank=rank))
+    physical = EXPERTS + redundant
+    quant_config, quant = sglang_quant(fmt)
+    layer = FusedMoE(num_experts=physical, top_k=TOPK, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=EPLB_LAYER,
+                     params_dtype=torch.bfloat16, reduce_results=False, quant_config=quant_config,
+                     prefix=f"model.layers.{EPLB_LAYER}.mlp.experts")
+    w13, w2, ckpt = all_experts(fmt)
+    load_like_sglang(layer, ckpt)
+    w13_ref, w2_ref = reference_weights(fmt, w13, w2)
+    # the core layer quantises the fp32 masters itself (MXFP4), or takes the bf16-rounded ones
+    core_w13, core_w2 = (w13, w2) if fmt == "mxfp4" else (w13_ref, w2_ref)
+    g = torch.Generator().manual_seed(30 + rank)
+    x = torch.randn(16, HIDDEN, generator=g).to(torch.bfloat16)
+    w, logical_ids = torch.softmax(torch.randn(16, EXPERTS, generator=g), -1).topk(TOPK, dim=-1)
+    sweep_ids = torch.arange(2 * physical).view(physical, 2) % physical  # every physical slot, twice
+    x_sweep = torch.randn(physical, HIDDEN, generator=g).to(torch.bfloat16)
+    w_sweep = torch.rand(physical, TOPK, generator=g)
+
+    def forward(x_, physical_ids, w_):
+        return layer.forward(x_, StandardTopKOutput(w_, physical_ids.to(torch.int32), torch.zeros(len(x_), EXPERTS)))
+
+    def check(tag: str) -> dict:
+        """This rank's tokens through SGLang's dispatch map, and the all-slots sweep, vs the run
+        without redundancy (bit for bit) and the fp32 reference."""
+        p2l = get_global_expert_location_metadata().physical_to_logical_map_cpu[EPLB_LAYER]
+        phys = topk_ids_logical_to_physical(logical_ids, ExpertLocationDispatchInfo.init_new(layer_id=EPLB_LAYER))
+        out, out_sweep = forward(x, phys, w), forward(x_sweep, sweep_ids, w_sweep)
+        core = core_reference(x, logical_ids, w, "bf16" if fmt == "bf16" else "mxfp4", quant, core_w13, core_w2)
+        core_sweep = core_reference(x_sweep, p2l[sweep_ids], w_sweep, "bf16" if fmt == "bf16" else "mxfp4", quant,
+                                    core_w13, core_w2)
+        ref = fp32_reference_moe(x, logical_ids, w, w13_ref, w2_ref, gate_up_layout="plain")
+        return {
+            f"{tag}_map": p2l.tolist(),
+            f"{tag}_physical_ids_valid": bool(torch.equal(p2l[phys.long()], logical_ids)),
+            f"{tag}_physical_ids_used": sorted(set(phys.flatten().tolist())),
+            f"{tag}_equal_to_core": bool(torch.equal(out, core)),
+            f"{tag}_sweep_equal_to_core": bool(torch.equal(out_sweep, core_sweep)),
+            f"{tag}_rel_l2_vs_fp32_reference": rel_l2(out, ref),
+        }
+
+    result = check("initial")
+    runtime = layer._megamoe_ep[1].runtime
+    # DeepseekV2MoE.get_moe_weights is what SGLang's model hands the updater; its self is only read for these two
+    moe_weights = DeepseekV2MoE.get_moe_weights(SimpleNamespace(experts=layer, num_fused_shared_experts=0))
+    megamoe = runtime.expert_tensors()
+    logical_count = torch.ones(model_config.num_hidden_layers, EXPERTS)
+    logical_count[EPLB_LAYER, 5], logical_count[EPLB_LAYER, 6] = 60.0, 40.0
+    new_meta = ExpertLocationMetadata.init_by_eplb(model_config, logical_count=logical_count)
+    updater = ExpertLocationUpdater()
+    updater._first_execution = False  # its first call empties the accelerator's cache; torch.cpu has none
+    updater.update({EPLB_LAYER: moe_weights}, new_meta, update_layer_ids=[EPLB_LAYER], nnodes=1, rank=rank)
+    result.update(check("moved"))
+    result.update({
+        "startup_line": runtime.plan.startup_line(),
+        "num_local_experts": layer.num_local_experts,
+        "moe_weights": [(list(t.shape), t.is_contiguous(), t.data_ptr()) for t in moe_weights],
+        "megamoe_tensors": {name: (list(t.shape), t.data_ptr()) for name, t in megamoe.items()},
+    })
+    return result
+
+
 SCENARIOS = {
     "forward_bf16": lambda r, w: forward_scenario(r, w, "bf16"),
     "forward_mxfp4": lambda r, w: forward_scenario(r, w, "mxfp4"),
+    "eplb_bf16": eplb_scenario,
+    "eplb_mxfp4": lambda r, w: eplb_scenario(r, w, "mxfp4"),
 }
 
 

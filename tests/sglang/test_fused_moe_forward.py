@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, tmp_path, scenario: str, env: dict | None = None) -> list[dict]:
+def run_ranks(world: int, tmp_path, scenario: str, env: dict | None = None, args: tuple[str, ...] = ()) -> list[dict]:
     import os
 
     port = _free_port()
@@ -37,7 +38,7 @@ def run_ranks(world: int, tmp_path, scenario: str, env: dict | None = None) -> l
         outs.append(out)
         procs.append(subprocess.Popen(
             [sys.executable, str(HERE / "sglang_worker.py"), scenario, str(rank), str(world), str(port), str(out),
-             "--moe-a2a-backend", "megamoe_ep"],
+             "--moe-a2a-backend", "megamoe_ep", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})},
         ))
@@ -47,7 +48,8 @@ def run_ranks(world: int, tmp_path, scenario: str, env: dict | None = None) -> l
         assert out.exists(), log[-4000:]
         r = load_json(out)
         assert r["ok"], r.get("error")
-        r["out"] = torch.load(str(out).replace(".json", ".pt"))["out"]
+        pt = Path(str(out).replace(".json", ".pt"))
+        r["out"] = torch.load(pt)["out"] if pt.exists() else None
         results.append(r)
     return results
 
@@ -106,3 +108,32 @@ def test_world2_gloo_matches_core_and_world1(world1, world2, fmt):
         assert r["rel_l2_vs_fp32_reference"] < REF_TOL[fmt]
     # rank 0's tokens are the same at both sizes: the result does not depend on the EP size
     assert torch.equal(world2[0]["out"], world1[0]["out"])
+
+
+def test_eplb_redundant_experts_and_sglangs_rebalance_over_gloo(tmp_path, model_dirs, fmt):
+    """--enable-eplb --ep-num-redundant-experts 2 on 2 ranks (10 physical experts, 5 per rank): SGLang's
+    placement, loader, dispatch map, rebalance and ExpertLocationUpdater (see sglang_worker.eplb_scenario);
+    bit-identical to the run without redundancy before and after the experts moved (A4W4: scales too)."""
+    scenario, env = SCENARIOS[fmt]
+    ranks = run_ranks(2, tmp_path, f"eplb_{fmt}", {**env, "MEGAMOE_TEST_MODEL": str(model_dirs[8])},
+                      # static: SGLang's choice under --enable-eplb with an a2a backend (resolution of a
+                      # dummy model stops before that step, so it is given here)
+                      ("--enable-eplb", "--ep-num-redundant-experts", "2", "--ep-dispatch-algorithm", "static"))
+    for r in ranks:
+        assert r["initial_map"] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]  # init_trivial: physical p holds logical p % 8
+        assert "experts=10 logical=8 redundant/rank=0,2 " in r["startup_line"] and r["num_local_experts"] == 5
+        # get_moe_weights() is exactly MegaMoE's tensors (contiguous, one row per local slot)
+        assert all(shape[0] == 5 and contiguous for shape, contiguous, _ in r["moe_weights"])
+        assert sorted(p for *_, p in r["moe_weights"]) == sorted(p for _, p in r["megamoe_tensors"].values())
+        for tag in ("initial", "moved"):
+            assert r[f"{tag}_physical_ids_valid"], tag  # SGLang's dispatch picked replicas of the routed experts
+            assert r[f"{tag}_equal_to_core"], tag
+            assert r[f"{tag}_sweep_equal_to_core"], tag  # every physical slot holds its logical expert's weights
+            assert r[f"{tag}_rel_l2_vs_fp32_reference"] < REF_TOL[fmt], (tag, r[f"{tag}_rel_l2_vs_fp32_reference"])
+        assert set(r["megamoe_tensors"]) == ({"w1", "w2"} if fmt == "bf16" else {"w1", "w2", "w1_scale", "w2_scale"})
+    assert {8, 9} & set(ranks[1]["initial_physical_ids_used"])  # rank 1 routes logical 0, 1 to its replicas
+    assert not {8, 9} & set(ranks[0]["initial_physical_ids_used"])  # rank 0 to its originals
+    old, new = ranks[0]["initial_map"], ranks[0]["moved_map"]
+    assert ranks[1]["moved_map"] == new and sorted(set(new)) == list(range(8))
+    crossed = [p for p in range(10) if new[p] not in old[(p // 5) * 5:(p // 5 + 1) * 5]]
+    assert crossed, (old, new)  # some expert came from the other rank

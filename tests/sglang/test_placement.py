@@ -25,6 +25,21 @@ def test_eplb_map_of_wrong_size_and_uneven_split_are_clear_errors():
         sglang_placement(8, 2, physical_to_logical=[0, 1, 2, 3, 4, 5])
     with pytest.raises(MegaMoEConfigError, match="--ep-size 3 does not divide"):
         check_ep_divides(256, 3)
+    with pytest.raises(MegaMoEConfigError, match="--ep-size 4 does not divide the model's 10 routed experts"):
+        sglang_placement(10, 4, physical_to_logical=[0, 1, 2, 3, 4, 5, 6, 7, 0, 1], num_logical=8, layer_id=3)
+
+
+def test_logical_expert_without_replica_names_the_map():
+    with pytest.raises(MegaMoEConfigError, match=r"SGLang's expert-location physical_to_logical_map \(layer 3\): "
+                                                 r"logical experts \[7\] have no physical replica"):
+        sglang_placement(8, 2, physical_to_logical=[0, 1, 2, 3, 4, 5, 6, 0], num_logical=8, layer_id=3)
+
+
+def test_placement_from_sglangs_trivial_map_shows_the_replicas():
+    # ExpertLocationMetadata.init_trivial: physical p holds logical p % num_logical (the worker test
+    # builds it with SGLang itself; here its rule, to pin the placement's summary)
+    p = sglang_placement(10, 2, physical_to_logical=[p % 8 for p in range(10)], num_logical=8, layer_id=3)
+    assert p.describe() == "experts=10 logical=8 redundant/rank=0,2"
 
 
 def test_version_pin():

@@ -39,10 +39,24 @@ def test_cuda_graphs_by_default_where_the_layer_is_capturable(env, graphed):
     assert ("--disable-cuda-graph" not in proc.stdout) == graphed
 
 
+def test_eplb_dry_run_prints_sglangs_eplb_flags():
+    """EPLB=r64 with the upstream window / interval / threshold (defaults 200 / 200 / 2.0)."""
+    proc = dry_run("serve_sglang_dsv4_pro_ep.sh", {"MODEL": "/m", "EPLB": "r64"}, ("--mem-fraction-static", "0.8"))
+    assert proc.returncode == 0, proc.stderr
+    cmd = proc.stdout.splitlines()[1]
+    assert cmd.endswith(" --enable-eplb --ep-num-redundant-experts 64 --expert-distribution-recorder-buffer-size 200 "
+                        "--eplb-rebalance-num-iterations 200 --expert-balancedness-report-mode server_log "
+                        "--eplb-min-rebalancing-utilization-threshold 0.5 --mem-fraction-static 0.8"), cmd
+    r0 = dry_run("serve_sglang_dsv4_pro_ep.sh", {"EPLB": "r0", "EPLB_WINDOW": "100", "EPLB_THRESHOLD": "4"})
+    assert "--ep-num-redundant-experts 0 --expert-distribution-recorder-buffer-size 100 " in r0.stdout
+    assert "--eplb-min-rebalancing-utilization-threshold 0.25" in r0.stdout  # SGLang's balancedness: mean / max
+
+
 @pytest.mark.parametrize("env, message", [
     ({"WIRE": "fp16"}, "WIRE=fp16 (MEGA_DISPATCH_WIRE) is not valid; allowed values: bf16 | fp8 | fp4"),
     ({"N": "0"}, "N=0 must be a positive GPU count"),
     ({"CUDA_GRAPH": "yes"}, "CUDA_GRAPH=yes must be 0 or 1"),
+    ({"EPLB": "r-1"}, "EPLB=r-1 is not valid; allowed: off | r<redundant experts>"),
 ])
 def test_serve_script_refuses_bad_input(env, message):
     proc = dry_run("serve_sglang_r1_mxfp4_ep.sh", env)
@@ -72,3 +86,11 @@ def test_printed_serve_commands_parse_in_sglang(checks, script_argv):
         assert r["parsed"]["moe_a2a_backend"] == "megamoe_ep"
     assert "--disable-cuda-graph" in script_argv["dsv4"]
     assert checks["script:r1"]["parsed"]["ep_size"] == 4 and checks["script:dsv4"]["parsed"]["tp_size"] == 8
+    eplb = checks["script:r1_eplb"]["parsed"]
+    assert {k: eplb[k] for k in ("enable_eplb", "ep_num_redundant_experts", "expert_distribution_recorder_buffer_size",
+                                 "eplb_rebalance_num_iterations", "eplb_min_rebalancing_utilization_threshold",
+                                 "expert_balancedness_report_mode")} == {
+        "enable_eplb": True, "ep_num_redundant_experts": 64, "expert_distribution_recorder_buffer_size": 200,
+        "eplb_rebalance_num_iterations": 200, "eplb_min_rebalancing_utilization_threshold": 0.5,
+        "expert_balancedness_report_mode": "server_log"}
+    assert checks["script:r1"]["parsed"]["enable_eplb"] is False

@@ -63,6 +63,18 @@ def test_ep_size_must_divide_experts_and_equal_tp(checks):
     assert r["type"] == "MegaMoEConfigError" and "--ep-size equal to --tp" in r["message"]
 
 
+def test_eplb_passes_resolution_and_uneven_physical_counts_do_not(checks):
+    """--enable-eplb with redundant experts passes megamoe_ep's resolution step (it was refused
+    before); an uneven physical count is refused there, naming both flags."""
+    r = checks["eplb_resolve"]
+    assert r["ok"], r
+    assert {k: r["resolved"][k] for k in ("moe_a2a_backend", "enable_eplb", "ep_num_redundant_experts")} == {
+        "moe_a2a_backend": "megamoe_ep", "enable_eplb": True, "ep_num_redundant_experts": 64}
+    r = checks["eplb_not_dividing"]
+    assert r["type"] == "MegaMoEConfigError", r
+    assert "--ep-size 4 does not divide the model's 10 routed experts (n_routed_experts + --ep-num-redundant" in r["message"]
+
+
 def test_full_resolution_of_a_real_model_needs_an_accelerator(checks):
     """What does not run on CPU, exactly: resolution past the model-independent steps."""
     r = checks["full_resolve_real_config"]

@@ -48,18 +48,15 @@ def case_tensors(case: MoECase) -> dict[str, torch.Tensor]:
     return t
 
 
-def run_rank(rank: int, world: int, port: int, case: MoECase, moe_backend: str, env: dict[str, str]) -> torch.Tensor:
-    """Build a DeepSeek-style MoE layer with TP=world + EP on this rank and return its output.
+def vllm_config(world: int, moe_backend: str, redundant_experts: int | None = None):
+    """The VllmConfig of one layer-level rank: TP=world (+EP when world > 1) on CPU.
 
-    With ``--enable-expert-parallel`` and TP=world the EP group is the TP group: every rank holds
-    the same tokens and experts/world of the experts; the runner sums over TP at the end.
+    ``redundant_experts`` switches EPLB on with that many redundant experts. vLLM's ParallelConfig
+    refuses EPLB on a non-CUDA platform at validation, so it is set after validation here: the
+    layer objects vLLM builds from the config are the ones it builds on GPUs.
     """
-    os.environ.update(env)
-    from vllm.config import CompilationConfig, DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import CompilationConfig, DeviceConfig, ParallelConfig, VllmConfig
     from vllm.config.kernel import KernelConfig
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.forward_context import set_forward_context
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
     vcfg = VllmConfig(
         parallel_config=ParallelConfig(tensor_parallel_size=world, enable_expert_parallel=world > 1),
@@ -67,28 +64,67 @@ def run_rank(rank: int, world: int, port: int, case: MoECase, moe_backend: str, 
         kernel_config=KernelConfig(moe_backend=moe_backend),
         compilation_config=CompilationConfig(),
     )
-    t = case_tensors(case)
+    if redundant_experts is not None:
+        vcfg.parallel_config.enable_eplb = True
+        vcfg.parallel_config.eplb_config.num_redundant_experts = redundant_experts
+    return vcfg
+
+
+def init_ranks(rank: int, world: int, port: int) -> None:
+    """vLLM's distributed init over gloo (inside ``set_current_vllm_config``)."""
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
     # vLLM's CPU worker names its shared-memory groups after this (cpu_worker.py sets it from the init
     # method's port); the CPU communicator reads it on CPUs where vLLM's SHM all-reduce is built.
     os.environ.setdefault("VLLM_DIST_IDENT", str(port))
+    init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
+    initialize_model_parallel(tensor_model_parallel_size=world)
+
+
+def build_and_load(case: MoECase, t: dict[str, torch.Tensor], redundant_experts: int | None = None):
+    """vLLM's DeepSeek-style MoE runner, every checkpoint expert loaded through vLLM's own mapping
+    (``get_expert_mapping``: physical slot -> logical checkpoint expert, EPLB replicas included) and
+    ``weight_loader`` (non-local slots skipped), then ``process_weights_after_loading``."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    layer = FusedMoEFactory(
+        num_experts=case.experts, top_k=case.topk, hidden_size=case.hidden, intermediate_size=case.inter,
+        params_dtype=torch.bfloat16, renormalize=True, use_grouped_topk=True, num_expert_group=case.n_group,
+        topk_group=case.topk_group, prefix="model.layers.1.mlp.experts", scoring_func="sigmoid",
+        routed_scaling_factor=case.routed_scaling_factor, e_score_correction_bias=t["bias"],
+        enable_eplb=redundant_experts is not None, num_redundant_experts=redundant_experts or 0,
+    )
+    experts = layer.routed_experts
+    keys = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    for param_name, weight_name, physical, shard in experts.get_expert_mapping():
+        _, logical, proj, _ = weight_name.split(".")  # "experts.{logical}.{proj}."
+        param = getattr(experts, param_name.split(".")[-1] + "weight")
+        experts.weight_loader(param, t[f"{logical}.{keys[proj]}"], weight_name + "weight", shard, physical)
+    experts.quant_method.process_weights_after_loading(experts)
+    return layer
+
+
+def forward(layer, vcfg, case: MoECase, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    from vllm.forward_context import set_forward_context
+
+    with set_forward_context(None, vcfg, num_tokens=case.tokens):
+        return layer.forward(t["x"].clone(), t["logits"].clone()).float()
+
+
+def run_rank(rank: int, world: int, port: int, case: MoECase, moe_backend: str, env: dict[str, str]) -> torch.Tensor:
+    """Build a DeepSeek-style MoE layer with TP=world + EP on this rank and return its output.
+
+    With ``--enable-expert-parallel`` and TP=world the EP group is the TP group: every rank holds
+    the same tokens and experts/world of the experts; the runner sums over TP at the end.
+    """
+    os.environ.update(env)
+    from vllm.config import set_current_vllm_config
+
+    vcfg = vllm_config(world, moe_backend)
+    t = case_tensors(case)
     with set_current_vllm_config(vcfg):
-        init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
-        initialize_model_parallel(tensor_model_parallel_size=world)
-        layer = FusedMoEFactory(
-            num_experts=case.experts, top_k=case.topk, hidden_size=case.hidden, intermediate_size=case.inter,
-            params_dtype=torch.bfloat16, renormalize=True, use_grouped_topk=True, num_expert_group=case.n_group,
-            topk_group=case.topk_group, prefix="model.layers.1.mlp.experts", scoring_func="sigmoid",
-            routed_scaling_factor=case.routed_scaling_factor, e_score_correction_bias=t["bias"],
-        )
-        experts = layer.routed_experts
-        for e in range(case.experts):
-            for shard, key, param in (("w1", "gate", experts.w13_weight), ("w3", "up", experts.w13_weight),
-                                      ("w2", "down", experts.w2_weight)):
-                experts.weight_loader(param, t[f"{e}.{key}"], f"experts.{e}.{key}_proj.weight", shard, e)
-        experts.quant_method.process_weights_after_loading(experts)
-        with set_forward_context(None, vcfg, num_tokens=case.tokens):
-            out = layer.forward(t["x"].clone(), t["logits"].clone())
-    return out.float()
+        init_ranks(rank, world, port)
+        return forward(build_and_load(case, t), vcfg, case, t)
 
 
 def reference_moe(case: MoECase) -> torch.Tensor:

@@ -11,6 +11,7 @@ import megamoe_vllm
 from megamoe_backend.experts import deinterleave_gate_up
 from megamoe_backend.formats import dequantize_mx, quantize_mx
 from megamoe_backend.knobs import Knobs
+from megamoe_backend.plan import PlacementError
 from megamoe_vllm.method import MegaMoEConfigError, check_deployment, vllm_placement
 from megamoe_vllm.mxfp4_params import MXFP4ExpertParams
 from megamoe_vllm.weights import ExpertFormat, UnsupportedExpertsError, expert_format_of, expert_weights_from_params
@@ -150,7 +151,6 @@ def _moe_config(**mpc):
 
 
 @pytest.mark.parametrize("mpc,needle", [
-    ({"enable_eplb": True, "use_ep": True, "dp_size": 2}, "does not support EPLB"),
     ({"dp_size": 2}, "needs --enable-expert-parallel"),
     ({"tp_size": 2}, "needs --enable-expert-parallel"),
 ])
@@ -158,6 +158,29 @@ def test_deployment_refusals(mpc, needle):
     with pytest.raises(MegaMoEConfigError, match=needle):
         check_deployment(_moe_config(**mpc))
     check_deployment(_moe_config(use_ep=True, dp_size=2))  # the supported shape passes
+    check_deployment(_moe_config(use_ep=True, dp_size=2, enable_eplb=True))  # EPLB is served (test_layer_ep)
+
+
+def test_eplb_placement_from_vllms_initial_map():
+    from vllm.distributed.eplb.eplb_state import EplbState
+
+    p2l = list(EplbState.build_initial_global_physical_to_logical_map(8, 4))  # vLLM's loader map
+    placement = vllm_placement(12, 4, "linear", p2l)
+    assert placement.local_experts(3) == [9, 10, 11] and placement.logical_of_physical[9:] == (1, 2, 3)
+    assert placement.describe() == "experts=12 logical=8 redundant/rank=0,0,1,3"
+
+
+def test_bad_eplb_maps_are_startup_errors_naming_the_map():
+    with pytest.raises(PlacementError, match="vLLM's EPLB physical_to_logical map has 10 physical experts, which do "
+                                             "not split over 4 EP ranks"):
+        vllm_placement(10, 4, "linear", [0, 1, 2, 3, 4, 5, 6, 7, 0, 1])
+    with pytest.raises(PlacementError, match=r"vLLM's EPLB physical_to_logical map: logical experts \[5\] have no"):
+        vllm_placement(8, 4, "linear", [0, 1, 2, 3, 4, 0, 6, 7])
+    with pytest.raises(PlacementError, match=r"logical experts \[7\] have no physical replica"):  # the last one
+        vllm_placement(8, 4, "linear", [0, 1, 2, 3, 4, 5, 6, 0], num_logical=8)
+    with pytest.raises(PlacementError, match="map has 6 physical experts, the layer has 8"):
+        vllm_placement(8, 2, "linear", [0, 1, 2, 3, 4, 5])
+
 
 
 def test_mxfp4_params_layout():

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from megamoe_backend.layer.eplb import expose_expert_tensors
+
 from .runner import MegaMoEQuantInfo
-from .runtime import build_layer_runtime, convert_layer_weights, eplb_physical_to_logical, sglang_ep_group
+from .runtime import build_layer_runtime, convert_layer_weights, eplb_metadata, eplb_moves_experts, sglang_ep_group
 from .selection import BACKEND_NAME
 
 _EXPERT_PARAMS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale",
@@ -50,13 +52,26 @@ def megamoe_runner_for(layer: Any, group: Any = "sglang") -> tuple[Any, MegaMoEQ
 
     if group == "sglang":
         group = None if int(layer.moe_ep_size) == 1 else sglang_ep_group()
-    runtime = build_layer_runtime(
-        layer, group, physical_to_logical=eplb_physical_to_logical(layer.moe_runner_config.layer_id)
-    )
+    runtime = build_layer_runtime(layer, group, eplb=eplb_metadata(layer.moe_runner_config.layer_id))
     runner = MoeRunner(resolve_moe_runner_backend(BACKEND_NAME), layer.moe_runner_config)
     layer._megamoe_ep = (runner, MegaMoEQuantInfo(runtime=runtime))
     # the runtime holds the weights in the layout its experts provider prepared (on CUDA the Triton
     # provider re-lays MXFP4 as MMA fragments: new tensors); the converted copy would double the
     # experts' memory
     layer._megamoe_weights = None
+    if eplb_moves_experts():
+        expose_for_eplb(layer, runtime)
     return layer._megamoe_ep
+
+
+def expose_for_eplb(layer: Any, runtime: Any) -> None:
+    """Make the layer's expert parameters *be* the tensors MegaMoE computes with.
+
+    SGLang's EPLB moves ``get_moe_weights()`` — every parameter of the FusedMoE with one row per
+    local expert, as ``param.data`` — with ``ExpertLocationUpdater`` (torch.distributed P2P into
+    temp buffers, then in-place copies). That list is collected lazily (``LazyValue``) at the first
+    rebalance, which comes after the first forward, where this runs.
+    """
+    scale = "_scale_inv" if getattr(layer, "w13_weight_scale_inv", None) is not None else "_scale"
+    expose_expert_tensors(layer, runtime, {"w1": "w13_weight", "w2": "w2_weight",
+                                           "w1_scale": f"w13_weight{scale}", "w2_scale": f"w2_weight{scale}"})

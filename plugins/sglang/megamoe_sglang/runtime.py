@@ -16,7 +16,7 @@ import torch
 
 from megamoe_backend.knobs import Knobs
 from megamoe_backend.layer import MegaMoELayer
-from megamoe_backend.plan import ExpertPlacement, build_plan, check_wire_matches_quant
+from megamoe_backend.plan import ExpertPlacement, PlacementError, build_plan, check_wire_matches_quant
 from megamoe_backend.spec import MoESpec
 
 from .selection import BACKEND_NAME, MegaMoEConfigError, check_ep_divides
@@ -25,32 +25,38 @@ from .weights import expert_format_of, expert_weights_from_params
 logger = logging.getLogger("megamoe")
 
 
-def sglang_placement(num_physical: int, ep_size: int, physical_to_logical: list[int] | None = None) -> ExpertPlacement:
+def eplb_map_name(layer_id: int | None) -> str:
+    return f"SGLang's expert-location physical_to_logical_map (layer {layer_id})"
+
+
+def sglang_placement(
+    num_physical: int, ep_size: int, physical_to_logical: list[int] | None = None,
+    num_logical: int | None = None, layer_id: int | None = None,
+) -> ExpertPlacement:
     """SGLang's expert layout: physical expert p lives on EP rank p // (E / ep) in slot p % (E / ep).
 
-    With EPLB (``--ep-num-redundant-experts``, ``--init-expert-location``) the router already
-    returns *physical* ids and SGLang's loader filled each physical slot with its logical expert's
-    weights, so the layout stays contiguous; ``physical_to_logical`` only records whose weights each
-    slot holds.
+    With EPLB (``--ep-num-redundant-experts``, ``--init-expert-location``, ``--enable-eplb``) the
+    router already returns *physical* ids and SGLang's loader filled each physical slot with its
+    logical expert's weights, so the layout stays contiguous; ``physical_to_logical`` (that layer's
+    row of ``ExpertLocationMetadata``) records whose weights each slot holds. A rebalance changes
+    the row, never the layout.
     """
     check_ep_divides(num_physical, ep_size)
-    per = num_physical // ep_size
-    logical = tuple(range(num_physical)) if physical_to_logical is None else tuple(int(x) for x in physical_to_logical)
+    logical = list(range(num_physical)) if physical_to_logical is None else [int(x) for x in physical_to_logical]
     if len(logical) != num_physical:
         raise MegaMoEConfigError(
             f"EPLB expert map has {len(logical)} physical experts, the layer has {num_physical}; "
             "the expert-location metadata does not match this model"
         )
-    return ExpertPlacement(
-        ep_size=ep_size,
-        owner=tuple(p // per for p in range(num_physical)),
-        slot=tuple(p % per for p in range(num_physical)),
-        logical_of_physical=logical,
-    )
+    try:
+        return ExpertPlacement.contiguous(logical, ep_size, num_logical, map_name=eplb_map_name(layer_id))
+    except PlacementError as exc:
+        raise MegaMoEConfigError(str(exc)) from None
 
 
-def eplb_physical_to_logical(layer_id: int | None) -> list[int] | None:
-    """This layer's row of SGLang's physical -> logical map, or None without EPLB metadata."""
+def eplb_metadata(layer_id: int | None) -> tuple[list[int], int] | None:
+    """(this layer's physical -> logical row, logical expert count) of SGLang's expert-location
+    metadata, or None without it."""
     try:
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
@@ -59,7 +65,17 @@ def eplb_physical_to_logical(layer_id: int | None) -> list[int] | None:
         return None
     if meta is None or layer_id is None:
         return None
-    return meta.physical_to_logical_map[layer_id].tolist()
+    return meta.physical_to_logical_map_cpu[layer_id].tolist(), int(meta.num_logical_experts)
+
+
+def eplb_moves_experts() -> bool:
+    """--enable-eplb: SGLang's ExpertLocationUpdater rewrites the layers' expert tensors at run time."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return bool(get_exec().moe.enable_eplb)
+    except Exception:  # not published (unit tests without a server)
+        return False
 
 
 def check_runner_config(cfg: Any) -> None:
@@ -120,9 +136,10 @@ def build_layer_runtime(
     group: Any,
     knobs: Knobs | None = None,
     device: torch.device | str | None = None,
-    physical_to_logical: list[int] | None = None,
+    eplb: tuple[list[int], int] | None = None,
 ) -> MegaMoELayer:
-    """A MegaMoELayer for ``layer`` (an SGLang FusedMoE whose weights are loaded) on EP ``group``."""
+    """A MegaMoELayer for ``layer`` (an SGLang FusedMoE whose weights are loaded) on EP ``group``;
+    ``eplb``: (physical -> logical row, logical expert count) of SGLang's expert-location metadata."""
     knobs = knobs or Knobs.from_env()
     cfg = layer.moe_runner_config
     check_runner_config(cfg)
@@ -133,7 +150,8 @@ def build_layer_runtime(
         )
     fmt = expert_format_of(layer.quant_method, knobs.aiter_force_a8w4, scheme=getattr(layer, "scheme", None))
     ep_rank, ep_size = int(layer.moe_ep_rank), int(layer.moe_ep_size)
-    placement = sglang_placement(int(cfg.num_experts), ep_size, physical_to_logical)
+    p2l, num_logical = eplb if eplb is not None else (None, None)
+    placement = sglang_placement(int(cfg.num_experts), ep_size, p2l, num_logical, cfg.layer_id)
     weights = getattr(layer, "_megamoe_weights", None) or convert_layer_weights(layer, knobs)
     if weights.num_experts != placement.num_local(ep_rank):
         raise MegaMoEConfigError(

@@ -57,12 +57,6 @@ def check_deployment(cfg: Any) -> None:
             f"--moe-a2a-backend {BACKEND_NAME} has no two-batch / single-batch overlap split; drop "
             "--enable-two-batch-overlap / --enable-single-batch-overlap"
         )
-    if cfg.enable_eplb:
-        raise MegaMoEConfigError(
-            f"--moe-a2a-backend {BACKEND_NAME} does not support run-time EPLB rebalancing (--enable-eplb): "
-            "MegaMoE holds its own converted copy of each rank's experts. A static placement works: "
-            "--ep-num-redundant-experts with --init-expert-location"
-        )
     if cfg.ep_size != cfg.tp_size:
         raise MegaMoEConfigError(
             f"--moe-a2a-backend {BACKEND_NAME} splits whole experts over ranks: set --ep-size equal to --tp "

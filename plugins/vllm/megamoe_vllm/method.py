@@ -23,7 +23,8 @@ import torch
 
 from megamoe_backend.knobs import Knobs
 from megamoe_backend.layer import MegaMoELayer
-from megamoe_backend.plan import ExpertPlacement, LayerPlan, build_plan
+from megamoe_backend.layer.eplb import expose_expert_tensors
+from megamoe_backend.plan import ExpertPlacement, LayerPlan, PlacementError, build_plan
 from megamoe_backend.spec import MoESpec
 
 from . import op
@@ -49,11 +50,6 @@ def check_deployment(moe_config: Any, knobs: Knobs | None = None) -> None:
             f"--max-num-batched-tokens {max_tokens} exceeds MEGA_MAX_TOKENS_PER_RANK={knobs.max_tokens_per_rank}: "
             "a full batch could not be dispatched. Raise MEGA_MAX_TOKENS_PER_RANK or lower --max-num-batched-tokens."
         )
-    if mpc.enable_eplb:
-        raise MegaMoEConfigError(
-            "--moe-backend megamoe_ep does not support EPLB yet (--enable-eplb): EPLB moves expert "
-            "weights between ranks at run time and MegaMoE holds its own copy. Drop --enable-eplb."
-        )
     if (mpc.dp_size > 1 or mpc.tp_size > 1 or mpc.pcp_size > 1) and not mpc.use_ep:
         raise MegaMoEConfigError(
             "--moe-backend megamoe_ep needs --enable-expert-parallel when tensor/data parallel size > 1 "
@@ -72,14 +68,27 @@ def check_deployment(moe_config: Any, knobs: Knobs | None = None) -> None:
         raise MegaMoEConfigError("--moe-backend megamoe_ep: LoRA on MoE layers is not supported")
 
 
-def vllm_placement(num_experts: int, ep_size: int, strategy: str) -> ExpertPlacement:
+EPLB_MAP = "vLLM's EPLB physical_to_logical map"
+
+
+def vllm_placement(
+    num_experts: int, ep_size: int, strategy: str, physical_to_logical: list[int] | None = None,
+    num_logical: int | None = None,
+) -> ExpertPlacement:
     """vLLM's expert -> (rank, local slot) assignment for every rank, as an ExpertPlacement.
 
     Built from vLLM's own ``determine_expert_map`` for each rank, so the local slots match the
-    order in which vLLM's loader filled this rank's ``w13_weight`` / ``w2_weight``.
+    order in which vLLM's loader filled this rank's ``w13_weight`` / ``w2_weight``. With EPLB
+    ``physical_to_logical`` is vLLM's map (``num_experts`` physical slots, contiguous per rank:
+    vLLM falls back to linear placement under EPLB); each slot holds its logical expert's weights.
     """
+    logical = tuple(range(num_experts)) if physical_to_logical is None else tuple(int(x) for x in physical_to_logical)
+    if physical_to_logical is not None:
+        if len(logical) != num_experts:
+            raise PlacementError(f"{EPLB_MAP} has {len(logical)} physical experts, the layer has {num_experts}")
+        eplb = ExpertPlacement.contiguous(list(logical), ep_size, num_logical, map_name=EPLB_MAP)
     if ep_size == 1:
-        return ExpertPlacement.linear(num_experts, 1)
+        return ExpertPlacement(1, (0,) * num_experts, tuple(range(num_experts)), logical)
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
 
     owner = [-1] * num_experts
@@ -90,8 +99,23 @@ def vllm_placement(num_experts: int, ep_size: int, strategy: str) -> ExpertPlace
         for expert, local in enumerate(expert_map.tolist()):
             if local >= 0:
                 owner[expert], slot[expert] = rank, local
-    return ExpertPlacement(ep_size=ep_size, owner=tuple(owner), slot=tuple(slot),
-                           logical_of_physical=tuple(range(num_experts)))
+    placement = ExpertPlacement(ep_size=ep_size, owner=tuple(owner), slot=tuple(slot), logical_of_physical=logical)
+    if physical_to_logical is not None and (placement.owner, placement.slot) != (eplb.owner, eplb.slot):
+        raise MegaMoEConfigError(
+            f"vLLM placed the {num_experts} EPLB physical experts with strategy {strategy!r}, not contiguously per "
+            "rank as EPLB rebalancing assumes; use --expert-placement-strategy linear"
+        )
+    return placement
+
+
+def eplb_initial_map(moe_config: Any) -> list[int] | None:
+    """vLLM's physical -> logical map at load time (its loader's own), or None without EPLB."""
+    if not moe_config.moe_parallel_config.enable_eplb:
+        return None
+    from vllm.distributed.eplb.eplb_state import EplbState
+
+    redundant = moe_config.num_experts - moe_config.num_logical_experts
+    return list(EplbState.build_initial_global_physical_to_logical_map(moe_config.num_logical_experts, redundant))
 
 
 class MegaMoEMethod:
@@ -121,7 +145,7 @@ class MegaMoEMethod:
 
     @property
     def supports_eplb(self) -> bool:
-        return False
+        return True  # the layer's parameters are MegaMoE's own tensors: vLLM's EPLB moves them (see expose_for_eplb)
 
     @property
     def topk_indices_dtype(self) -> torch.dtype | None:
@@ -160,7 +184,8 @@ class MegaMoEMethod:
             quant=self.fmt.quant,
             name=self.layer_name,
         )
-        placement = vllm_placement(moe.num_experts, mpc.ep_size, layer.expert_placement_strategy)
+        placement = vllm_placement(moe.num_experts, mpc.ep_size, layer.expert_placement_strategy, eplb_initial_map(moe),
+                                   moe.num_logical_experts)
         device_type = "cpu" if weights.w1.device.type == "cpu" else ("rocm" if torch.version.hip else "cuda")
         self.plan = build_plan(spec, self.knobs, ep_rank=mpc.ep_rank, ep_size=mpc.ep_size,
                                placement=placement, device_type=device_type)
@@ -175,9 +200,11 @@ class MegaMoEMethod:
             group = ep_group.device_group
         self.runtime = MegaMoELayer(self.plan, weights, group=group, device=weights.w1.device, name=self.layer_name)
 
-        # MegaMoE holds the weights now; drop vLLM's copies (they are not read again).
-        for name in params:
-            getattr(layer, name).data = torch.empty(0, dtype=params[name].dtype, device=params[name].device)
+        if mpc.enable_eplb:
+            expose_for_eplb(layer, self.runtime)
+        else:  # MegaMoE holds the weights now; drop vLLM's copies (they are not read again)
+            for name in params:
+                getattr(layer, name).data = torch.empty(0, dtype=params[name].dtype, device=params[name].device)
         op.register_runtime(self.layer_name, self)
 
     # --- forward -----------------------------------------------------------------------------
@@ -200,6 +227,22 @@ class MegaMoEMethod:
         out = torch.zeros_like(x)
         out[lo:hi] = self.runtime.forward(x[lo:hi], topk_ids[lo:hi], topk_weights[lo:hi]).to(x.dtype)
         return out
+
+
+# ExpertWeights field -> the RoutedExperts parameter that carries it for vLLM's EPLB
+EPLB_PARAMS = {"w1": "w13_weight", "w2": "w2_weight", "w1_scale": "w13_weight_scale", "w2_scale": "w2_weight_scale"}
+
+
+def expose_for_eplb(layer: Any, runtime: MegaMoELayer) -> None:
+    """Make the layer's expert parameters *be* the tensors MegaMoE computes with.
+
+    vLLM's EPLB moves every parameter of the layer as ``weight.view(local_experts, -1)``
+    (``RoutedExperts.get_expert_weights``, collected after loading) with in-place copies
+    (``rearrange_expert_weights_inplace``); the replaced vLLM tensors are freed. vLLM 0.32 calls no
+    quant-method hook after a rearrangement, and none is needed: from ``expert_tensors()`` on,
+    MegaMoE keeps no state derived from these tensors.
+    """
+    expose_expert_tensors(layer, runtime, EPLB_PARAMS)
 
 
 def _tp_position() -> tuple[int, int]:
