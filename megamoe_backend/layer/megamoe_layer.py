@@ -122,22 +122,31 @@ class MegaMoELayer:
         if is_new:
             logger.info(plan.startup_line("device"))
 
-    def _check_shapes(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        """Everything that can be checked from shapes alone (no device data is read)."""
+    def _shape_status(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, str]:
+        """(status, message) from shapes alone (no device data is read); status != 0: bad input."""
         plan = self.plan
         if x.dim() != 2 or x.shape[1] != plan.hidden:
-            raise ValueError(f"[megamoe] hidden_states must be [tokens, {plan.hidden}], got {tuple(x.shape)}")
+            return 3, f"hidden_states must be [tokens, {plan.hidden}], got {tuple(x.shape)}"
         t = x.shape[0]
         if tuple(topk_ids.shape) != (t, plan.topk) or tuple(topk_weights.shape) != (t, plan.topk):
-            raise ValueError(
-                f"[megamoe] topk_ids / topk_weights must be [{t}, {plan.topk}], got {tuple(topk_ids.shape)} / "
+            return 3, (
+                f"topk_ids / topk_weights must be [{t}, {plan.topk}], got {tuple(topk_ids.shape)} / "
                 f"{tuple(topk_weights.shape)}"
             )
         if t > plan.mtpr:
-            raise PeerInputError(
-                f"[megamoe] {t} tokens on ep_rank {plan.ep_rank} exceed MEGA_MAX_TOKENS_PER_RANK={plan.mtpr}; "
+            return 1, (
+                f"{t} tokens on ep_rank {plan.ep_rank} exceed MEGA_MAX_TOKENS_PER_RANK={plan.mtpr}; "
                 "raise the knob (or the engine's max batched tokens must stay below it); no token was dropped"
             )
+        return 0, ""
+
+    def _check_shapes(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """The device forward's input check: shapes, dtypes and devices only, raised here."""
+        status, message = self._shape_status(x, topk_ids, topk_weights)
+        if status == 1:
+            raise PeerInputError(f"[megamoe] {message}")
+        if status:
+            raise ValueError(f"[megamoe] {message}")
         if topk_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"[megamoe] topk_ids must be int32 or int64, got {topk_ids.dtype}")
         for tensor_name, tensor in (("hidden_states", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
@@ -209,26 +218,15 @@ class MegaMoELayer:
         return tensors
 
     def _check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, str]:
-        """(status, message) for this rank's input; status != 0 is reported to every rank."""
-        plan = self.plan
-        if x.dim() != 2 or x.shape[1] != plan.hidden:
-            return 3, f"hidden_states must be [tokens, {plan.hidden}], got {tuple(x.shape)}"
-        t = x.shape[0]
-        if tuple(topk_ids.shape) != (t, plan.topk) or tuple(topk_weights.shape) != (t, plan.topk):
-            return 3, (
-                f"topk_ids / topk_weights must be [{t}, {plan.topk}], got {tuple(topk_ids.shape)} / "
-                f"{tuple(topk_weights.shape)}"
-            )
-        if t > plan.mtpr:
-            return 1, (
-                f"{t} tokens on ep_rank {plan.ep_rank} exceed MEGA_MAX_TOKENS_PER_RANK={plan.mtpr}; "
-                "raise the knob (or the engine's max batched tokens must stay below it); no token was dropped"
-            )
-        if t and (bool((topk_ids < -1).any()) or bool((topk_ids >= plan.placement.num_physical).any())):
+        """(status, message) for this rank's input (the torch forward: shapes, then the ids on the
+        host); status != 0 is reported to every rank."""
+        status, message = self._shape_status(x, topk_ids, topk_weights)
+        if status:
+            return status, message
+        num_physical = self.plan.placement.num_physical
+        if x.shape[0] and (bool((topk_ids < -1).any()) or bool((topk_ids >= num_physical).any())):
             lo, hi = int(topk_ids.min()), int(topk_ids.max())
-            return 2, (
-                f"topk_ids hold values in [{lo}, {hi}]; valid are -1 (masked) and 0..{plan.placement.num_physical - 1}"
-            )
+            return 2, f"topk_ids hold values in [{lo}, {hi}]; valid are -1 (masked) and 0..{num_physical - 1}"
         return 0, ""
 
     def forward(
