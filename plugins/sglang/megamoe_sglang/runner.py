@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from sglang.srt.layers.moe.moe_runner.base import DispatchMoeRunnerCore, MoeQuantInfo, MoeRunnerConfig
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 from sglang.srt.layers.moe.utils import resolve_moe_runner_backend
@@ -43,9 +42,9 @@ class MegaMoERunnerCore(DispatchMoeRunnerCore):
             raise NotImplementedError("--moe-a2a-backend megamoe_ep does not support LoRA on MoE layers")
         x = dispatch_output.hidden_states
         topk = dispatch_output.topk_output
-        out = quant_info.runtime.forward(x, topk.topk_ids, topk.topk_weights)
-        # Same contract as SGLang's Triton runner: it scales the summed output itself.
+        # Same contract as SGLang's Triton runner: it scales the summed output itself, in fp32 before
+        # the one rounding (MegaMoE's top-k sum applies output_scale there: no extra launch, no second rounding)
         scale = runner_config.routed_scaling_factor
-        if scale is not None and scale != 1.0:
-            out = (out.float() * scale).to(torch.bfloat16)
+        out = quant_info.runtime.forward(x, topk.topk_ids, topk.topk_weights,
+                                         output_scale=1.0 if scale is None else float(scale))
         return StandardCombineInput(hidden_states=out.to(x.dtype))
