@@ -27,6 +27,7 @@ import torch
 from ..experts import ExpertPairs, ExpertsProvider, ExpertWeights
 from ..experts.registry import make_provider
 from ..plan import LayerPlan
+from ..plan.placement import PlacementError
 from ..transport import PeerInputError, Transport, get_transport, received_pairs
 from ..transport.cache import cached_transport_keys, get_workspace, transport_key
 from ..transport.layout import DispatchLayout
@@ -209,7 +210,7 @@ class MegaMoELayer:
         routing tables stay valid.
         """
         if self.fused is not None:
-            raise NotImplementedError(
+            raise PlacementError(
                 "[megamoe] EPLB with aiter's fused runtime is not supported: its weights are aiter-shuffled "
                 "copies that no engine can move per expert; serve without EPLB there (ROCm)"
             )
