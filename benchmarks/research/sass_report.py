@@ -37,7 +37,8 @@ def _tools() -> tuple[str, str]:
 HIDDEN, INTER = 7168, 3072  # DSV4-Pro: GEMM1 is [2 x INTER, HIDDEN], GEMM2 [HIDDEN, INTER]
 
 
-def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", tile_pass: str = "full", out_fmt: str = "bf16"):
+def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", tile_pass: str = "full", out_fmt: str = "bf16",
+                 dest: bool = False):
     """triton.compile of gemm1_swiglu_kernel / gemm2_weighted_kernel with the frag or split decoder
     (both read bf16 A gathered by gather.py) or frag8 (e4m3 A), as the provider launches them (DSV4-Pro
     K: 7168 for GEMM1, 3072 for GEMM2; divisibility 16 hints). out_fmt: what GEMM2 stores ("f32", or
@@ -68,10 +69,11 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
         fn, k = gemm2_weighted_kernel, INTER
         out_ty = {"f32": "*fp32", "bf16": "*bf16", "fp8": "*u8"}[out_fmt]
         ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "route_w_ptr": "*fp32", "a_ptr": a_ty,
-                "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": out_ty, **rows}
+                "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": out_ty, "dest_ptr": "*i64", **rows}
         const = dict(W_FMT="mxfp4", A_FMT="fp8" if decoder == "frag8" else "bf16", DECODE=decoder, USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
                      BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False, TAIL_M=cfg.tail_m, PASS=tile_pass,
-                     TAIL_RIDE=cfg.tail_ride, OUT_FMT=out_fmt, W_FULL=whole_weight_tiles(HIDDEN, cfg.block_n2))
+                     TAIL_RIDE=cfg.tail_ride, OUT_FMT=out_fmt, W_FULL=whole_weight_tiles(HIDDEN, cfg.block_n2),
+                     DEST=dest)
         sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "N"}
     names = fn.arg_names

@@ -1,4 +1,5 @@
-"""`megamoe bench layer`: the whole MegaMoE layer (ep_size 1) in a CUDA graph, beside its experts.
+"""`megamoe bench layer`: the whole MegaMoE layer (ep_size 1) in a CUDA graph, beside its experts
+(``--ep N``: the device P2P forward on N rank processes, bench_layer_ep.py).
 
 One GPU. DeepSeek-V4-Pro shapes by default (hidden 7168, intermediate 3072, top-6), local expert
 counts 192 (EP2's share) and 48 (EP8's), token buckets of T tokens per rank, uniform random routing,
@@ -64,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chain", action="store_true", help="skip the 61-layer chain")
     parser.add_argument("--no-baseline", action="store_true", help="skip the naive torch layer")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ep", type=int, default=1, help="N > 1: the device P2P forward on N rank processes "
+                        "(bench_layer_ep.py; on one GPU a proxy)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--replot", default=None, metavar="JSON", help="only draw --plot from a saved JSON (no GPU)")
@@ -228,6 +231,10 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench layer needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.ep > 1:
+        from .bench_layer_ep import run_ep
+
+        return run_ep(args)
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     meta = environment(argparse.Namespace(**{**vars(args), "hidden": 7168, "intermediate": 3072, "topk": 6}), __name__)

@@ -13,8 +13,11 @@ from typing import Mapping
 DISPATCH_WIRE_VALUES = ("bf16", "fp8", "fp4")
 COMBINE_WIRE_VALUES = ("bf16", "fp8_blockwise_1x32")
 # flydsl: aiter MegaMoEGfx1250's own dispatch kernel (gfx1250 only; see docs/rocm.md)
-TRANSPORT_VALUES = ("auto", "nccl", "symm", "mori", "flydsl")
+# symm / ipc: the device P2P forward (layer/device/ep.py) over torch symmetric memory (GPUs of one
+# NVLink domain) or CUDA IPC (rank processes of one host, several may share a GPU)
+TRANSPORT_VALUES = ("auto", "nccl", "symm", "ipc", "mori", "flydsl")
 DEFAULT_MAX_TOKENS_PER_RANK = 8192
+DEFAULT_P2P_TIMEOUT_S = 30.0
 
 KNOB_NAMES = (
     "MEGA_DISPATCH_WIRE",
@@ -22,6 +25,7 @@ KNOB_NAMES = (
     "MEGA_COMBINE_WIRE",
     "MEGA_DISPATCH",
     "MEGA_MAX_TOKENS_PER_RANK",
+    "MEGA_P2P_TIMEOUT_S",
     "AITER_FORCE_A8W4",
 )
 
@@ -53,6 +57,19 @@ def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
+def _positive_seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise KnobError(f"{name}={raw!r} is not a number; expected seconds (> 0)") from None
+    if not value > 0 or value == float("inf"):
+        raise KnobError(f"{name}={raw!r} must be a finite number of seconds > 0")
+    return value
+
+
 def _optional_bool(env: Mapping[str, str], name: str) -> bool | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -74,6 +91,7 @@ class Knobs:
     transport: str = "auto"
     max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
     aiter_force_a8w4: bool | None = None
+    p2p_timeout_s: float = DEFAULT_P2P_TIMEOUT_S  # the device P2P forward's bound on every wait for a peer
 
     def __post_init__(self) -> None:
         for field, allowed, knob in (
@@ -85,6 +103,8 @@ class Knobs:
                 raise KnobError(f"{knob}={getattr(self, field)!r} is not valid; allowed values: {' | '.join(allowed)}")
         if self.max_tokens_per_rank <= 0:
             raise KnobError(f"MEGA_MAX_TOKENS_PER_RANK={self.max_tokens_per_rank} must be a positive token count")
+        if not self.p2p_timeout_s > 0 or self.p2p_timeout_s == float("inf"):
+            raise KnobError(f"MEGA_P2P_TIMEOUT_S={self.p2p_timeout_s} must be a finite number of seconds > 0")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Knobs":
@@ -103,6 +123,7 @@ class Knobs:
             transport=_choice(env, "MEGA_DISPATCH", TRANSPORT_VALUES, "auto"),
             max_tokens_per_rank=_positive_int(env, "MEGA_MAX_TOKENS_PER_RANK", DEFAULT_MAX_TOKENS_PER_RANK),
             aiter_force_a8w4=_optional_bool(env, "AITER_FORCE_A8W4"),
+            p2p_timeout_s=_positive_seconds(env, "MEGA_P2P_TIMEOUT_S", DEFAULT_P2P_TIMEOUT_S),
         )
 
     def to_dict(self) -> dict[str, object]:

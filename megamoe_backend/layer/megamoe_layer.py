@@ -8,10 +8,13 @@ a fixed order, in fp32. That makes the bf16-wire result independent of the EP si
 to the single-process layer), and a NaN token can only touch its own rows.
 
 Two forwards compute the same thing:
-- the device forward (CUDA, ep_size 1, the Triton experts): four stages on fixed buffers — sender
+- the device forward (CUDA, the Triton experts): four stages on fixed buffers — sender
   quantisation (one Triton launch), route kernel (ids -> pairs + id check), the experts writing the
   combine wire rows, the top-k sum kernel — no host synchronisation, no buffer sized by the data,
-  capturable in a CUDA graph (layer/device/). Data checks report through a status word.
+  capturable in a CUDA graph (layer/device/). Data checks report through a status word. At
+  ep_size > 1 (MEGA_DISPATCH=symm | ipc) the same, across ranks: dispatch (quantise once, write
+  into the owners' arenas) -> barrier -> the experts, GEMM2 writing into the source ranks' combine
+  regions -> barrier -> top-k sum (layer/device/p2p.py).
 - the torch forward (CPU / gloo, EP transports over torch.distributed, mori): the dispatch layout in
   torch, data checks on the host.
 """
@@ -28,10 +31,12 @@ from ..experts import ExpertPairs, ExpertsProvider, ExpertWeights
 from ..experts.registry import make_provider
 from ..plan import LayerPlan
 from ..plan.placement import PlacementError
-from ..transport import PeerInputError, Transport, get_transport, received_pairs
+from ..transport import PeerInputError, PeerTimeoutError, Transport, get_transport, received_pairs
 from ..transport.cache import cached_transport_keys, get_workspace, transport_key
 from ..transport.layout import DispatchLayout
 from ..transport.registry import make_transport
+
+P2P_TRANSPORTS = ("symm", "ipc")  # the device forward's transports at ep_size > 1 (peer arenas)
 
 logger = logging.getLogger("megamoe")
 if not logger.handlers:  # the startup line must reach engine logs even when nobody configured logging
@@ -105,23 +110,30 @@ class MegaMoELayer:
         self.transport = transport
 
     def _device_path_applies(self, transport: Transport | None) -> bool:
-        """The sync-free forward runs on CUDA at ep_size 1 with the Triton experts (unless a transport
-        was injected: the caller asked for the torch forward's exchange)."""
-        return (transport is None and self.device.type == "cuda" and self.plan.ep_size == 1
-                and getattr(self.provider, "name", "") == "triton")
+        """The sync-free forward runs on CUDA with the Triton experts, at ep_size 1 or over peer
+        arenas (MEGA_DISPATCH=symm | ipc), unless a transport was injected (the caller asked for
+        the torch forward's exchange)."""
+        return (transport is None and self.device.type == "cuda" and getattr(self.provider, "name", "") == "triton"
+                and (self.plan.ep_size == 1 or self.plan.backends.transport in P2P_TRANSPORTS))
 
     def _init_device_path(self, group: Any) -> None:
-        from .device.workspace import DeviceWorkspace
+        from .device.workspace import DeviceWorkspace, P2PWorkspace
 
         plan = self.plan
-        if plan.ep_size != 1:
-            raise ValueError(f"the device forward runs at ep_size 1 (this plan: ep_size {plan.ep_size})")
+        if plan.ep_size != 1 and plan.backends.transport not in P2P_TRANSPORTS:
+            raise ValueError(f"the device forward runs at ep_size 1 or over MEGA_DISPATCH=symm | ipc (this plan: ep_size "
+                             f"{plan.ep_size}, transport {plan.backends.transport})")
         if plan.combine.mx not in (None, "fp8"):
             raise ValueError(f"the device forward's top-k sum reads bf16 or fp8_blockwise_1x32 rows, not {plan.combine.name}")
-        self.workspace, is_new = get_workspace(plan.layout_key(), group, self.device, lambda: DeviceWorkspace(plan, self.device))
+        if plan.ep_size == 1:
+            factory, label = (lambda: DeviceWorkspace(plan, self.device)), "device"
+        else:
+            factory = lambda: P2PWorkspace(plan, group, self.device, plan.knobs.p2p_timeout_s)  # noqa: E731
+            label = f"device p2p over {plan.backends.transport}"
+        self.workspace, is_new = get_workspace(plan.layout_key(), group, self.device, factory)
         self._status_index = self.workspace.register_layer(self.name)
         if is_new:
-            logger.info(plan.startup_line("device"))
+            logger.info(plan.startup_line(label))
 
     def _shape_status(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, str]:
         """(status, message) from shapes alone (no device data is read); status != 0: bad input."""
@@ -158,9 +170,70 @@ class MegaMoELayer:
         """Raise what the device checks recorded in earlier forwards (finished on the GPU) and clear it.
 
         Called at the start of every eager forward; engines that replay CUDA graphs may call it once
-        per step (a host read of pinned memory: no stall)."""
-        if self.workspace is not None:
-            self.workspace.status.raise_if_bad(self.workspace.layer_names)
+        per step (a host read of pinned memory: no stall). A peer that timed out (P2P forward) leaves
+        the workspace broken: every later forward of this shape raises the same error at once."""
+        ws = self.workspace
+        if ws is None:
+            return
+        if getattr(ws, "broken", None):
+            raise PeerTimeoutError(ws.broken)
+        try:
+            ws.status.raise_if_bad(ws.layer_names)
+        except PeerTimeoutError as exc:
+            ws.broken = str(exc)
+            raise
+
+    def _output(self, t: int, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
+            return torch.empty(t, self.plan.hidden, dtype=torch.bfloat16, device=self.device)
+        hidden = self.plan.hidden
+        if out.shape != (t, hidden) or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.device != self.device:
+            raise ValueError(f"[megamoe] out must be bf16 [{t}, {hidden}] on {self.device}, got {tuple(out.shape)} {out.dtype}")
+        return out
+
+    def _forward_p2p(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, output_scale: float,
+                     out: torch.Tensor | None, max_tokens_across_ranks: int | None) -> torch.Tensor:
+        """The device forward across ranks (module docstring, layer/device/p2p.py): every rank runs
+        it, also with 0 tokens; nothing here reads the device or sizes a buffer by the data."""
+        from ..formats import MXTensor, dispatch_wire
+        from .device.p2p import barrier, dispatch
+        from .device.topk_sum import topk_sum
+
+        plan, ws = self.plan, self.workspace
+        if ws.broken:
+            raise PeerTimeoutError(ws.broken)
+        self._check_shapes(x, topk_ids, topk_weights)
+        if not _capturing(self.device):
+            self.raise_if_bad_input()
+        t, k, hidden = x.shape[0], plan.topk, plan.hidden
+        rows = plan.mtpr if max_tokens_across_ranks is None else int(max_tokens_across_ranks)
+        if not t <= rows <= plan.mtpr or rows < 1:
+            raise PeerInputError(
+                f"[megamoe] {self.name}: max_tokens_across_ranks={max_tokens_across_ranks} must lie in [tokens on this rank "
+                f"({t}), MEGA_MAX_TOKENS_PER_RANK={plan.mtpr}] and be >= 1; no token was dropped")
+        out = self._output(t, out)
+        word, index = ws.status.word, self._status_index
+        dispatch(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), self._owner, self._slot, rows, ws.arena,
+                 ws.wire_fmt, hidden, ws.pair_live, ws.dest, word, index)
+        barrier(ws.arena, ws.epochs, 0, ws.budget, rows, word, index)
+        n_recv = plan.ep_size * rows
+        received = ws.recv_rows[:n_recv]
+        if ws.wire_fmt == "bf16":
+            rows_a = received.view(torch.bfloat16)
+        else:
+            payload = dispatch_wire(ws.wire_fmt).payload_bytes(hidden)
+            rows_a = MXTensor(data=received[:, :payload], scales=received[:, payload:], fmt=ws.wire_fmt)
+        n_pairs = n_recv * k
+        pairs = ExpertPairs(row=ws.pair_row[:n_pairs], slot=ws.recv_slot[:n_pairs], weight=ws.recv_weight[:n_pairs])
+        # GEMM2 writes each received pair's row into its source rank's combine region (ws.dest)
+        self.provider.forward_wire(rows_a, pairs, self.weights, plan.math, plan.combine, out=ws.arena.local,
+                                   dest=ws.dest[:n_pairs])
+        barrier(ws.arena, ws.epochs, 1, ws.budget, rows, word, index)
+        if t:
+            topk_sum(ws.combine_rows[: t * k], ws.pair_live[: t * k], out, plan.combine.mx, hidden, k, word, index,
+                     output_scale)
+        ws.status.publish()
+        return out
 
     def _forward_device(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         output_scale: float, out: torch.Tensor | None) -> torch.Tensor:
@@ -175,10 +248,7 @@ class MegaMoELayer:
         if not _capturing(self.device):
             self.raise_if_bad_input()
         t, k, hidden = x.shape[0], plan.topk, plan.hidden
-        if out is None:
-            out = torch.empty(t, hidden, dtype=torch.bfloat16, device=self.device)
-        elif out.shape != (t, hidden) or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.device != self.device:
-            raise ValueError(f"[megamoe] out must be bf16 [{t}, {hidden}] on {self.device}, got {tuple(out.shape)} {out.dtype}")
+        out = self._output(t, out)
         if t == 0:
             return out
         n = t * k
@@ -232,18 +302,25 @@ class MegaMoELayer:
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, output_scale: float = 1.0,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None, max_tokens_across_ranks: int | None = None,
     ) -> torch.Tensor:
         """x [T, H] (bf16/fp32), topk_ids [T, k] (-1 = masked), topk_weights [T, k] -> bf16 [T, H].
 
         ``output_scale`` multiplies the fp32 sum before the one bf16 rounding (engines that apply
         routed_scaling_factor after the experts pass it here instead of rounding twice). ``out``
         (device forward only) is a bf16 [T, H] buffer to write instead of a new tensor.
+        ``max_tokens_across_ranks`` (device P2P forward only): the most tokens any rank brings to this
+        forward, the SAME number on every rank (DP-padded batch sizes, as engines replay one graph
+        size on all ranks); the receive regions and expert grids are sized by it instead of
+        MEGA_MAX_TOKENS_PER_RANK. Ranks that disagree get an error from the device check, not
+        silent garbage.
         """
+        if self.workspace is not None and self.plan.ep_size > 1:
+            return self._forward_p2p(x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks)
         if self.workspace is not None:
             return self._forward_device(x, topk_ids, topk_weights, output_scale, out)
-        if out is not None:
-            raise ValueError("[megamoe] out= is supported by the device forward (CUDA, ep_size 1) only")
+        if out is not None or max_tokens_across_ranks is not None:
+            raise ValueError("[megamoe] out= / max_tokens_across_ranks= are supported by the device forward only")
         if _capturing(self.device):
             raise RuntimeError(
                 f"[megamoe] {self.name}: this forward (ep_size {self.plan.ep_size}, transport "

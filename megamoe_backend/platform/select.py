@@ -36,7 +36,7 @@ MXFP4_SCHEMES = ("a8w4", "a4w4")
 @dataclass(frozen=True)
 class Selection:
     provider: str  # "torch" | "triton" | "aiter"
-    transport: str  # "gloo" | "nccl" | "symm" | "mori"
+    transport: str  # "gloo" | "nccl" | "symm" | "ipc" | "mori"
     dispatch_wire: str
     combine_wire: str
     mtpr: int
@@ -91,20 +91,23 @@ def select_backends(facts: PlatformFacts, knobs, math, *, ep_size: int | None = 
             raise PlatformError(f"MEGA_DISPATCH={knobs.transport} needs " + " and ".join(missing))
     base = dict(dispatch_wire=knobs.dispatch_wire, combine_wire=knobs.combine_wire, mtpr=knobs.max_tokens_per_rank)
     if facts.device == "cpu":
-        if knobs.transport == "symm":
-            raise PlatformError("MEGA_DISPATCH=symm needs CUDA GPUs with NVLink (torch symmetric memory); this process runs on CPU")
+        if knobs.transport in ("symm", "ipc"):
+            raise PlatformError(f"MEGA_DISPATCH={knobs.transport} is the device P2P path and needs CUDA GPUs (torch symmetric "
+                                "memory / CUDA IPC); this process runs on CPU: use auto or nccl")
         return Selection("torch", "gloo", reasons=("cpu: torch reference experts; all_to_all over gloo",), **base)
     if facts.device == "cuda":
         provider = _local_provider(facts)
-        transport = "symm" if knobs.transport == "symm" else "nccl"
+        # symm / ipc: the device P2P forward (peer buffers, capturable); auto stays nccl until the P2P
+        # forward has run on several GPUs (it has run with several ranks on one GPU: docs/ep-device.md)
+        transport = knobs.transport if knobs.transport in ("symm", "ipc") else "nccl"
         reasons = (f"cuda: {provider} experts", f"transport {transport} (MEGA_DISPATCH={knobs.transport})")
         return Selection(provider, transport, reasons=reasons, **base)
     return _select_rocm(facts, knobs, math, ep_size, experts_per_rank)
 
 
 def _select_rocm(facts, knobs, math, ep_size, experts_per_rank) -> Selection:
-    if knobs.transport == "symm":
-        raise PlatformError("MEGA_DISPATCH=symm is the CUDA NVLink path; on ROCm use auto, nccl (RCCL) or mori")
+    if knobs.transport in ("symm", "ipc"):
+        raise PlatformError(f"MEGA_DISPATCH={knobs.transport} is the CUDA device P2P path; on ROCm use auto, nccl (RCCL) or mori")
     head = f"rocm: {facts.gfx_arch or 'unknown arch'}"
     base = dict(dispatch_wire=knobs.dispatch_wire, combine_wire=knobs.combine_wire, mtpr=knobs.max_tokens_per_rank)
     if knobs.transport == "nccl":

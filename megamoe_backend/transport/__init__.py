@@ -1,6 +1,6 @@
 """Transports: how dispatch and combine rows move between EP ranks."""
 
-from .base import DispatchHandle, DispatchResult, PeerInputError, Transport, TransportError
+from .base import DispatchHandle, DispatchResult, PeerInputError, PeerTimeoutError, Transport, TransportError
 from .cache import cached_transport_keys, clear_transport_cache, get_transport, transport_key
 from .layout import DispatchLayout, received_pairs
 from .torch_dist import LocalTransport, TorchDistTransport
@@ -11,6 +11,7 @@ __all__ = [
     "DispatchResult",
     "LocalTransport",
     "PeerInputError",
+    "PeerTimeoutError",
     "TorchDistTransport",
     "Transport",
     "TransportError",

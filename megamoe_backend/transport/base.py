@@ -20,6 +20,11 @@ class TransportError(RuntimeError):
     """A collective failed or timed out, or a rank reported bad input; no rank continues silently."""
 
 
+class PeerTimeoutError(TransportError):
+    """A device-side wait for a peer passed MEGA_P2P_TIMEOUT_S: the peer died or hangs. The EP group
+    cannot continue (its ranks no longer run the same step); the process and GPU context can."""
+
+
 class PeerInputError(ValueError):
     """Bad input detected on some rank; raised on *every* rank so none waits in a collective."""
 

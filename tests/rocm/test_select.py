@@ -234,9 +234,10 @@ def test_experts_not_divisible_by_ep_size_is_an_error():
         select_backends(rocm_facts("gfx950"), knobs(), A8W4, ep_size=3, num_experts=256)
 
 
-def test_symm_on_rocm_is_an_error():
-    with pytest.raises(PlatformError, match="CUDA NVLink path"):
-        select_backends(rocm_facts("gfx950"), knobs(transport="symm"), A8W4)
+@pytest.mark.parametrize("transport", ["symm", "ipc"])
+def test_the_cuda_p2p_transports_on_rocm_are_an_error(transport):
+    with pytest.raises(PlatformError, match=f"MEGA_DISPATCH={transport} is the CUDA device P2P path"):
+        select_backends(rocm_facts("gfx950"), knobs(transport=transport), A8W4)
 
 
 def test_gfx1250_world_size_limit_falls_back():

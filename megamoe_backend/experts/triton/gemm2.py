@@ -25,12 +25,12 @@ def gemm2_weighted_kernel(
     tile_expert_ptr, sorted_pair_ptr, route_w_ptr, num_m_tiles,
     a_ptr, stride_am, as_ptr, stride_asm,
     w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr,
-    out_ptr, stride_om,
+    out_ptr, stride_om, dest_ptr,
     K, N,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     F32_DOT: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr, TAIL_RIDE: tl.constexpr, OUT_FMT: tl.constexpr,
-    W_FULL: tl.constexpr,
+    W_FULL: tl.constexpr, DEST: tl.constexpr = False,
 ):
     expert, row0, pid_n, mine = claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, tl.cdiv(N, BN), GROUP_M, BM, TAIL_M,
                                            PASS, TAIL_RIDE)
@@ -42,17 +42,17 @@ def gemm2_weighted_kernel(
     _gemm2_tile(
         expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
         w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om,
-        K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, RIDE, OUT_FMT, W_FULL,
+        dest_ptr, K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, RIDE, OUT_FMT, W_FULL, DEST,
     )
 
 
 @triton.jit
 def _gemm2_tile(
     expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
-    w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om, K, N,
-    W_FMT: tl.constexpr, A_FMT: tl.constexpr, DECODE: tl.constexpr, USE_ASM: tl.constexpr,
+    w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om, dest_ptr,
+    K, N, W_FMT: tl.constexpr, A_FMT: tl.constexpr, DECODE: tl.constexpr, USE_ASM: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr, RIDE: tl.constexpr, OUT_FMT: tl.constexpr,
-    W_FULL: tl.constexpr,
+    W_FULL: tl.constexpr, DEST: tl.constexpr,
 ):
     """One BN x BM output tile (BM: the tile height, or TAIL_M for a short tile's first rows), and with
     RIDE > 0 the first RIDE rows of the next tile as a rider (frag decoders only)."""
@@ -77,26 +77,38 @@ def _gemm2_tile(
             a_ptr, rows, valid, stride_am, as_ptr, stride_asm,
             K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
         )
-    _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, N, BN, OUT_FMT, USE_ASM)
+    _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, N, BN, OUT_FMT, USE_ASM, DEST)
     if RIDE > 0:
-        _gemm2_store(acc_r, r_pair, pid_n, route_w_ptr, out_ptr, stride_om, N, BN, OUT_FMT, USE_ASM)
+        _gemm2_store(acc_r, r_pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, N, BN, OUT_FMT, USE_ASM, DEST)
 
 
 @triton.jit
-def _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, N, BN: tl.constexpr, OUT_FMT: tl.constexpr,
-                 HW_CVT: tl.constexpr):
+def _row_offsets(pair, valid, stride_om, dest_ptr, DEST: tl.constexpr, SHIFT: tl.constexpr):
+    """Where each pair's row starts, in elements of ``out``: at its pair index (``pair * stride_om``),
+    or with DEST where the caller's table says (int64 byte offsets from ``out``, e.g. the source
+    rank's combine region in a peer arena: the table is the caller's, the kernel knows no ranks)."""
+    if DEST:
+        return tl.load(dest_ptr + pair, mask=valid, other=0) >> SHIFT
+    else:
+        return pair.to(tl.int64) * stride_om
+
+
+@triton.jit
+def _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, N, BN: tl.constexpr, OUT_FMT: tl.constexpr,
+                 HW_CVT: tl.constexpr, DEST: tl.constexpr):
     """acc [BN, rows] x each row's route weight -> rows of ``out`` at the pairs' indices (padding: -1,
     skipped): fp32, or the combine wire row (OUT_FMT "bf16" / "fp8", module docstring)."""
     valid = pair >= 0
     wt = tl.load(route_w_ptr + pair, mask=valid, other=0.0)
     out = acc * wt[None, :]
     n = pid_n * BN + tl.arange(0, BN)
-    p64 = pair.to(tl.int64)[None, :]
     mask = valid[None, :] & (n < N)[:, None]
     if OUT_FMT == "f32":
-        tl.store(out_ptr + p64 * stride_om + n[:, None], out, mask=mask)
+        ro = _row_offsets(pair, valid, stride_om, dest_ptr, DEST, 2)[None, :]
+        tl.store(out_ptr + ro + n[:, None], out, mask=mask)
     elif OUT_FMT == "bf16":  # integer RNE (the interpreter truncates fp32 -> bf16 casts), then an exact cast
-        tl.store(out_ptr + p64 * stride_om + n[:, None], round_bf16(out).to(tl.bfloat16), mask=mask)
+        ro = _row_offsets(pair, valid, stride_om, dest_ptr, DEST, 1)[None, :]
+        tl.store(out_ptr + ro + n[:, None], round_bf16(out).to(tl.bfloat16), mask=mask)
     else:
         tl.static_assert(OUT_FMT == "fp8", "OUT_FMT must be f32, bf16 or fp8")
         tl.static_assert(BN % 32 == 0, "the fp8 combine wire quantises 1x32 blocks of the tile's columns")
@@ -104,21 +116,22 @@ def _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, N, BN: tl.co
         if rows >= 32:  # even / odd token columns apart (in-thread pairs of the MMA layout): half the transpose at a time
             ev, od = tl.split(tl.reshape(out, [BN, rows // 2, 2]))
             pe, po = tl.split(tl.reshape(pair, [rows // 2, 2]))
-            _store_fp8_rows(ev, pe, pid_n, out_ptr, stride_om, N, BN, HW_CVT)
-            _store_fp8_rows(od, po, pid_n, out_ptr, stride_om, N, BN, HW_CVT)
+            _store_fp8_rows(ev, pe, pid_n, out_ptr, stride_om, dest_ptr, N, BN, HW_CVT, DEST)
+            _store_fp8_rows(od, po, pid_n, out_ptr, stride_om, dest_ptr, N, BN, HW_CVT, DEST)
         else:
-            _store_fp8_rows(out, pair, pid_n, out_ptr, stride_om, N, BN, HW_CVT)
+            _store_fp8_rows(out, pair, pid_n, out_ptr, stride_om, dest_ptr, N, BN, HW_CVT, DEST)
 
 
 @triton.jit
-def _store_fp8_rows(out, pair, pid_n, out_ptr, stride_om, N, BN: tl.constexpr, HW_CVT: tl.constexpr):
+def _store_fp8_rows(out, pair, pid_n, out_ptr, stride_om, dest_ptr, N, BN: tl.constexpr, HW_CVT: tl.constexpr,
+                    DEST: tl.constexpr):
     """out [BN, rows] (route-weighted) -> fp8_blockwise_1x32 wire rows at the pairs' indices."""
     rows: tl.constexpr = out.shape[1]
     n = pid_n * BN + tl.arange(0, BN)
     valid = pair >= 0
     payload, scales = quantize_blocks(tl.reshape(tl.trans(out), [rows * (BN // 32), 32]), "fp8", HW_CVT)
-    r64 = pair.to(tl.int64)[:, None]
-    tl.store(out_ptr + r64 * stride_om + n[None, :], tl.reshape(payload, [rows, BN]), mask=valid[:, None] & (n < N)[None, :])
+    ro = _row_offsets(pair, valid, stride_om, dest_ptr, DEST, 0)[:, None]
+    tl.store(out_ptr + ro + n[None, :], tl.reshape(payload, [rows, BN]), mask=valid[:, None] & (n < N)[None, :])
     sc = pid_n * (BN // 32) + tl.arange(0, BN // 32)
-    tl.store(out_ptr + r64 * stride_om + N + sc[None, :], tl.reshape(scales, [rows, BN // 32]),
+    tl.store(out_ptr + ro + N + sc[None, :], tl.reshape(scales, [rows, BN // 32]),
              mask=valid[:, None] & (sc < N // 32)[None, :])

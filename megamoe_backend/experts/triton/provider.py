@@ -129,26 +129,36 @@ class TritonExperts(ExpertsProvider):
 
     def forward_wire(
         self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, wire: WireFormat,
-        *, out: torch.Tensor | None = None,
+        *, out: torch.Tensor | None = None, dest: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See ExpertsProvider.forward_wire: GEMM2's epilogue writes the combine wire row itself (bf16, or
         fp8 + E8M0 per 1x32 via the same block quantiser as quant.py), so the fp32 rows are never
-        stored. ``out`` optionally supplies the uint8 [P, row_bytes] buffer (e.g. a transport's)."""
+        stored. ``out`` optionally supplies the uint8 [P, row_bytes] buffer (e.g. a transport's).
+
+        ``dest`` (int64 [P]): pair p's row goes to byte ``dest[p]`` from ``out``'s first byte instead
+        of row p of ``out`` (a transport's destination table: the device P2P forward points each row
+        at its source rank's combine region; the experts never learn about ranks). ``out`` is then a
+        flat uint8 base, and the table must keep every row inside memory the caller owns."""
         if wire.mx not in (None, "fp8"):
             raise ValueError(f"combine wire {wire.name!r}: the Triton GEMM2 epilogue writes bf16 or fp8_blockwise_1x32 rows")
-        out = _result_buffer(out, len(pairs), wire.row_bytes(weights.hidden), torch.uint8, pairs.weight.device,
-                             f"{wire.name} combine wire rows at hidden={weights.hidden}")
-        if wire.mx is None:
-            self._run(a, pairs, weights, math, out.view(torch.bfloat16), "bf16")
+        if dest is None:
+            out = _result_buffer(out, len(pairs), wire.row_bytes(weights.hidden), torch.uint8, pairs.weight.device,
+                                 f"{wire.name} combine wire rows at hidden={weights.hidden}")
         else:
-            self._run(a, pairs, weights, math, out, "fp8")
+            _check_dest(dest, out, len(pairs), pairs.weight.device)
+        if wire.mx is None:
+            self._run(a, pairs, weights, math, out.view(torch.bfloat16), "bf16", dest)
+        else:
+            self._run(a, pairs, weights, math, out, "fp8", dest)
         return out
 
     def _run(
-        self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, out: torch.Tensor, out_fmt: str
+        self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, out: torch.Tensor, out_fmt: str,
+        dest: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The forward proper; ``out`` is the checked [P, ...] result buffer GEMM2 writes in ``out_fmt``
-        ("f32", or the combine wire: "bf16" / "fp8"; gemm2.py)."""
+        ("f32", or the combine wire: "bf16" / "fp8"; gemm2.py), or with ``dest`` the base its byte
+        offsets count from."""
         from .gather import gather_split_kernel, rowscale_e4m3_kernel, rowscale_piece
         from .gemm1 import gemm1_swiglu_kernel
         from .gemm2 import gemm2_weighted_kernel
@@ -272,10 +282,10 @@ class TritonExperts(ExpertsProvider):
                 a2_data, a2_data.stride(0), a2_s, a2_s.stride(0),
                 weights.w2, weights.w2.stride(0), weights.w2.stride(1), w2s, w2s.stride(0), w2s.stride(1),
                 w2_rs, w2_rs.stride(0), a2_rs,
-                out, out.stride(0),
+                out, out.stride(0) if dest is None else 0, dest if dest is not None else pairs.row,
                 inter, hidden,
                 W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, OUT_FMT=out_fmt,
-                W_FULL=whole_weight_tiles(hidden, cfg.block_n2), **common,
+                W_FULL=whole_weight_tiles(hidden, cfg.block_n2), DEST=dest is not None, **common,
                 **_register_cap(cfg, tile_pass),
             )
         return out
@@ -290,6 +300,15 @@ def _result_buffer(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.
         raise ValueError(f"out: expected contiguous {str(dtype).removeprefix('torch.')} [{rows}, {cols}] ({what}) on {device}, "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     return out
+
+
+def _check_dest(dest: torch.Tensor, out: torch.Tensor | None, pairs: int, device: torch.device) -> None:
+    if out is None or out.dtype != torch.uint8 or not out.is_contiguous() or out.device != device:
+        raise ValueError("out: with dest= the base of the destination table must be a contiguous uint8 buffer on "
+                         f"{device}, got {None if out is None else (tuple(out.shape), out.dtype, out.device)}")
+    if dest.dtype != torch.int64 or tuple(dest.shape) != (pairs,) or not dest.is_contiguous() or dest.device != device:
+        raise ValueError(f"dest: expected contiguous int64 [{pairs}] byte offsets on {device}, got "
+                         f"{tuple(dest.shape)} {dest.dtype} on {dest.device}")
 
 
 def tile_passes(cfg: TileConfig, mode: str) -> tuple[str, ...]:

@@ -16,10 +16,16 @@ from __future__ import annotations
 
 import torch
 
+from ...transport.base import PeerTimeoutError, TransportError
+
 OK = 0
 BAD_EXPERT_ID = 2  # same number as the transports' status 2 ("expert id out of range")
 NONFINITE_ROW = 4
 NONFINITE_INPUT = 5
+PEER_TIMEOUT = 6  # the device P2P forward waited for a peer past MEGA_P2P_TIMEOUT_S (value: that peer, row: phase)
+ROWS_MISMATCH = 7  # a peer assumed another number of rows per source (value: its number, row: that peer)
+
+PHASES = {0: "dispatch (its token rows)", 1: "combine (its expert rows)"}
 
 WORDS = 4
 
@@ -27,9 +33,10 @@ WORDS = 4
 class InputStatus:
     """One status word per device workspace (shared by every layer of that shape)."""
 
-    def __init__(self, device: torch.device, num_physical: int) -> None:
+    def __init__(self, device: torch.device, num_physical: int, rank: int = 0, timeout_s: float | None = None) -> None:
         self.device = torch.device(device)
         self.num_physical = num_physical
+        self.rank, self.timeout_s = rank, timeout_s  # for the P2P forward's messages
         self.word = torch.zeros(WORDS, dtype=torch.int64, device=self.device)
         pin = self.device.type == "cuda"
         self.host = torch.zeros(WORDS, dtype=torch.int64, pin_memory=pin)
@@ -67,5 +74,17 @@ class InputStatus:
             raise ValueError(
                 f"[megamoe] {where}: hidden_states row {row} holds NaN/Inf (found while quantising it); "
                 "its output row is not meaningful, other rows are unaffected."
+            )
+        if code == PEER_TIMEOUT:
+            raise PeerTimeoutError(
+                f"[megamoe] {where}: ep_rank {self.rank} waited more than MEGA_P2P_TIMEOUT_S={self.timeout_s:g}s for ep_rank "
+                f"{value} at the {PHASES.get(row, f'phase {row}')} barrier: that peer died, hangs or runs another step. "
+                "This forward's output is not valid; the EP group cannot continue (restart the engine)."
+            )
+        if code == ROWS_MISMATCH:
+            raise TransportError(
+                f"[megamoe] {where}: ep_rank {row} dispatched {value} rows per source, this rank (ep_rank {self.rank}) "
+                "expected another number: every rank must pass the same max_tokens_across_ranks to the same forward. "
+                "This forward's output is not valid."
             )
         raise ValueError(f"[megamoe] {where}: input status word {code} (value {value}, row {row})")

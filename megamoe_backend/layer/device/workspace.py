@@ -13,6 +13,9 @@ transport/cache.py), one after the other on the stream, so 61 layers cost one se
   pair_weight  fp32  [MTPR * k]               its route weight (0 where slot is -1)
   combine_rows uint8 [MTPR * k, combine row]  what GEMM2's epilogue writes, one row per pair
   status       InputStatus                    data checks reported without a host sync
+
+``P2PWorkspace`` is the same for ep_size > 1 (layer/device/p2p.py): the token rows travel into the
+owners' arenas (transport/peer_arena.py), the combine rows come back into this rank's.
 """
 
 from __future__ import annotations
@@ -24,10 +27,24 @@ from ...plan import LayerPlan
 from .status import InputStatus
 
 
-class DeviceWorkspace:
+class _Workspace:
+    """What both workspaces hold: the status word and the names of the layers that report into it."""
+
     def __init__(self, plan: LayerPlan, device: torch.device) -> None:
         self.device = torch.device(device)
         self.mtpr, self.topk, self.hidden = plan.mtpr, plan.topk, plan.hidden
+        self.layer_names: dict[int, str] = {}
+
+    def register_layer(self, name: str) -> int:
+        """A small id for the status word, so an error names the layer that saw the bad input."""
+        index = len(self.layer_names)
+        self.layer_names[index] = name
+        return index
+
+
+class DeviceWorkspace(_Workspace):
+    def __init__(self, plan: LayerPlan, device: torch.device) -> None:
+        super().__init__(plan, device)
         pairs = self.mtpr * self.topk
         self.a_format = plan.math.a_format  # fp8 | fp4 | None; a quantised dispatch wire equals it (plan check)
         a_bytes = dispatch_wire(self.a_format).row_bytes(self.hidden) if self.a_format else 0
@@ -37,15 +54,48 @@ class DeviceWorkspace:
         self.pair_weight = torch.zeros(pairs, dtype=torch.float32, device=self.device)
         self.combine_rows = torch.empty(pairs, plan.combine.row_bytes(self.hidden), dtype=torch.uint8, device=self.device)
         self.status = InputStatus(self.device, plan.placement.num_physical)
-        self.layer_names: dict[int, str] = {}
-
-    def register_layer(self, name: str) -> int:
-        """A small id for the status word, so an error names the layer that saw the bad input."""
-        index = len(self.layer_names)
-        self.layer_names[index] = name
-        return index
 
     @property
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in
                    (self.token_rows, self.pair_row, self.pair_slot, self.pair_weight, self.combine_rows))
+
+
+class P2PWorkspace(_Workspace):
+    """The device P2P forward's buffers (ep_size > 1), sized once from MTPR x top-k x ep and the wires.
+
+      arena        PeerArena        recv rows / slots / weights, combine rows, barrier flags (peer_arena.py)
+      pair_row     int64 [ep*MTPR*k] constant: received pair q reads received row q // k
+      dest         int64 [ep*MTPR*k] where GEMM2 writes received pair q (byte offset from arena.local)
+      pair_live    int64 [MTPR*k]    owner rank of each of this rank's pairs, -1 = runs nowhere
+      epochs       int64 [2]         barriers passed per phase (the flags' next value)
+    ``broken`` holds the message once a peer timed out: the group cannot continue after that.
+    """
+
+    def __init__(self, plan: LayerPlan, group, device: torch.device, timeout_s: float) -> None:
+        from ...transport.peer_arena import ArenaLayout, make_arena
+        from .p2p import wait_budget
+
+        super().__init__(plan, device)
+        self.ep = plan.ep_size
+        self.wire_fmt = plan.math.a_format or "bf16"  # the A operand's format: quantised once, by the sender
+        row_bytes = dispatch_wire(plan.math.a_format).row_bytes(self.hidden) if plan.math.a_format else 2 * self.hidden
+        self.layout = ArenaLayout.build(self.ep, self.mtpr, self.topk, row_bytes, plan.combine.row_bytes(self.hidden))
+        self.arena = make_arena(plan.backends.transport, self.layout, group, self.device)
+        lay, pairs = self.layout, self.ep * self.mtpr * self.topk
+        self.recv_rows = self.arena.view(lay.recv_rows, self.ep * self.mtpr * row_bytes, torch.uint8).view(-1, row_bytes)
+        self.recv_slot = self.arena.view(lay.recv_slot, pairs, torch.int64)
+        self.recv_weight = self.arena.view(lay.recv_weight, pairs, torch.float32)
+        self.combine_rows = self.arena.view(lay.combine, self.mtpr * self.topk * lay.comb_bytes, torch.uint8).view(-1, lay.comb_bytes)
+        self.pair_row = torch.arange(pairs, dtype=torch.int64, device=self.device) // self.topk
+        self.dest = torch.zeros(pairs, dtype=torch.int64, device=self.device)
+        self.pair_live = torch.full((self.mtpr * self.topk,), -1, dtype=torch.int64, device=self.device)
+        self.epochs = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.timeout_s = timeout_s
+        self.budget = wait_budget(timeout_s, self.device)
+        self.status = InputStatus(self.device, plan.placement.num_physical, rank=plan.ep_rank, timeout_s=timeout_s)
+        self.broken: str | None = None
+
+    @property
+    def bytes(self) -> int:
+        return self.layout.total + sum(t.numel() * t.element_size() for t in (self.pair_row, self.dest, self.pair_live))

@@ -1,0 +1,235 @@
+"""The device P2P forward's two new kernels: dispatch (quantise once, write to the owners) and the
+cross-rank barrier with a bounded wait.
+
+Why these and nothing else: the rest of the EP forward is the ep_size-1 forward's kernels on other
+buffers. The expert layout runs on the receiver's own pair list (whatever the peers wrote), GEMM2
+writes each row where a destination table says (the source rank's combine region), and the top-k
+sum reads this rank's combine region in pair order. Peers are addressed through one int64 byte
+offset each (transport/peer_arena.py): ``arena + offset[r]`` is rank r's arena in this process.
+
+Dispatch, one program per token row t of the fixed region (t < B, the rows per source):
+  t < T: check the k ids (the first bad one -> status word), quantise the row once into the A
+  format (NaN / Inf -> status word), and write it to every rank owning one of its experts at row
+  me * B + t of that rank's recv region; write the k (slot, weight) entries of the row to EVERY
+  rank (slot -1 where that rank owns none of them), so no stale entry of an earlier, larger batch
+  survives. t >= T: the (-1, 0) entries only. Also: this rank's pair_live (owner of each pair,
+  -1 = runs nowhere: the top-k sum skips it) and the receiver-side destination table.
+
+Barrier (one program): bump this phase's epoch, store it (release, system scope) into every
+peer's flag of this rank, then spin (acquire, system scope) until every peer's flag here reached
+it or the deadline passed. A wait that ends by the deadline records (PEER_TIMEOUT, layer, peer,
+phase) in the status word and returns: the stream goes on, the host raises at its next check
+(layer/device/status.py) naming the layer, this rank and the peer. Later barriers of the step
+still signal but do not wait once the word holds a timeout, so a dead peer costs one timeout per
+step, not one per barrier. The GPU context survives. On
+the GPU the deadline is the global timer; the interpreter has no clock, so there it is a spin
+count calibrated to the same seconds (``spins_per_second``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from ...experts.triton.config import interpreting
+from ...experts.triton.mxjit import round_bf16
+from ...experts.triton.quant import quantize_blocks
+from .status import BAD_EXPERT_ID, NONFINITE_INPUT, PEER_TIMEOUT, ROWS_MISMATCH
+
+BLOCKS = 8  # 32-element blocks quantised per step of the row loop
+# the status codes as the kernels see them (a jit function reads only constexpr globals)
+_BAD_ID = tl.constexpr(BAD_EXPERT_ID)
+_NAN_ROW = tl.constexpr(NONFINITE_INPUT)
+_TIMEOUT = tl.constexpr(PEER_TIMEOUT)
+_MISMATCH = tl.constexpr(ROWS_MISMATCH)
+
+
+@triton.jit
+def _record(status_ptr, code, layer_id, value, row):
+    """First problem wins (the word's code is 0 until then)."""
+    zero = value.to(tl.int64) * 0  # int64 operands: the CAS must match the word's type
+    if tl.atomic_cas(status_ptr, zero, zero + code) == 0:
+        tl.store(status_ptr + 1, zero + layer_id)  # (an int arg may arrive as a constant)
+        tl.store(status_ptr + 2, value.to(tl.int64))
+        tl.store(status_ptr + 3, zero + row)
+
+
+@triton.jit
+def _dispatch_kernel(
+    x_ptr, stride_x, ids_ptr, w_ptr, owner_ptr, slot_ptr, num_physical, n_tokens, rows_per_src, ep, me,
+    arena_u8, arena_i16, arena_i64, arena_f32, peer_off_ptr,
+    header_e, rows_b, row_bytes, slot_e, weight_e, combine_b, comb_bytes,
+    pair_live_ptr, dest_ptr, status_ptr, layer_id,
+    H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, FMT: tl.constexpr, BLOCKS: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    live = t < n_tokens
+    j = tl.arange(0, K_PAD)
+    jm = j < K
+    e = tl.load(ids_ptr + t * K + j, mask=jm & live, other=-1).to(tl.int64)
+    known = (e >= 0) & (e < num_physical)
+    safe = tl.where(known, e, 0)
+    owner = tl.load(owner_ptr + safe, mask=known, other=-1).to(tl.int64)
+    slot = tl.load(slot_ptr + safe, mask=known, other=-1).to(tl.int64)
+    wt = tl.load(w_ptr + t * K + j, mask=jm & live, other=0.0).to(tl.float32)
+    tl.store(pair_live_ptr + t * K + j, tl.where(known, owner, -1), mask=jm & live)
+    bad = jm & live & ((e < -1) | (e >= num_physical))
+    if tl.sum(bad.to(tl.int32), axis=0) > 0:
+        first = tl.min(tl.where(bad, j, K_PAD), axis=0)
+        _record(status_ptr, _BAD_ID, layer_id, tl.sum(tl.where(j == first, e, 0), axis=0), t)
+
+    # the receiver side: where the GEMM2 row of received pair q = (s * B + t) * k + j goes
+    for s in range(ep):
+        q = (s * rows_per_src + t) * K + j
+        target = tl.load(peer_off_ptr + s) + combine_b + (t * K + j) * comb_bytes
+        tl.store(dest_ptr + q, target, mask=jm)
+
+    # metadata of row t to every rank (-1 / 0 where that rank owns none of the row's experts)
+    q = (me * rows_per_src + t) * K + j
+    for r in range(ep):
+        off = tl.load(peer_off_ptr + r)
+        here = known & (owner == r)
+        tl.store(arena_i64 + (off >> 3) + slot_e + q, tl.where(here, slot, -1), mask=jm)
+        tl.store(arena_f32 + (off >> 2) + weight_e + q, tl.where(here, wt, 0.0), mask=jm)
+        if t == 0:
+            tl.store(arena_i64 + (off >> 3) + header_e + me, rows_per_src.to(tl.int64))
+
+    # the row, quantised once, to each owning rank
+    if tl.sum(known.to(tl.int32), axis=0) > 0:
+        row_at = rows_b + (me * rows_per_src + t) * row_bytes
+        col = tl.arange(0, 32)
+        n_nan = 0
+        for b0 in range(0, H // 32, BLOCKS):
+            blk = b0 + tl.arange(0, BLOCKS)
+            bm = blk < H // 32
+            x = tl.load(x_ptr + t * stride_x + blk[:, None] * 32 + col[None, :], mask=bm[:, None], other=0.0).to(tl.float32)
+            if FMT == "bf16":
+                bits = round_bf16(x).to(tl.bfloat16).to(tl.int16, bitcast=True)
+            else:
+                payload, scales = quantize_blocks(x, FMT, HW_CVT)
+                n_nan += tl.sum(((scales == 255) & bm).to(tl.int32), axis=0)
+            for r in range(ep):
+                if tl.sum((known & (owner == r)).to(tl.int32), axis=0) > 0:
+                    off = tl.load(peer_off_ptr + r)
+                    if FMT == "bf16":
+                        dst = arena_i16 + ((off + row_at) >> 1) + blk[:, None] * 32 + col[None, :]
+                        tl.store(dst, bits, mask=bm[:, None])
+                    elif FMT == "fp8":
+                        dst = arena_u8 + off + row_at + blk[:, None] * 32 + col[None, :]
+                        tl.store(dst, payload, mask=bm[:, None])
+                        tl.store(arena_u8 + off + row_at + H + blk, scales, mask=bm)
+                    else:
+                        half = tl.arange(0, 16)
+                        dst = arena_u8 + off + row_at + blk[:, None] * 16 + half[None, :]
+                        tl.store(dst, payload, mask=bm[:, None])
+                        tl.store(arena_u8 + off + row_at + H // 2 + blk, scales, mask=bm)
+        if n_nan > 0:
+            _record(status_ptr, _NAN_ROW, layer_id, t * 0, t)
+
+
+@triton.jit
+def _now(anchor, CLOCK: tl.constexpr):
+    if CLOCK == "globaltimer":  # ns since an arbitrary origin, the same for every SM
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [anchor], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+    else:
+        return anchor * 0
+
+
+@triton.jit
+def _barrier_kernel(
+    arena_i64, peer_off_ptr, ep, me, flags_e, header_e, rows_per_src, epoch_ptr, phase, budget,
+    status_ptr, layer_id, CHECK_ROWS: tl.constexpr, CLOCK: tl.constexpr,
+):
+    epoch = tl.load(epoch_ptr + phase) + 1
+    tl.store(epoch_ptr + phase, epoch)
+    zero = epoch * 0
+    if tl.load(status_ptr) == _TIMEOUT:  # an earlier wait of this step timed out: signal, but wait no more
+        budget = zero
+    for r in range(ep):
+        off = tl.load(peer_off_ptr + r) >> 3
+        tl.atomic_xchg(arena_i64 + off + flags_e + phase * ep + me, epoch, sem="release", scope="sys")
+    start = _now(zero, CLOCK)
+    spent = zero
+    waited_for = zero - 1
+    for s in range(ep):
+        seen = tl.atomic_add(arena_i64 + flags_e + phase * ep + s, zero, sem="acquire", scope="sys")
+        while (seen < epoch) & (spent < budget):
+            seen = tl.atomic_add(arena_i64 + flags_e + phase * ep + s, zero, sem="acquire", scope="sys")
+            if CLOCK == "globaltimer":
+                spent = _now(zero, CLOCK) - start
+            else:
+                spent += 1
+        if (seen < epoch) & (waited_for < 0):
+            waited_for = zero + s
+    if waited_for >= 0:
+        _record(status_ptr, _TIMEOUT, layer_id, waited_for, phase)
+    elif CHECK_ROWS:
+        for s in range(ep):
+            rows = tl.load(arena_i64 + header_e + s, volatile=True)
+            if rows != rows_per_src:
+                _record(status_ptr, _MISMATCH, layer_id, rows, s)
+
+
+def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor,
+             rows_per_src: int, arena, fmt: str, hidden: int, pair_live: torch.Tensor, dest: torch.Tensor,
+             status_word: torch.Tensor, layer_id: int) -> None:
+    """Launch the dispatch (module docstring); ``fmt``: the rows' format on the wire (bf16 | fp8 | fp4)."""
+    t, k = topk_ids.shape
+    lay = arena.layout
+    local = arena.local
+    _dispatch_kernel[(rows_per_src,)](
+        x, x.stride(0) if t else hidden, topk_ids, topk_weights, owner, slot, owner.shape[0], t, rows_per_src,
+        arena.ep, arena.rank, local, local.view(torch.int16), local.view(torch.int64), local.view(torch.float32),
+        arena.peer_offsets, lay.header // 8, lay.recv_rows, lay.row_bytes, lay.recv_slot // 8, lay.recv_weight // 4,
+        lay.combine, lay.comb_bytes, pair_live, dest, status_word, layer_id,
+        H=hidden, K=k, K_PAD=triton.next_power_of_2(k), FMT=fmt, BLOCKS=BLOCKS,
+        HW_CVT=x.is_cuda and not interpreting(), num_warps=4,
+    )
+
+
+def barrier(arena, epochs: torch.Tensor, phase: int, budget: int, rows_per_src: int, status_word: torch.Tensor,
+            layer_id: int) -> None:
+    """Meet every peer at ``phase`` (0: rows dispatched, 1: combine rows written); bounded by ``budget``
+    (ns of the global timer on the GPU, spins in the interpreter: :func:`wait_budget`)."""
+    lay = arena.layout
+    _barrier_kernel[(1,)](
+        arena.local.view(torch.int64), arena.peer_offsets, arena.ep, arena.rank, lay.flags // 8, lay.header // 8,
+        rows_per_src, epochs, phase, budget, status_word, layer_id, CHECK_ROWS=phase == 0, CLOCK=_clock(), num_warps=1,
+    )
+
+
+def _clock() -> str:
+    return "spins" if interpreting() else "globaltimer"
+
+
+def wait_budget(timeout_s: float, device: torch.device) -> int:
+    """MEGA_P2P_TIMEOUT_S as the barrier's budget: ns of the global timer, or interpreter spins."""
+    if _clock() == "globaltimer":
+        return int(timeout_s * 1e9)
+    return max(1, int(timeout_s * spins_per_second(device)))
+
+
+_SPIN_RATE: dict[str, float] = {}  # documented cache: the interpreter's spin rate, measured once per process
+
+
+def spins_per_second(device: torch.device) -> float:
+    """How many barrier spins the interpreter runs per second here (a barrier that waits on a flag
+    nobody sets, for a fixed spin count, timed)."""
+    key = str(device)
+    if key not in _SPIN_RATE:
+        # two "ranks" in one tensor: rank 1 never signals, so rank 0 spins the whole budget
+        arena = torch.zeros(64, dtype=torch.int64, device=device)
+        offsets = torch.tensor([0, 32 * 8], dtype=torch.int64, device=device)
+        epochs = torch.full((2,), 1 << 40, dtype=torch.int64, device=device)  # a flag of 0 never reaches it
+        word = torch.zeros(4, dtype=torch.int64, device=device)
+        spins = 400
+        start = time.perf_counter()
+        _barrier_kernel[(1,)](arena, offsets, 2, 0, 8, 16, 0, epochs, 0, spins, word, 0,
+                              CHECK_ROWS=False, CLOCK=_clock(), num_warps=1)
+        _SPIN_RATE[key] = spins / max(time.perf_counter() - start, 1e-6)
+    return _SPIN_RATE[key]

@@ -1,0 +1,187 @@
+"""Peer arenas: one byte buffer per EP rank that every other rank of the group can write.
+
+Why: the device P2P forward (layer/device/ep.py) has each sender write its token rows straight
+into the owner's receive region and each owner's GEMM2 write its rows straight into the source's
+combine region, with flags in the same buffers as the barrier. All it needs from a transport is
+that buffer and, per peer, where that peer's buffer lies in this process's address space. Kernels
+address peer r's byte b as ``local + offset[r] + b``: one int64 offset per peer (offset[me] = 0),
+so the kernels take one pointer and never an address table, and work the same on every backend.
+
+Backends (allocation and rendezvous are eager, before any graph capture):
+- ``SymmPeerArena``: torch symmetric memory (GPUs of one NVLink domain). Refuses several ranks
+  on one GPU (torch: "detected allocations from overlapping devices from different ranks").
+- ``IpcPeerArena``: CUDA IPC handles exchanged over the group (ranks of one host, also several
+  rank processes sharing one GPU: what the GPU tests run); on CPU (the Triton interpreter in CI)
+  the same arena is a shared-memory file mapped by every rank.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import uuid
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .base import TransportError
+
+ALIGN = 512  # every region starts on this many bytes (16-byte vector stores, int64 flags)
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """Byte offsets of the regions of every rank's arena (the same on all ranks; from the plan).
+
+      flags       int64 [2, ep]                barrier phase x source rank: that source's epoch
+      header      int64 [ep]                   rows per source region the source assumed (checked)
+      recv_rows   uint8 [ep * mtpr, row_bytes] region s (rows s*B .. s*B+B-1): token rows of source s
+      recv_slot   int64 [ep * mtpr * k]        per received (row, k): local expert slot here, -1 = none
+      recv_weight fp32  [ep * mtpr * k]        ... and its route weight
+      combine     uint8 [mtpr * k, comb_bytes] this rank's own pairs (t * k + j) as written by their owner
+    B = rows per source of this forward (<= mtpr, the same on every rank): regions are packed by B,
+    so a received pair q = (s * B + t) * k + j reads received row q // k whatever B is.
+    """
+
+    ep: int
+    mtpr: int
+    topk: int
+    row_bytes: int
+    comb_bytes: int
+    flags: int
+    header: int
+    recv_rows: int
+    recv_slot: int
+    recv_weight: int
+    combine: int
+    total: int
+
+    @classmethod
+    def build(cls, ep: int, mtpr: int, topk: int, row_bytes: int, comb_bytes: int) -> "ArenaLayout":
+        pairs = ep * mtpr * topk
+        offsets, at = [], 0
+        for size in (2 * ep * 8, ep * 8, ep * mtpr * row_bytes, pairs * 8, pairs * 4, mtpr * topk * comb_bytes):
+            offsets.append(at)
+            at += align(size)
+        return cls(ep, mtpr, topk, row_bytes, comb_bytes, *offsets, total=at)
+
+
+class PeerArena:
+    """This rank's arena (``local``, uint8 [total]) and the byte offsets of every peer's arena."""
+
+    name = "abstract"
+
+    def __init__(self, layout: ArenaLayout, rank: int, local: torch.Tensor, peers: list[torch.Tensor]) -> None:
+        self.layout, self.rank, self.ep = layout, rank, layout.ep
+        self.local = local
+        self._peers = peers  # keeps the mappings alive as long as the arena lives
+        base = local.data_ptr()
+        offsets = [p.data_ptr() - base for p in peers]
+        if any(o % ALIGN for o in offsets):
+            raise TransportError(f"[megamoe] peer arenas are not {ALIGN}-byte aligned: offsets {offsets}")
+        self.peer_offsets = torch.tensor(offsets, dtype=torch.int64, device=local.device)
+
+    def view(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """``count`` elements of ``dtype`` of this rank's arena from byte ``offset``."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        return self.local[offset : offset + count * size].view(dtype)
+
+
+class IpcPeerArena(PeerArena):
+    """CUDA IPC (or, on CPU, a shared-memory file) exchanged with ``dist.all_gather_object``."""
+
+    name = "ipc"
+
+    def __init__(self, layout: ArenaLayout, group, device: torch.device) -> None:
+        device = torch.device(device)
+        rank, ep = dist.get_rank(group), dist.get_world_size(group)
+        if ep != layout.ep:
+            raise TransportError(f"[megamoe] the EP group has {ep} ranks, the plan {layout.ep}")
+        path = None
+        if device.type == "cuda":
+            local = torch.zeros(layout.total, dtype=torch.uint8, device=device)
+            handle = _cuda_handle(local)
+        else:  # the interpreter's CPU ranks: a file in /dev/shm mapped shared by every rank
+            path = os.path.join(_shm_dir(), f"megamoe-arena-{uuid.uuid4().hex}-{rank}")
+            local = torch.from_file(path, shared=True, size=layout.total, dtype=torch.uint8)
+            local.zero_()
+            handle = path
+        handles: list = [None] * ep
+        try:
+            dist.all_gather_object(handles, handle, group=group)
+            peers = [local if r == rank else _open(handles[r], device) for r in range(ep)]
+            dist.barrier(group=group)  # every rank has mapped every file: they can go from the directory
+        except Exception as exc:
+            raise TransportError(f"[megamoe] MEGA_DISPATCH=ipc: peer arena exchange failed on ep_rank {rank}: {exc}") from exc
+        finally:
+            if path is not None and os.path.exists(path):
+                os.unlink(path)
+        super().__init__(layout, rank, local, peers)
+
+
+class SymmPeerArena(PeerArena):
+    """torch symmetric memory (CUDA backend): one allocation per rank, mapped by every peer."""
+
+    name = "symm"
+
+    def __init__(self, layout: ArenaLayout, group, device: torch.device) -> None:
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+        except ImportError as exc:
+            raise TransportError(f"[megamoe] MEGA_DISPATCH=symm: this torch has no symmetric memory ({exc})") from exc
+        rank = dist.get_rank(group)
+        try:
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed on torch <= 2.7, a no-op later
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    symm_mem.enable_symm_mem_for_group(group.group_name)
+            local = symm_mem.empty(layout.total, dtype=torch.uint8, device=device)
+            local.zero_()
+            self.handle = symm_mem.rendezvous(local, group.group_name)
+            peers = [self.handle.get_buffer(r, (layout.total,), torch.uint8, 0) for r in range(layout.ep)]
+            dist.barrier(group=group)  # zeroed everywhere before any peer writes a flag
+        except Exception as exc:
+            raise TransportError(
+                f"[megamoe] MEGA_DISPATCH=symm: symmetric memory rendezvous failed on ep_rank {rank}: {exc} (several "
+                "ranks on one GPU: use MEGA_DISPATCH=ipc)") from exc
+        super().__init__(layout, rank, local, peers)
+
+
+ARENAS = {"ipc": IpcPeerArena, "symm": SymmPeerArena}
+
+
+def make_arena(kind: str, layout: ArenaLayout, group, device: torch.device) -> PeerArena:
+    if kind not in ARENAS:
+        raise ValueError(f"no peer arena for transport {kind!r}; the device P2P forward runs over {', '.join(ARENAS)}")
+    if group is None:
+        raise ValueError(f"MEGA_DISPATCH={kind}: ep_size {layout.ep} needs a process group (group=None given)")
+    return ARENAS[kind](layout, group, device)
+
+
+def _cuda_handle(t: torch.Tensor) -> bytes:
+    """A picklable CUDA IPC handle of ``t`` (torch.multiprocessing's own reduction)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(t)
+    return buf.getvalue()
+
+
+def _open(handle, device: torch.device) -> torch.Tensor:
+    if isinstance(handle, str):
+        return torch.from_file(handle, shared=True, size=os.path.getsize(handle), dtype=torch.uint8)
+    import torch.multiprocessing as _registers_cuda_reductions  # noqa: F401
+
+    with torch.cuda.device(device):
+        return pickle.loads(handle)
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")

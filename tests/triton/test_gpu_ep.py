@@ -1,0 +1,250 @@
+"""The device P2P forward (MEGA_DISPATCH=ipc) with 2 and 4 rank processes on ONE CUDA GPU.
+
+Ranks are processes sharing cuda:0, each with its own arena, mapped by the others through CUDA
+IPC (torch symmetric memory refuses several ranks on one GPU). What is shown, per EP size:
+- every (quant, dispatch wire, combine wire) case: bit-identical to the ep_size-1 device forward
+  on the same tokens (all experts on one rank), and within the accuracy gates vs fp32;
+- eager forwards issue no host synchronisation (``set_sync_debug_mode("error")``);
+- one forward captured in a CUDA graph on every rank, replayed with new tokens and routing
+  (30 % masked), equals eager bit for bit; an idle rank (0 tokens) takes part, eager and replayed;
+- a bad expert id on one rank is raised there (naming layer and token), the others are unaffected
+  and the group goes on; ranks that disagree on ``max_tokens_across_ranks`` get an error;
+- a peer that dies after start-up ends the survivors' forward within MEGA_P2P_TIMEOUT_S, with an
+  error naming the layer, the waiting rank and the dead one; the GPU context survives, later
+  forwards of that shape refuse at once.
+Skips without CUDA. Timing with ranks time-slicing one GPU is a proxy: `megamoe bench layer --ep N`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (the interpreter tests cover the P2P kernels on CPU)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from megamoe_backend.bench.bench_experts import make_weights  # noqa: E402
+from megamoe_backend.knobs import Knobs  # noqa: E402
+from megamoe_backend.layer import MegaMoELayer, fp32_reference_moe, rel_l2  # noqa: E402
+from megamoe_backend.parallel.spawn import spawn_ranks  # noqa: E402
+from megamoe_backend.plan import build_plan  # noqa: E402
+from megamoe_backend.spec import preset  # noqa: E402
+from megamoe_backend.transport import clear_transport_cache  # noqa: E402
+
+SPEC = preset("dsv4-pro").scaled(n_routed_experts=16)  # hidden 7168, intermediate 3072, top-6
+K = SPEC.num_experts_per_tok
+MTPR, T = 64, 24
+GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28}
+CASES = [("bf16", "bf16", "bf16"), ("a8w4", "fp8", "bf16"), ("a8w4", "fp8", "fp8_blockwise_1x32"),
+         ("a4w4", "fp4", "bf16"), ("a8w4", "bf16", "bf16")]
+GRAPH_CASE = ("a8w4", "fp8", "fp8_blockwise_1x32")
+DEAD_TIMEOUT_S = 3.0
+
+
+def routing(tokens, seed, masked=0.2, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, SPEC.hidden_size, generator=g, device=device).to(torch.bfloat16)
+    ids = torch.rand(tokens, SPEC.n_routed_experts, generator=g, device=device).topk(K, dim=1).indices
+    ids = torch.where(torch.rand(tokens, K, generator=g, device=device) < masked, torch.full_like(ids, -1), ids)
+    w = torch.rand(tokens, K, generator=g, device=device)
+    return x, ids, w / w.sum(1, keepdim=True)
+
+
+_WEIGHTS: dict = {}  # this process's weights (each rank process makes the same ones from the seed)
+
+
+def all_weights(device):
+    if not _WEIGHTS:
+        _WEIGHTS["w"] = make_weights(SPEC.n_routed_experts, SPEC.hidden_size, SPEC.moe_intermediate_size, device, seed=11)
+    return _WEIGHTS["w"]
+
+
+def ep_layer(rank, world, quant, wire, combine, weights, mtpr=MTPR, timeout_s=30.0, name=None):
+    import torch.distributed as dist
+
+    from megamoe_backend.workload.problem import local_weights
+
+    knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, transport="ipc", p2p_timeout_s=timeout_s)
+    plan = build_plan(SPEC, knobs, rank, world, quant=quant, device_type="cuda")
+    fp4, bf16 = weights
+    layer = MegaMoELayer(plan, local_weights(bf16 if quant == "bf16" else fp4, plan.placement, rank).to("cuda"),
+                         group=dist.group.WORLD, device="cuda", name=name)
+    assert layer.workspace is not None and layer.plan.backends.transport == "ipc", "MEGA_DISPATCH=ipc must take the P2P forward"
+    return layer
+
+
+def _worker(rank, world):
+    """Everything one rank does, in the order every rank does it (the forwards are collective)."""
+    torch.cuda.set_device(0)
+    weights = all_weights(torch.device("cuda"))
+    x, ids, w = routing(T, seed=100 + rank)
+    res = {"inputs": (x.cpu(), ids.cpu(), w.cpu()), "cases": {}}
+    for case in CASES:
+        layer = ep_layer(rank, world, *case, weights)
+        layer(x, ids, w, max_tokens_across_ranks=T)  # compiles
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = layer(x, ids, w, max_tokens_across_ranks=T)
+            full = layer(x, ids, w)  # receive regions sized by MEGA_MAX_TOKENS_PER_RANK
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        layer.raise_if_bad_input()
+        res["cases"][case] = (out.cpu(), torch.equal(out, full))
+
+    # one forward captured in a graph on every rank, replayed with new data (rank world-1 idle in round 2)
+    layer = ep_layer(rank, world, *GRAPH_CASE, weights, name="graph layer")
+    idle = rank == world - 1
+    for tokens in (T, 0 if idle else T):
+        xs, ids_s, ws = (t.clone() for t in routing(tokens, seed=7 + rank))
+        layer(xs, ids_s, ws, max_tokens_across_ranks=T)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_s = layer(xs, ids_s, ws, max_tokens_across_ranks=T)
+        same = []
+        for i in range(3):
+            nx, nids, nw = routing(tokens, seed=1000 + 10 * i + rank, masked=0.3)
+            xs.copy_(nx), ids_s.copy_(nids), ws.copy_(nw)
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed = out_s.clone()
+            eager = layer(nx, nids, nw, max_tokens_across_ranks=T)
+            torch.cuda.synchronize()
+            same.append(torch.equal(replayed, eager) and replayed.shape[0] == tokens)
+        res.setdefault("graph_equal", []).append(same)
+        del graph
+    layer.raise_if_bad_input()
+
+    # a bad id on rank 0: raised there, nowhere else; the group goes on
+    bad_ids = ids.clone()
+    if rank == 0:
+        bad_ids[3, 1] = 999
+    layer(x, bad_ids, w, max_tokens_across_ranks=T)
+    torch.cuda.synchronize()
+    try:
+        layer.raise_if_bad_input()
+        res["bad_id"] = None
+    except ValueError as exc:
+        res["bad_id"] = str(exc)
+    after = layer(x, ids, w, max_tokens_across_ranks=T)
+    torch.cuda.synchronize()
+    layer.raise_if_bad_input()
+    res["after_bad"] = after.cpu()
+
+    # ranks disagree on the rows per source: an error, not garbage
+    layer(x, ids, w, max_tokens_across_ranks=T + 8 * (rank == 0))
+    torch.cuda.synchronize()
+    try:
+        layer.raise_if_bad_input()
+        res["mismatch"] = None
+    except Exception as exc:  # noqa: BLE001 - the test checks the type and text
+        res["mismatch"] = f"{type(exc).__name__}: {exc}"
+    clear_transport_cache()
+    return res
+
+
+def _dead_peer_worker(rank, world):
+    torch.cuda.set_device(0)
+    weights = all_weights(torch.device("cuda"))
+    layer = ep_layer(rank, world, "a8w4", "fp8", "bf16", weights, timeout_s=DEAD_TIMEOUT_S, name="layer 7")
+    x, ids, w = routing(T, seed=100 + rank)
+    layer(x, ids, w, max_tokens_across_ranks=T)  # one good forward together
+    torch.cuda.synchronize()
+    layer.raise_if_bad_input()
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == world - 1:
+        os._exit(0)  # dies without a word, after start-up
+    time.sleep(1.0)
+    start = time.monotonic()
+    layer(x, ids, w, max_tokens_across_ranks=T)
+    torch.cuda.synchronize()
+    elapsed = time.monotonic() - start
+    res = {"elapsed": elapsed}
+    try:
+        layer.raise_if_bad_input()
+        res["error"] = None
+    except Exception as exc:  # noqa: BLE001
+        res["error"] = f"{type(exc).__name__}: {exc}"
+    start = time.monotonic()
+    try:
+        layer(x, ids, w, max_tokens_across_ranks=T)
+        res["again"] = None
+    except Exception as exc:  # noqa: BLE001
+        res["again"] = f"{type(exc).__name__}: {exc}"
+    res["again_s"] = time.monotonic() - start
+    res["context_ok"] = float(torch.ones(4, device="cuda").sum().item()) == 4.0
+    return res
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
+def ep_run(request):
+    world = request.param
+    results = spawn_ranks(world, _worker, backend="gloo", timeout_s=1200, pg_timeout_s=600)
+    return world, results
+
+
+def _reference(world, results, case):
+    """The ep_size-1 device forward on all ranks' tokens, in this process."""
+    quant, wire, combine = case
+    clear_transport_cache()
+    fp4, bf16 = all_weights(torch.device("cuda"))
+    plan = build_plan(SPEC, Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=MTPR * world), quant=quant,
+                      device_type="cuda")
+    layer = MegaMoELayer(plan, bf16 if quant == "bf16" else fp4, device="cuda")
+    x, ids, w = (torch.cat([r["inputs"][i] for r in results]).cuda() for i in range(3))
+    out = layer(x, ids, w).cpu()
+    ref = fp32_reference_moe(x, ids, w, bf16.w1.float(), bf16.w2.float(), "interleaved", SPEC.swiglu_limit).cpu()
+    clear_transport_cache()
+    return out, ref
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_ep_equals_ep1_and_meets_the_gate(ep_run, case):
+    world, results = ep_run
+    ep1, fp32 = _reference(world, results, case)
+    got = torch.cat([r["cases"][case][0] for r in results])
+    assert all(r["cases"][case][1] for r in results), "max_tokens_across_ranks=T and the MTPR-sized regions must agree"
+    assert torch.equal(got.view(torch.int16), ep1.view(torch.int16)), f"ep{world} != ep1 for {case}"
+    assert rel_l2(got.float(), fp32) < GATES[case[0]]
+
+
+def test_graph_replays_equal_eager_and_idle_ranks_take_part(ep_run):
+    world, results = ep_run
+    for rank, r in enumerate(results):
+        assert r["graph_equal"] == [[True] * 3, [True] * 3], f"rank {rank}: {r['graph_equal']}"
+
+
+def test_bad_id_is_raised_on_its_rank_only_and_the_group_goes_on(ep_run):
+    world, results = ep_run
+    assert "topk_ids holds 999 at token 3" in results[0]["bad_id"] and "graph layer" in results[0]["bad_id"]
+    assert all(r["bad_id"] is None for r in results[1:])
+    ep1, _ = _reference(world, results, GRAPH_CASE)
+    assert torch.equal(torch.cat([r["after_bad"] for r in results]).view(torch.int16), ep1.view(torch.int16))
+
+
+def test_ranks_that_disagree_on_rows_per_source_get_an_error(ep_run):
+    world, results = ep_run
+    for r in results:
+        assert r["mismatch"] is not None and r["mismatch"].startswith("TransportError") and "max_tokens_across_ranks" in r["mismatch"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_dead_peer_ends_the_others_within_the_timeout(world):
+    results = spawn_ranks(world, _dead_peer_worker, backend="gloo", timeout_s=900, pg_timeout_s=600, tolerate_exit=True)
+    assert results[-1] is None  # the dead rank
+    for rank, r in enumerate(results[:-1]):
+        assert DEAD_TIMEOUT_S - 0.5 < r["elapsed"] < DEAD_TIMEOUT_S + 2.0, r  # one timeout per step, not per barrier
+        assert r["error"] is not None and r["error"].startswith("PeerTimeoutError"), r
+        assert f"ep_rank {rank} waited" in r["error"] and "layer 7" in r["error"], r
+        assert "MEGA_P2P_TIMEOUT_S=3s" in r["error"], r
+        assert r["again"] is not None and "PeerTimeoutError" in r["again"] and r["again_s"] < 1.0, r
+        assert r["context_ok"], r
+    assert all(f"for ep_rank {world - 1} at the dispatch" in r["error"] for r in results[:-1])
