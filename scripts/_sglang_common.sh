@@ -5,13 +5,13 @@
 #   WIRE=bf16      dispatch wire -> MEGA_DISPATCH_WIRE (bf16 | fp8 | fp4; must match the experts'
 #                  A operand: fp4 for A4W4, fp8 for A8W4; bf16 always works)
 #   COMBINE_WIRE   -> MEGA_COMBINE_WIRE (bf16 | fp8_blockwise_1x32)
-#   TRANSPORT      -> MEGA_DISPATCH (auto | nccl | symm | mori | flydsl)
+#   TRANSPORT      -> MEGA_DISPATCH (auto | nccl | symm | ipc | mori | flydsl)
 #   EPLB=off|rN    EPLB with N redundant experts (+ EPLB_WINDOW, EPLB_INTERVAL, EPLB_THRESHOLD): scripts/_eplb.sh
 #   MTPR           -> MEGA_MAX_TOKENS_PER_RANK
 #   PORT=30000     server port (binds 127.0.0.1 unless HOST is set)
 #   CUDA_GRAPH     1: SGLang captures its decode CUDA graphs (MegaMoE's device forward is sync-free and
-#                  capturable at ep_size 1); 0: --disable-cuda-graph. Default: 1 for N=1, 0 for N>1
-#                  (expert parallelism over several ranks still reads row counts on the host)
+#                  capturable at ep_size 1, and at N>1 over TRANSPORT=symm | ipc); 0: --disable-cuda-graph.
+#                  Default: 1 for N=1 or TRANSPORT=symm | ipc, else 0 (nccl / mori read row counts on the host)
 #   --dry-run      print the environment and command, run nothing
 # Extra arguments after the options go to `sglang serve` unchanged.
 
@@ -38,7 +38,9 @@ megamoe_serve() {
   [[ -n ${MTPR:-} ]] && envs+=("MEGA_MAX_TOKENS_PER_RANK=$MTPR")
   # SGLANG_PLUGINS is a whitelist of *all* general plugins: pass it on only when the operator set it
   [[ -n ${SGLANG_PLUGINS:-} ]] && envs+=("SGLANG_PLUGINS=$SGLANG_PLUGINS")
-  local cuda_graph=${CUDA_GRAPH:-$(( n == 1 ? 1 : 0 ))}
+  local capturable=0
+  [[ $n == 1 || ${TRANSPORT:-} == symm || ${TRANSPORT:-} == ipc ]] && capturable=1
+  local cuda_graph=${CUDA_GRAPH:-$capturable}
   case $cuda_graph in 0|1) ;; *)
     echo "error: CUDA_GRAPH=$cuda_graph must be 0 or 1" >&2; return 2;;
   esac

@@ -166,7 +166,8 @@ def run_ep(args: argparse.Namespace) -> int:
 
     device = torch.device("cuda")
     ep = args.ep
-    meta = environment(argparse.Namespace(**{**vars(args), "hidden": 7168, "intermediate": 3072, "topk": 6}), __name__)
+    meta = environment(argparse.Namespace(**{**vars(args), "hidden": 7168, "intermediate": 3072, "topk": 6}),
+                       "megamoe_backend.bench.bench_layer")
     meta["what"] = f"megamoe bench layer --ep {ep}: the device P2P forward (MEGA_DISPATCH=ipc), one CUDA graph per rank"
     gpus = torch.cuda.device_count()
     meta["placement"] = (f"{ep} ranks on {ep} GPUs: real per-layer times" if gpus >= ep else

@@ -325,8 +325,8 @@ class MegaMoELayer:
             raise RuntimeError(
                 f"[megamoe] {self.name}: this forward (ep_size {self.plan.ep_size}, transport "
                 f"{getattr(self.transport, 'name', 'fused')}) reads row counts on the host and cannot be captured in a "
-                "CUDA graph; only the device forward (CUDA, ep_size 1, triton experts) can. Run the engine eagerly "
-                "(vLLM --enforce-eager, SGLang --disable-cuda-graph) for expert parallelism on CUDA."
+                "CUDA graph; only the device forward (CUDA, triton experts, ep_size 1 or MEGA_DISPATCH=symm | ipc) can. "
+                "Use one of those, or run the engine eagerly (vLLM --enforce-eager, SGLang --disable-cuda-graph)."
             )
         plan = self.plan
         status, message = self._check_inputs(x, topk_ids, topk_weights)

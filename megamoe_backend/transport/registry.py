@@ -25,6 +25,10 @@ def make_transport(plan: LayerPlan, group: Any, device: torch.device) -> Transpo
         return LocalTransport()
     if name in ("gloo", "nccl"):
         return TorchDistTransport(group, device)
+    if name == "ipc":
+        raise ValueError(
+            f"MEGA_DISPATCH=ipc is the device P2P forward: it needs CUDA and the triton experts (this layer: device "
+            f"{device}, experts {plan.backends.provider}); use MEGA_DISPATCH=nccl (or gloo on CPU) otherwise")
     try:
         target = TRANSPORTS[name]
     except KeyError:

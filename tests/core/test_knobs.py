@@ -17,11 +17,13 @@ def test_defaults() -> None:
 def test_all_values() -> None:
     k = Knobs.from_env({
         "MEGA_DISPATCH_WIRE": "FP4", "MEGA_COMBINE_WIRE": "fp8_blockwise_1x32", "MEGA_DISPATCH": "nccl",
-        "MEGA_MAX_TOKENS_PER_RANK": "1024", "AITER_FORCE_A8W4": "1", "MEGA_WIRE": "fp4",
+        "MEGA_MAX_TOKENS_PER_RANK": "1024", "AITER_FORCE_A8W4": "1", "MEGA_WIRE": "fp4", "MEGA_P2P_TIMEOUT_S": "2.5",
     })
-    assert (k.dispatch_wire, k.combine_wire, k.transport, k.max_tokens_per_rank, k.aiter_force_a8w4) == (
-        "fp4", "fp8_blockwise_1x32", "nccl", 1024, True
+    assert (k.dispatch_wire, k.combine_wire, k.transport, k.max_tokens_per_rank, k.aiter_force_a8w4, k.p2p_timeout_s) == (
+        "fp4", "fp8_blockwise_1x32", "nccl", 1024, True, 2.5
     )
+    assert Knobs.from_env({"MEGA_DISPATCH": "IPC"}).transport == "ipc"
+    assert Knobs.from_env({}).p2p_timeout_s == 30.0
 
 
 @pytest.mark.parametrize(
@@ -35,6 +37,9 @@ def test_all_values() -> None:
         ({"AITER_FORCE_A8W4": "maybe"}, "AITER_FORCE_A8W4"),
         ({"MEGA_WIRE": "fp4", "MEGA_DISPATCH_WIRE": "fp8"}, "MEGA_WIRE"),
         ({"MEGA_WIRE": "fp4"}, "MEGA_WIRE"),
+        ({"MEGA_P2P_TIMEOUT_S": "soon"}, "MEGA_P2P_TIMEOUT_S"),
+        ({"MEGA_P2P_TIMEOUT_S": "0"}, "MEGA_P2P_TIMEOUT_S"),
+        ({"MEGA_P2P_TIMEOUT_S": "inf"}, "MEGA_P2P_TIMEOUT_S"),
     ],
 )
 def test_bad_values_name_the_knob(env, knob) -> None:

@@ -27,6 +27,12 @@ BF16 = ExpertMath("bf16")
 
 # ---- the three platforms --------------------------------------------------------------------
 
+@pytest.mark.parametrize("transport", ["symm", "ipc"])
+def test_the_p2p_transports_on_cpu_are_an_error(transport):
+    with pytest.raises(PlatformError, match=f"MEGA_DISPATCH={transport} is the device P2P path and needs CUDA"):
+        select_backends(cpu_facts(triton=True), knobs(transport=transport), A8W4)
+
+
 def test_cpu_selects_torch_over_gloo():
     sel = select_backends(cpu_facts(triton=True), knobs(), A8W4)
     assert (sel.provider, sel.transport, sel.fused) == ("torch", "gloo", False)
@@ -35,6 +41,7 @@ def test_cpu_selects_torch_over_gloo():
 def test_cuda_selects_triton_and_nccl_or_symm():
     assert (select_backends(cuda_facts(), knobs(), A8W4).provider, select_backends(cuda_facts(), knobs(), A8W4).transport) == ("triton", "nccl")
     assert select_backends(cuda_facts(), knobs(transport="symm"), A8W4).transport == "symm"
+    assert select_backends(cuda_facts(), knobs(transport="ipc"), A8W4).transport == "ipc"
     assert select_backends(cuda_facts(triton=False), knobs(), A8W4).provider == "torch"
 
 

@@ -31,9 +31,13 @@ def test_r1_mxfp4_dry_run_maps_wire_and_knobs():
 
 
 @pytest.mark.parametrize("env, graphed", [({"N": "1"}, True), ({"N": "1", "CUDA_GRAPH": "0"}, False),
-                                           ({"N": "2"}, False), ({"N": "2", "CUDA_GRAPH": "1"}, True)])
+                                           ({"N": "2"}, False), ({"N": "2", "CUDA_GRAPH": "1"}, True),
+                                           ({"N": "2", "TRANSPORT": "symm"}, True), ({"N": "4", "TRANSPORT": "ipc"}, True),
+                                           ({"N": "2", "TRANSPORT": "nccl"}, False),
+                                           ({"N": "2", "TRANSPORT": "ipc", "CUDA_GRAPH": "0"}, False)])
 def test_cuda_graphs_by_default_where_the_layer_is_capturable(env, graphed):
-    """ep_size 1 (N=1) runs MegaMoE's sync-free device forward: SGLang's CUDA graphs stay on by default."""
+    """ep_size 1 (N=1), and N>1 over TRANSPORT=symm | ipc, run MegaMoE's sync-free device forward:
+    SGLang's CUDA graphs stay on by default there."""
     proc = dry_run("serve_sglang_r1_mxfp4_ep.sh", {"MODEL": "/m", **env})
     assert proc.returncode == 0, proc.stderr
     assert ("--disable-cuda-graph" not in proc.stdout) == graphed

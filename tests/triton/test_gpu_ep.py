@@ -248,3 +248,28 @@ def test_a_dead_peer_ends_the_others_within_the_timeout(world):
         assert r["again"] is not None and "PeerTimeoutError" in r["again"] and r["again_s"] < 1.0, r
         assert r["context_ok"], r
     assert all(f"for ep_rank {world - 1} at the dispatch" in r["error"] for r in results[:-1])
+
+
+def _symm_worker(rank, world):
+    torch.cuda.set_device(0)
+    weights = all_weights(torch.device("cuda"))
+    import torch.distributed as dist
+
+    from megamoe_backend.workload.problem import local_weights
+
+    knobs = Knobs(dispatch_wire="fp8", max_tokens_per_rank=MTPR, transport="symm")
+    plan = build_plan(SPEC, knobs, rank, world, quant="a8w4", device_type="cuda")
+    try:
+        MegaMoELayer(plan, local_weights(weights[0], plan.placement, rank).to("cuda"), group=dist.group.WORLD, device="cuda")
+        return None
+    except Exception as exc:  # noqa: BLE001 - the test checks type and text
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_symmetric_memory_with_two_ranks_on_one_gpu_is_a_clear_error():
+    """torch symmetric memory refuses several ranks on one GPU; the start-up error says what to use."""
+    results = spawn_ranks(2, _symm_worker, backend="gloo", timeout_s=300, pg_timeout_s=30)
+    assert any(r is not None for r in results), results
+    for r in results:
+        if r is not None:
+            assert r.startswith("TransportError") and "MEGA_DISPATCH=symm" in r and "MEGA_DISPATCH=ipc" in r, r

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("triton")
 
 
-INTERPRETER_MODULES = ("test_triton_interpreter.py", "test_device_forward_interpreter.py")
+INTERPRETER_MODULES = ("test_triton_interpreter.py", "test_device_forward_interpreter.py", "test_p2p_interpreter.py")
 
 
 @pytest.mark.parametrize("module", INTERPRETER_MODULES)
