@@ -44,30 +44,26 @@ def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...], default
     return value
 
 
-def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
+def _positive(env: Mapping[str, str], name: str, default, parse, what: str):
+    """A number > 0 (finite) from ``env[name]`` parsed by ``parse`` (int / float), else ``default``."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
     try:
-        value = int(raw.strip())
+        value = parse(raw.strip())
     except ValueError:
-        raise KnobError(f"{name}={raw!r} is not an integer; expected a positive token count") from None
-    if value <= 0:
-        raise KnobError(f"{name}={raw!r} must be a positive token count")
+        raise KnobError(f"{name}={raw!r} is not {'an integer' if parse is int else 'a number'}; expected {what}") from None
+    if not value > 0 or value == float("inf"):
+        raise KnobError(f"{name}={raw!r} must be {what}")
     return value
+
+
+def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
+    return _positive(env, name, default, int, "a positive token count")
 
 
 def _positive_seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise KnobError(f"{name}={raw!r} is not a number; expected seconds (> 0)") from None
-    if not value > 0 or value == float("inf"):
-        raise KnobError(f"{name}={raw!r} must be a finite number of seconds > 0")
-    return value
+    return _positive(env, name, default, float, "a finite number of seconds > 0")
 
 
 def _optional_bool(env: Mapping[str, str], name: str) -> bool | None:
