@@ -9,7 +9,8 @@ IPC (torch symmetric memory refuses several ranks on one GPU). What is shown, pe
   (30 % masked), equals eager bit for bit; an idle rank (0 tokens) takes part, eager and replayed;
 - a bad expert id on one rank is raised there (naming layer and token), the others are unaffected
   and the group goes on; ranks that disagree on ``max_tokens_across_ranks`` get an error;
-- a peer that dies after start-up ends the survivors' forward within MEGA_P2P_TIMEOUT_S, with an
+- a peer that dies after start-up (before a forward, or mid-forward: after the dispatch barrier)
+  ends the survivors' forward within MEGA_P2P_TIMEOUT_S, with an
   error naming the layer, the waiting rank and the dead one; the GPU context survives, later
   forwards of that shape refuse at once.
 Skips without CUDA. Timing with ranks time-slicing one GPU is a proxy: `megamoe bench layer --ep N`.
@@ -149,7 +150,7 @@ def _worker(rank, world):
     return res
 
 
-def _dead_peer_worker(rank, world):
+def _dead_peer_worker(rank, world, phase):
     torch.cuda.set_device(0)
     weights = all_weights(torch.device("cuda"))
     layer = ep_layer(rank, world, "a8w4", "fp8", "bf16", weights, timeout_s=DEAD_TIMEOUT_S, name="layer 7")
@@ -161,7 +162,15 @@ def _dead_peer_worker(rank, world):
 
     dist.barrier()
     if rank == world - 1:
-        os._exit(0)  # dies without a word, after start-up
+        if phase == 1:  # dies mid-forward: its rows are dispatched and it passed barrier 0, never barrier 1
+            from megamoe_backend.layer.device.p2p import barrier, dispatch
+
+            ws = layer.workspace
+            dispatch(x, ids, w, layer._owner, layer._slot, T, ws.arena, ws.wire_fmt, SPEC.hidden_size, ws.pair_live,
+                     ws.dest, ws.status.word, 0)
+            barrier(ws.arena, ws.epochs, 0, ws.budget, T, ws.status.word, 0)
+            torch.cuda.synchronize()
+        os._exit(0)  # dies without a word
     time.sleep(1.0)
     start = time.monotonic()
     layer(x, ids, w, max_tokens_across_ranks=T)
@@ -236,9 +245,10 @@ def test_ranks_that_disagree_on_rows_per_source_get_an_error(ep_run):
         assert r["mismatch"] is not None and r["mismatch"].startswith("TransportError") and "max_tokens_across_ranks" in r["mismatch"]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_dead_peer_ends_the_others_within_the_timeout(world):
-    results = spawn_ranks(world, _dead_peer_worker, backend="gloo", timeout_s=900, pg_timeout_s=600, tolerate_exit=True)
+@pytest.mark.parametrize("world,phase", [(2, 0), (4, 0), (2, 1)], ids=["ep2-before", "ep4-before", "ep2-mid-forward"])
+def test_a_dead_peer_ends_the_others_within_the_timeout(world, phase):
+    results = spawn_ranks(world, _dead_peer_worker, phase, backend="gloo", timeout_s=900, pg_timeout_s=600,
+                          tolerate_exit=True)
     assert results[-1] is None  # the dead rank
     for rank, r in enumerate(results[:-1]):
         assert DEAD_TIMEOUT_S - 0.5 < r["elapsed"] < DEAD_TIMEOUT_S + 2.0, r  # one timeout per step, not per barrier
@@ -247,7 +257,8 @@ def test_a_dead_peer_ends_the_others_within_the_timeout(world):
         assert "MEGA_P2P_TIMEOUT_S=3s" in r["error"], r
         assert r["again"] is not None and "PeerTimeoutError" in r["again"] and r["again_s"] < 1.0, r
         assert r["context_ok"], r
-    assert all(f"for ep_rank {world - 1} at the dispatch" in r["error"] for r in results[:-1])
+    where = "dispatch (its token rows)" if phase == 0 else "combine (its expert rows)"
+    assert all(f"for ep_rank {world - 1} at the {where} barrier" in r["error"] for r in results[:-1])
 
 
 def _symm_worker(rank, world):
