@@ -109,6 +109,13 @@ class MegaMoELayer:
                 logger.info(plan.startup_line(transport.name))
         self.transport = transport
 
+    @property
+    def transport_name(self) -> str:
+        """What moves this layer's rows, as its startup line says it."""
+        if self.workspace is not None:
+            return "device" if self.plan.ep_size == 1 else f"device p2p over {self.plan.backends.transport}"
+        return getattr(self.transport, "name", "fused")
+
     def _device_path_applies(self, transport: Transport | None) -> bool:
         """The sync-free forward runs on CUDA with the Triton experts, at ep_size 1 or over peer
         arenas (MEGA_DISPATCH=symm | ipc), unless a transport was injected (the caller asked for
@@ -126,14 +133,13 @@ class MegaMoELayer:
         if plan.combine.mx not in (None, "fp8"):
             raise ValueError(f"the device forward's top-k sum reads bf16 or fp8_blockwise_1x32 rows, not {plan.combine.name}")
         if plan.ep_size == 1:
-            factory, label = (lambda: DeviceWorkspace(plan, self.device)), "device"
+            factory = lambda: DeviceWorkspace(plan, self.device)  # noqa: E731
         else:
             factory = lambda: P2PWorkspace(plan, group, self.device, plan.knobs.p2p_timeout_s)  # noqa: E731
-            label = f"device p2p over {plan.backends.transport}"
         self.workspace, is_new = get_workspace(plan.layout_key(), group, self.device, factory)
         self._status_index = self.workspace.register_layer(self.name)
         if is_new:
-            logger.info(plan.startup_line(label))
+            logger.info(plan.startup_line(self.transport_name))
 
     def _shape_status(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, str]:
         """(status, message) from shapes alone (no device data is read); status != 0: bad input."""
