@@ -226,7 +226,14 @@ def chain_us(first, c: LayerCase, args, device, glue_only: bool = False) -> floa
 def run(args: argparse.Namespace) -> int:
     if args.replot:
         with open(args.replot) as f:
-            plot([LayerCase(**c) for c in json.load(f)["cases"]], args.plot or args.replot.replace(".json", ".png"))
+            saved = json.load(f)
+        target = args.plot or args.replot.replace(".json", ".png")
+        if saved["cases"] and "experts_per_rank" in saved["cases"][0]:  # a --ep N run
+            from .bench_layer_ep import EPLayerCase, plot_ep
+
+            plot_ep([EPLayerCase(**c) for c in saved["cases"]], target, saved["meta"].get("placement", ""))
+        else:
+            plot([LayerCase(**c) for c in saved["cases"]], target)
         return 0
     if not torch.cuda.is_available():
         print("bench layer needs a CUDA GPU", file=sys.stderr)

@@ -228,7 +228,8 @@ def plot_ep(cases: list[EPLayerCase], path: str, placement: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("µs per layer")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"megamoe bench layer --ep {cases[0].ep if cases else '?'}: {placement[:90]}", fontsize=8)
+    proxy = "PROXY: ranks time-slice one GPU" if placement.startswith("PROXY") else "one GPU per rank"
+    fig.suptitle(f"megamoe bench layer --ep {cases[0].ep if cases else '?'}\n({proxy})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"wrote {path}")
