@@ -10,21 +10,12 @@ sync-debug mode and timing need a GPU: tests/triton/test_gpu_layer.py.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    pytest.skip("interpreter tests run on CPU-only machines; tests/triton/test_gpu_layer.py covers CUDA", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from interpreter_guard import require_interpreter  # noqa: E402
 
-import triton.language.standard as _std  # noqa: E402
-
-if type(_std._elementwise_max).__name__ != "InterpretedFunction":
-    pytest.skip("Triton was imported before TRITON_INTERPRET=1; test_triton_interpreter_isolated.py runs this "
-                "module in a fresh process", allow_module_level=True)
+require_interpreter("tests/triton/test_gpu_layer.py")
 
 from megamoe_backend.experts.triton import TritonExperts  # noqa: E402
 from megamoe_backend.formats import combine_wire  # noqa: E402
