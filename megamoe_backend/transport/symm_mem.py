@@ -1,4 +1,8 @@
-"""NVLink P2P transport over torch symmetric memory (MEGA_DISPATCH=symm, CUDA only).
+"""NVLink P2P transport over torch symmetric memory for the torch forward (MEGA_DISPATCH=symm, CUDA only).
+
+With the Triton experts, MEGA_DISPATCH=symm runs the device P2P forward instead (layer/device/p2p.py
+over transport/peer_arena.py: captured, no host sync); this eager, copy-based transport serves the
+torch forward (e.g. the torch reference experts on CUDA).
 
 Every rank allocates one symmetric byte buffer; peers' buffers are mapped into each process, so
 a rank *writes* its rows straight into the destination's receive region (an NVLink copy, no
