@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..experts import ExpertPairs, ExpertWeights, swiglu
-from ..formats import MXTensor
 from ..knobs import Knobs
 from ..plan import build_plan
 from ..spec import preset
@@ -156,8 +155,7 @@ def experts_alone(layer, routes: Routes):
     if plan.dispatch.mx is None:
         rows = routes.x
     else:
-        payload = plan.dispatch.payload_bytes(plan.hidden)
-        rows = MXTensor(ws.token_rows[:t, :payload].clone(), ws.token_rows[:t, payload:].clone(), plan.dispatch.mx)
+        rows = plan.dispatch.decode(ws.token_rows[:t], plan.hidden)  # copies: the layer's buffer is reused
     out = torch.empty_like(ws.combine_rows[:n])
     return lambda: layer.provider.forward_wire(rows, pairs, layer.weights, plan.math, plan.combine, out=out)
 

@@ -67,7 +67,6 @@ def _rank_worker(rank: int, world: int, cases: list[dict], mtpr: int, seed: int)
     import torch.distributed as dist
 
     from ..experts import ExpertPairs
-    from ..formats import MXTensor, dispatch_wire
     from ..knobs import Knobs
     from ..layer import MegaMoELayer
     from ..plan import build_plan
@@ -104,12 +103,7 @@ def _rank_worker(rank: int, world: int, cases: list[dict], mtpr: int, seed: int)
         layer_us = _replays_us(graph)
         layer.raise_if_bad_input()
         ws, n = layer.workspace, plan.ep_size * c["tokens"] * plan.topk
-        recv = ws.recv_rows[: plan.ep_size * c["tokens"]].clone()
-        if ws.wire_fmt == "bf16":
-            rows = recv.view(torch.bfloat16)
-        else:
-            payload = dispatch_wire(ws.wire_fmt).payload_bytes(plan.hidden)
-            rows = MXTensor(recv[:, :payload], recv[:, payload:], ws.wire_fmt)
+        rows = ws.wire.view(ws.recv_rows[: plan.ep_size * c["tokens"]].clone(), plan.hidden)
         pairs = ExpertPairs(ws.pair_row[:n], ws.recv_slot[:n].clone(), ws.recv_weight[:n].clone())
         sink = torch.empty(n, plan.combine.row_bytes(plan.hidden), dtype=torch.uint8, device=device)
         experts = capture_graph(lambda: layer.provider.forward_wire(rows, pairs, layer.weights, plan.math, plan.combine,

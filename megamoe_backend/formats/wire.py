@@ -52,16 +52,24 @@ class WireFormat:
         return encode_mx_rows(quantize_mx(x, self.mx, name="wire rows"))
 
     def decode(self, rows: torch.Tensor, hidden: int) -> torch.Tensor | MXTensor:
-        """[N, row_bytes] uint8 -> bf16 [N, H] or the MXTensor the expert GEMM consumes directly."""
+        """[N, row_bytes] uint8 -> bf16 [N, H] or the MXTensor the expert GEMM consumes directly (copies)."""
         if rows.shape[-1] != self.row_bytes(hidden):
             raise ValueError(
                 f"wire rows have {rows.shape[-1]} bytes, the {self.name} wire at hidden={hidden} "
                 f"needs {self.row_bytes(hidden)}"
             )
+        decoded = self.view(rows.contiguous(), hidden)
         if self.mx is None:
-            return rows.contiguous().view(torch.bfloat16)
+            return decoded
+        return MXTensor(data=decoded.data.contiguous(), scales=decoded.scales.contiguous(), fmt=self.mx)
+
+    def view(self, rows: torch.Tensor, hidden: int) -> torch.Tensor | MXTensor:
+        """The same without a copy (the device forwards' fixed buffers): bf16 rows must be contiguous,
+        MX rows may be the first row_bytes of wider rows (payload and scales are column views)."""
+        if self.mx is None:
+            return rows.view(torch.bfloat16)
         payload = self.payload_bytes(hidden)
-        return MXTensor(data=rows[:, :payload].contiguous(), scales=rows[:, payload:].contiguous(), fmt=self.mx)
+        return MXTensor(data=rows[:, :payload], scales=rows[:, payload : self.row_bytes(hidden)], fmt=self.mx)
 
     def decode_fp32(self, rows: torch.Tensor, hidden: int) -> torch.Tensor:
         decoded = self.decode(rows, hidden)

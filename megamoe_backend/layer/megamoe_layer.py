@@ -181,7 +181,7 @@ class MegaMoELayer:
         ws = self.workspace
         if ws is None:
             return
-        if getattr(ws, "broken", None):
+        if ws.broken:
             raise PeerTimeoutError(ws.broken)
         try:
             ws.status.raise_if_bad(ws.layer_names)
@@ -201,7 +201,6 @@ class MegaMoELayer:
                      out: torch.Tensor | None, max_tokens_across_ranks: int | None) -> torch.Tensor:
         """The device forward across ranks (module docstring, layer/device/p2p.py): every rank runs
         it, also with 0 tokens; nothing here reads the device or sizes a buffer by the data."""
-        from ..formats import MXTensor, dispatch_wire
         from .device.p2p import barrier, dispatch
         from .device.topk_sum import topk_sum
 
@@ -220,15 +219,10 @@ class MegaMoELayer:
         out = self._output(t, out)
         word, index = ws.status.word, self._status_index
         dispatch(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), self._owner, self._slot, rows, ws.arena,
-                 ws.wire_fmt, hidden, ws.pair_live, ws.dest, word, index)
+                 ws.wire.name, hidden, ws.pair_live, ws.dest, word, index)
         barrier(ws.arena, ws.epochs, 0, ws.budget, rows, word, index)
         n_recv = plan.ep_size * rows
-        received = ws.recv_rows[:n_recv]
-        if ws.wire_fmt == "bf16":
-            rows_a = received.view(torch.bfloat16)
-        else:
-            payload = dispatch_wire(ws.wire_fmt).payload_bytes(hidden)
-            rows_a = MXTensor(data=received[:, :payload], scales=received[:, payload:], fmt=ws.wire_fmt)
+        rows_a = ws.wire.view(ws.recv_rows[:n_recv], hidden)
         n_pairs = n_recv * k
         pairs = ExpertPairs(row=ws.pair_row[:n_pairs], slot=ws.recv_slot[:n_pairs], weight=ws.recv_weight[:n_pairs])
         # GEMM2 writes each received pair's row into its source rank's combine region (ws.dest)
@@ -244,7 +238,7 @@ class MegaMoELayer:
     def _forward_device(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         output_scale: float, out: torch.Tensor | None) -> torch.Tensor:
         from ..experts.triton.quant import encode_wire_rows
-        from ..formats import MXTensor, dispatch_wire
+        from ..formats import dispatch_wire
         from .device.route import route_pairs
         from .device.status import NONFINITE_INPUT
         from .device.topk_sum import topk_sum
@@ -269,8 +263,7 @@ class MegaMoELayer:
             # wire at ep_size 1 it is the receiver's quantisation, the same bits), reporting NaN / Inf rows
             rows = encode_wire_rows(x.contiguous(), a_fmt, out=ws.token_rows[:t],
                                     status=(ws.status.word, NONFINITE_INPUT, self._status_index))
-            payload = dispatch_wire(a_fmt).payload_bytes(hidden)
-            rows_a = MXTensor(data=rows[:, :payload], scales=rows[:, payload:], fmt=a_fmt)
+            rows_a = dispatch_wire(a_fmt).view(rows, hidden)
         pairs = ExpertPairs(row=ws.pair_row[:n], slot=pair_slot, weight=pair_weight)
         wire_rows = self.provider.forward_wire(rows_a, pairs, self.weights, plan.math, plan.combine, out=ws.combine_rows[:n])
         topk_sum(wire_rows, pair_slot, out, plan.combine.mx, hidden, k, ws.status.word, self._status_index, output_scale)

@@ -81,6 +81,8 @@ class PeerArena:
     def __init__(self, layout: ArenaLayout, rank: int, local: torch.Tensor, peers: list[torch.Tensor]) -> None:
         self.layout, self.rank, self.ep = layout, rank, layout.ep
         self.local = local
+        # the same bytes typed for the kernels' int16 / int64 / fp32 stores (made once, not per launch)
+        self.as_i16, self.as_i64, self.as_f32 = (local.view(d) for d in (torch.int16, torch.int64, torch.float32))
         self._peers = peers  # keeps the mappings alive as long as the arena lives
         base = local.data_ptr()
         offsets = [p.data_ptr() - base for p in peers]

@@ -9,7 +9,7 @@ import pytest
 
 from megamoe_backend.bench.bench_layer import main
 
-pytest.importorskip("matplotlib")
+# matplotlib is a test dependency (pyproject [test]): no skip, a missing one must fail here
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 

@@ -166,7 +166,7 @@ def _dead_peer_worker(rank, world, phase):
             from megamoe_backend.layer.device.p2p import barrier, dispatch
 
             ws = layer.workspace
-            dispatch(x, ids, w, layer._owner, layer._slot, T, ws.arena, ws.wire_fmt, SPEC.hidden_size, ws.pair_live,
+            dispatch(x, ids, w, layer._owner, layer._slot, T, ws.arena, ws.wire.name, SPEC.hidden_size, ws.pair_live,
                      ws.dest, ws.status.word, 0)
             barrier(ws.arena, ws.epochs, 0, ws.budget, T, ws.status.word, 0)
             torch.cuda.synchronize()

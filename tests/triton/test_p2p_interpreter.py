@@ -45,7 +45,7 @@ GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28}
 
 def two_rank_arenas(fmt: str, mtpr: int = 8, combine: str = "bf16") -> list[PeerArena]:
     """Two ranks' arenas as two halves of one tensor (one process: the kernels only see offsets)."""
-    row_bytes = dispatch_wire(fmt).row_bytes(H) if fmt != "bf16" else 2 * H
+    row_bytes = dispatch_wire(fmt).row_bytes(H)
     lay = ArenaLayout.build(2, mtpr, K, row_bytes, combine_wire(combine).row_bytes(H))
     whole = torch.zeros(2 * lay.total, dtype=torch.uint8)
     halves = [whole[: lay.total], whole[lay.total :]]

@@ -184,7 +184,7 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     local = arena.local
     _dispatch_kernel[(rows_per_src,)](
         x, x.stride(0) if t else hidden, topk_ids, topk_weights, owner, slot, owner.shape[0], t, rows_per_src,
-        arena.ep, arena.rank, local, local.view(torch.int16), local.view(torch.int64), local.view(torch.float32),
+        arena.ep, arena.rank, local, arena.as_i16, arena.as_i64, arena.as_f32,
         arena.peer_offsets, lay.header // 8, lay.recv_rows, lay.row_bytes, lay.recv_slot // 8, lay.recv_weight // 4,
         lay.combine, lay.comb_bytes, pair_live, dest, status_word, layer_id,
         H=hidden, K=k, K_PAD=triton.next_power_of_2(k), FMT=fmt, BLOCKS=BLOCKS,
@@ -198,7 +198,7 @@ def barrier(arena, epochs: torch.Tensor, phase: int, budget: int, rows_per_src: 
     (ns of the global timer on the GPU, spins in the interpreter: :func:`wait_budget`)."""
     lay = arena.layout
     _barrier_kernel[(1,)](
-        arena.local.view(torch.int64), arena.peer_offsets, arena.ep, arena.rank, lay.flags // 8, lay.header // 8,
+        arena.as_i64, arena.peer_offsets, arena.ep, arena.rank, lay.flags // 8, lay.header // 8,
         rows_per_src, epochs, phase, budget, status_word, layer_id, CHECK_ROWS=phase == 0, CLOCK=_clock(), num_warps=1,
     )
 

@@ -34,6 +34,7 @@ class _Workspace:
         self.device = torch.device(device)
         self.mtpr, self.topk, self.hidden = plan.mtpr, plan.topk, plan.hidden
         self.layer_names: dict[int, str] = {}
+        self.broken: str | None = None  # P2P only: the message once a peer timed out (the group cannot go on)
 
     def register_layer(self, name: str) -> int:
         """A small id for the status word, so an error names the layer that saw the bad input."""
@@ -78,8 +79,9 @@ class P2PWorkspace(_Workspace):
 
         super().__init__(plan, device)
         self.ep = plan.ep_size
-        self.wire_fmt = plan.math.a_format or "bf16"  # the A operand's format: quantised once, by the sender
-        row_bytes = dispatch_wire(plan.math.a_format).row_bytes(self.hidden) if plan.math.a_format else 2 * self.hidden
+        # what travels: the A operand's rows (bf16, or fp8 / fp4 quantised once by the sender)
+        self.wire = dispatch_wire(plan.math.a_format or "bf16")
+        row_bytes = self.wire.row_bytes(self.hidden)
         self.layout = ArenaLayout.build(self.ep, self.mtpr, self.topk, row_bytes, plan.combine.row_bytes(self.hidden))
         self.arena = make_arena(plan.backends.transport, self.layout, group, self.device)
         lay, pairs = self.layout, self.ep * self.mtpr * self.topk
@@ -94,7 +96,6 @@ class P2PWorkspace(_Workspace):
         self.timeout_s = timeout_s
         self.budget = wait_budget(timeout_s, self.device)
         self.status = InputStatus(self.device, plan.placement.num_physical, rank=plan.ep_rank, timeout_s=timeout_s)
-        self.broken: str | None = None
 
     @property
     def bytes(self) -> int:
