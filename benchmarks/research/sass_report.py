@@ -4,7 +4,7 @@ Why: the H200 speed of these kernels hinges on properties visible only in the ma
 ptxas silently serialising every wgmma (info C7515) when the compiler leaves a path that writes the
 accumulators inside the MMA pipeline (GEMM1 at commit ce681ac: 25-42 % of its stall samples at
 1024 / 8192 tokens), register spills, or the instruction count of the K loop. Triton's
-wheel ships ptxas and nvdisasm, so CI checks these without a GPU (tests/triton/test_sass.py).
+wheel ships ptxas and nvdisasm, so CI checks these without a GPU (tests/kernels/test_sass.py).
 
     python3 benchmarks/research/sass_report.py            # the default tile of every frag / frag8 / split bucket
     python3 benchmarks/research/sass_report.py --json r.json

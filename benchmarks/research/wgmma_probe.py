@@ -16,7 +16,7 @@ them: at N 128 only two fit, so 3 programs per SM run in two waves).
     python3 benchmarks/research/wgmma_probe.py --sass                        # any machine: the compiled sm_90a loops
 
 The weights are loaded once and stay in registers, so the loop is nothing but the step's wgmmas
-(and the wait); tests/triton/test_wgmma_probe.py checks the compiled loop on CPU (sm_90a: 8 register-A
+(and the wait); tests/kernels/test_wgmma_probe.py checks the compiled loop on CPU (sm_90a: 8 register-A
 QGMMA.64xNx32 per step, one full wait per step with the retire, none without).
 """
 from __future__ import annotations

@@ -150,7 +150,7 @@ def assume_k_loop_runs(K, BK: tl.constexpr):
     """Tell the compiler the K loop runs at least once (true: BK is shrunk to divide K, K >= 32).
     Without it LLVM may keep a zero-trip path that writes the accumulators, and ptxas then
     serialises every wgmma of the loop (info C7515): frag GEMM1 did so at commit ce681ac, split
-    GEMM1 / GEMM2 up to 8873e5a. Called by both GEMM kernels before any mainloop; tests/triton/test_sass.py
+    GEMM1 / GEMM2 up to 8873e5a. Called by both GEMM kernels before any mainloop; tests/kernels/test_sass.py
     checks the compiled loops."""
     tl.assume(K >= BK)
 

@@ -26,7 +26,7 @@ INTERPRETER_MODULES = ("test_triton_interpreter.py", "test_device_forward_interp
 @pytest.mark.parametrize("module", INTERPRETER_MODULES)
 def test_interpreter_suite_in_fresh_process(module):
     if torch.cuda.is_available():
-        pytest.skip("CUDA machine: tests/triton/test_gpu_experts.py covers the kernels")
+        pytest.skip("CUDA machine: tests/kernels/test_gpu_experts.py covers the kernels")
     import triton.language.standard as std
 
     if type(std._elementwise_max).__name__ == "InterpretedFunction":

@@ -5,7 +5,7 @@ bit, masked and bad ids, both combine wires, output_scale, the status word), and
 forward of MegaMoELayer against the torch forward with the same Triton experts: bit-identical for
 every quant x dispatch wire x combine wire, within the accuracy gates vs fp32, bad ids and NaN rows
 reported at the next forward, T > MTPR refused from shapes, the empty batch. CUDA-graph capture,
-sync-debug mode and timing need a GPU: tests/triton/test_gpu_layer.py.
+sync-debug mode and timing need a GPU: tests/kernels/test_gpu_layer.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from interpreter_guard import require_interpreter  # noqa: E402
 
-require_interpreter("tests/triton/test_gpu_layer.py")
+require_interpreter("tests/kernels/test_gpu_layer.py")
 
 from megamoe_backend.experts.triton import TritonExperts  # noqa: E402
 from megamoe_backend.formats import combine_wire  # noqa: E402

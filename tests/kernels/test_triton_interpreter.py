@@ -6,7 +6,7 @@ GEMM2 x route weight for the "frag", "frag8", "split" and "manual" decoders, gat
 plain, bf16 and MXFP4 weights (row-major and fragment storage), bf16 / fp8 / fp4 A operands, NaN
 isolation, bad-input errors, and a bench smoke run.
 
-What the interpreter cannot run (covered by tests/triton/test_gpu_experts.py on the H200):
+What the interpreter cannot run (covered by tests/kernels/test_gpu_experts.py on the H200):
 - the "dot_scaled" decoder: the interpreter has no tl.dot_scaled;
 - the PTX e2m1 decodes of the "split", "frag" and "frag8" decoders (tl.inline_asm_elementwise is not
   interpreted): the interpreter runs the same data flow with the portable decodes (USE_ASM=False in
@@ -27,8 +27,8 @@ import pytest
 import torch
 
 if torch.cuda.is_available():
-    pytest.skip("interpreter tests run on CPU-only machines; tests/triton/test_gpu_experts.py covers CUDA", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # normally already set by tests/triton/conftest.py
+    pytest.skip("interpreter tests run on CPU-only machines; tests/kernels/test_gpu_experts.py covers CUDA", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # normally already set by tests/kernels/conftest.py
 pytest.importorskip("triton")
 
 

@@ -9,7 +9,7 @@ detects ranks that disagree on rows per source); GEMM2 through a destination tab
 in pair order, rows moved; EP 2 and 4 (an idle rank) bit-identical to the ep_size-1 device forward
 for every quant x wire, within the gates; a peer that dies after start-up ends the other's forward
 with PeerTimeoutError naming layer, rank and peer. GPU runs (2 and 4 ranks on one H200, graphs,
-sync-debug): tests/triton/test_gpu_ep.py.
+sync-debug): tests/kernels/test_gpu_ep.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from interpreter_guard import require_interpreter  # noqa: E402
 
-require_interpreter("tests/triton/test_gpu_ep.py")
+require_interpreter("tests/kernels/test_gpu_ep.py")
 
 from megamoe_backend.experts import ExpertPairs  # noqa: E402
 from megamoe_backend.experts.triton import TritonExperts  # noqa: E402
