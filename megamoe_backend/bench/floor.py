@@ -1,0 +1,98 @@
+"""The floor of one experts forward: the time no kernel can beat, and which limit sets it.
+
+    floor = max(bytes of the weights of the experts hit / HBM bandwidth, FLOPs / MMA peak)
+
+Why one module: every bench printed a floor, and they all divided the FLOPs by the bf16 MMA peak.
+With MX activations (A8W4, A4W4) both GEMMs run FP8 MMA on Hopper (frag8: the A rows re-scaled to
+e4m3, the e2m1 weights widened to e4m3 in registers), so their tensor-core limit is the FP8 peak,
+twice the bf16 one: against bf16, the 8192-token bucket read 1.23x its floor while it was 2.5x
+(issue 35). The peak now follows the operands: FP8 when the activations are MX and the weights are
+MXFP4 (Hopper has no FP4 MMA: e2m1 A rows run as e4m3), bf16 otherwise (bf16 activations, or bf16
+weights, which an FP8 MMA cannot take as they are). It is the floor of the operands, not of the
+decoder that ran: an A8W4 forward on a bf16-MMA decoder (frag, split) is still held to the FP8 one.
+
+What the floor counts, and why it is a lower bound:
+- weights: each expert with at least one pair reads its whole W1 (2I x H) and W2 (H x I) once, in the
+  checkpoint's format (MXFP4: 4 bits + one E8M0 byte per 32; frag8 re-lays the same bytes, plus an
+  fp32 scale per row). The activation and output rows are left out: small beside the weights at
+  decode, and under the MMA at prefill (DSV4-Pro, 8192 tokens: ~1.4 GB, 290 µs at 4.8 TB/s, against
+  3282 µs of FP8 MMA), so counting them would not move the bound that decides.
+- FLOPs: 2 x P x H x 2I (GEMM1) + 2 x P x I x H (GEMM2) = 6 P H I for P (token, expert) pairs.
+- HBM and MMA are taken as overlapping perfectly: the max, not the sum.
+
+Ceilings are inputs (bytes/s, FLOP/s per MMA kind): the H200 datasheet below, or what a run measured
+(``bench_experts.measure_ceilings``: a copy, a bf16 GEMM, an FP8 ``torch._scaled_mm``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import MX_BLOCK
+
+# H200 SXM datasheet, dense (no sparsity): 4.8 TB/s HBM3e, 989.4 / 1978.9 TFLOP/s bf16 / FP8 MMA.
+H200_HBM_BYTES_PER_S = 4.8e12
+H200_MMA_FLOPS_PER_S = {"bf16": 989.4e12, "fp8": 1978.9e12}
+
+WEIGHT_FORMATS = ("bf16", "mxfp4")
+ACTIVATION_FORMATS = (None, "fp8", "fp4")  # ExpertMath.a_format: None = bf16 rows
+
+
+@dataclass(frozen=True)
+class Floor:
+    us: float  # max(hbm_us, mma_us)
+    hbm_us: float  # weights of the experts hit / HBM bandwidth
+    mma_us: float  # FLOPs / the peak of the MMA kind below
+    mma: str  # the MMA kind whose peak was used: "fp8" or "bf16"
+    bound: str  # what sets the floor: "hbm" or "mma"
+
+
+def weight_bytes_per_expert(hidden: int, intermediate: int, fmt: str) -> int:
+    """Bytes of one expert's W1 (2I x H) + W2 (H x I): bf16, or MXFP4 (4-bit codes + a scale byte per 32)."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {fmt!r}: expected one of {WEIGHT_FORMATS}")
+    elems = 3 * hidden * intermediate
+    return elems * 2 if fmt == "bf16" else elems // 2 + elems // MX_BLOCK
+
+
+def expert_flops(pairs: int, hidden: int, intermediate: int) -> int:
+    """FLOPs of both GEMMs for ``pairs`` (token, expert) pairs: 4 P H I (GEMM1, gate + up) + 2 P H I (GEMM2)."""
+    return 6 * pairs * hidden * intermediate
+
+
+def mma_kind(weight_fmt: str, a_fmt: str | None) -> str:
+    """The MMA a Hopper kernel can run the GEMMs on: FP8 for MX activations on MXFP4 weights, else bf16."""
+    if weight_fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {weight_fmt!r}: expected one of {WEIGHT_FORMATS}")
+    if a_fmt not in ACTIVATION_FORMATS:
+        raise ValueError(f"activation format {a_fmt!r}: expected one of {ACTIVATION_FORMATS}")
+    return "fp8" if a_fmt is not None and weight_fmt == "mxfp4" else "bf16"
+
+
+def expert_floor(*, experts_hit: int, pairs: int, hidden: int, intermediate: int, weight_fmt: str,
+                 a_fmt: str | None, hbm_bytes_per_s: float, mma_flops_per_s: dict[str, float]) -> Floor:
+    """The floor of one experts forward over ``pairs`` pairs that hit ``experts_hit`` experts (module doc).
+    ``mma_flops_per_s`` maps an MMA kind ("bf16", "fp8") to its peak; the kind used is ``mma_kind``'s."""
+    mma = mma_kind(weight_fmt, a_fmt)
+    if mma not in mma_flops_per_s:
+        raise ValueError(f"no {mma} MMA peak given (have {sorted(mma_flops_per_s)})")
+    hbm_us = experts_hit * weight_bytes_per_expert(hidden, intermediate, weight_fmt) / hbm_bytes_per_s * 1e6
+    mma_us = expert_flops(pairs, hidden, intermediate) / mma_flops_per_s[mma] * 1e6
+    bound = "hbm" if hbm_us >= mma_us else "mma"
+    return Floor(us=max(hbm_us, mma_us), hbm_us=hbm_us, mma_us=mma_us, mma=mma, bound=bound)
+
+
+def experts_hit(slots: torch.Tensor) -> int:
+    """How many distinct experts ``slots`` (expert ids of the pairs, any shape) routes to."""
+    return int(torch.unique(slots).numel())
+
+
+def experts_hit_by_rank(slots: torch.Tensor, experts_per_rank: int, ranks: int) -> list[int]:
+    """Distinct experts hit on each of ``ranks`` ranks holding ``experts_per_rank`` consecutive global
+    ids each (rank r: ids r*E .. r*E + E - 1): the per-rank weight reads of an EP step."""
+    hit = torch.unique(slots.reshape(-1)) // experts_per_rank
+    if hit.numel() and (int(hit.min()) < 0 or int(hit.max()) >= ranks):
+        raise ValueError(f"expert ids outside 0 .. {ranks * experts_per_rank - 1} ({ranks} ranks x {experts_per_rank})")
+    return torch.bincount(hit, minlength=ranks).tolist()

@@ -1,0 +1,79 @@
+"""bench/floor.py: the floor of an experts forward, against numbers worked out by hand for DSV4-Pro
+(hidden 7168, intermediate 3072, top-6), and the benches' use of it (which peak each scheme gets)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megamoe_backend.bench.floor import (
+    H200_HBM_BYTES_PER_S,
+    H200_MMA_FLOPS_PER_S,
+    expert_floor,
+    experts_hit,
+    experts_hit_by_rank,
+    mma_kind,
+    weight_bytes_per_expert,
+)
+
+H, I, TOPK = 7168, 3072, 6  # noqa: E741 - the spec's names
+H200 = dict(hbm_bytes_per_s=H200_HBM_BYTES_PER_S, mma_flops_per_s=H200_MMA_FLOPS_PER_S)
+
+# One DSV4-Pro expert in MXFP4: 3 x 7168 x 3072 = 66,060,288 weights; 4 bits each = 33,030,144 B,
+# plus one E8M0 byte per 32 = 2,064,384 B: 35,094,528 B.
+MXFP4_EXPERT_BYTES = 35_094_528
+
+
+def test_mxfp4_and_bf16_expert_bytes():
+    assert weight_bytes_per_expert(H, I, "mxfp4") == MXFP4_EXPERT_BYTES
+    assert weight_bytes_per_expert(H, I, "bf16") == 132_120_576  # 66,060,288 x 2
+
+
+def test_decode_192_experts_8_tokens_is_hbm_bound():
+    # EP2's share, 8 tokens x top-6 = 48 pairs hitting 45 experts (the committed bench's routing):
+    # weights 45 x 35,094,528 = 1,579,253,760 B / 4.8e12 B/s = 329.0112 us;
+    # FLOPs 6 x 48 x 7168 x 3072 = 6,341,787,648 / 1978.9e12 = 3.2047 us on the FP8 MMA.
+    f = expert_floor(experts_hit=45, pairs=8 * TOPK, hidden=H, intermediate=I, weight_fmt="mxfp4", a_fmt="fp8", **H200)
+    assert f.bound == "hbm" and f.mma == "fp8"
+    assert f.hbm_us == pytest.approx(329.0112, rel=1e-9)
+    assert f.mma_us == pytest.approx(3.2047, abs=1e-4)
+    assert f.us == f.hbm_us
+
+
+def test_prefill_48_experts_8192_tokens_is_fp8_bound():
+    # EP8's share, 8192 tokens x top-6 = 49,152 pairs, all 48 experts hit:
+    # FLOPs 6 x 49,152 x 7168 x 3072 = 6,493,990,551,552 / 1978.9e12 = 3281.616 us (FP8 MMA),
+    # weights 48 x 35,094,528 = 1,684,537,344 B / 4.8e12 = 350.945 us. On the bf16 peak (989.4e12)
+    # the MMA would take 6563.564 us: what the benches reported before, for the same A8W4 forward.
+    for a_fmt in ("fp8", "fp4"):  # A8W4 and A4W4: both run e4m3 x e4m3 on Hopper (no FP4 MMA)
+        f = expert_floor(experts_hit=48, pairs=8192 * TOPK, hidden=H, intermediate=I, weight_fmt="mxfp4", a_fmt=a_fmt,
+                         **H200)
+        assert f.bound == "mma" and f.mma == "fp8"
+        assert f.us == f.mma_us == pytest.approx(3281.616, abs=1e-3)
+        assert f.hbm_us == pytest.approx(350.94528, rel=1e-9)
+    bf16_a = expert_floor(experts_hit=48, pairs=8192 * TOPK, hidden=H, intermediate=I, weight_fmt="mxfp4", a_fmt=None,
+                          **H200)
+    assert bf16_a.mma == "bf16" and bf16_a.us == pytest.approx(6563.564, abs=1e-3)
+
+
+def test_peak_follows_the_operands():
+    assert mma_kind("mxfp4", "fp8") == mma_kind("mxfp4", "fp4") == "fp8"
+    assert mma_kind("mxfp4", None) == "bf16"  # A16W4: bf16 rows, weights widened to bf16
+    assert mma_kind("bf16", "fp8") == "bf16"  # bf16 weights do not fit an FP8 MMA as they are
+    with pytest.raises(ValueError, match="activation format"):
+        mma_kind("mxfp4", "int8")
+    with pytest.raises(ValueError, match="weight format"):
+        weight_bytes_per_expert(H, I, "nvfp4")
+    with pytest.raises(ValueError, match="no fp8 MMA peak"):
+        expert_floor(experts_hit=1, pairs=6, hidden=H, intermediate=I, weight_fmt="mxfp4", a_fmt="fp8",
+                     hbm_bytes_per_s=4.8e12, mma_flops_per_s={"bf16": 989.4e12})
+
+
+def test_experts_hit_total_and_by_rank():
+    ids = torch.tensor([[0, 5], [5, 9], [11, 0]])  # 4 ranks x 3 experts: ids 0, 5, 9, 11
+    assert experts_hit(ids) == 4
+    assert experts_hit_by_rank(ids, experts_per_rank=3, ranks=4) == [1, 1, 0, 2]
+    assert experts_hit_by_rank(torch.tensor([], dtype=torch.int64), experts_per_rank=3, ranks=2) == [0, 0]
+    with pytest.raises(ValueError, match="outside"):
+        experts_hit_by_rank(ids, experts_per_rank=3, ranks=3)
+
