@@ -9,7 +9,11 @@ GPU idled (``us_isolated``, ``time_isolated``: near full clock; on the H200 here
 run power-capped), effective HBM TB/s, TFLOP/s, relL2 against an fp32
 computation (dequantised weights, unquantised activations), relL2 against the exact-math torch
 reference (same quantisation, fp64; for wire outputs passed through the same wire), and the floor
-max(weight bytes / HBM BW, FLOPs / bf16 MMA peak) with the weights of the experts actually hit.
+max(weight bytes of the experts actually hit / HBM BW, FLOPs / MMA peak) of floor.py: the FP8 peak for
+MX activations (A8W4 / A4W4 run FP8 MMA on Hopper), the bf16 one for bf16 activations (A16W4, bf16, the
+torch baseline). ``floor_us`` / ``x_floor`` use the H200 datasheet ceilings (``floor_peak`` names the
+MMA peak); ``floor_measured_us`` / ``x_floor_measured`` the ceilings measured at the start of the same
+run (a copy, a bf16 GEMM, an FP8 ``torch._scaled_mm``: meta.ceilings).
 
 What a forward returns (``--combine-wire``, default bf16 = the layer's default MEGA_COMBINE_WIRE):
 the route-weighted row of every pair as the layer sends it back, i.e. ``forward_wire`` (GEMM2 writes
@@ -44,12 +48,22 @@ from ..experts import ExpertMath, ExpertPairs, ExpertWeights, swiglu
 from ..experts.triton.config import TileConfig, bucket_class, default_config, interpreting
 from ..formats import MX_BLOCK, dequantize_mx, fake_quantize
 from ..formats.wire import combine_wire
+from .floor import (
+    H200_HBM_BYTES_PER_S,
+    H200_MMA_FLOPS_PER_S,
+    expert_floor,
+    expert_flops,
+    experts_hit,
+    weight_bytes_per_expert,
+)
 from .gpu_clock import ClockSampler
 
-# Datasheet ceilings of an H200 SXM (dense); the run also measures a copy and a bf16 GEMM.
-HBM_TBS = 4.8
-BF16_TFLOPS = 989.4
-FP8_TFLOPS = 1978.9
+# Datasheet ceilings of an H200 SXM (dense; floor.py), in the units the JSON and tables print; the run
+# also measures a copy, a bf16 GEMM and an FP8 GEMM (measure_ceilings).
+HBM_TBS = H200_HBM_BYTES_PER_S / 1e12
+BF16_TFLOPS = H200_MMA_FLOPS_PER_S["bf16"] / 1e12
+FP8_TFLOPS = H200_MMA_FLOPS_PER_S["fp8"] / 1e12
+CEILING_GEMM_N = 8192  # the ceilings' GEMMs: N x N x N, bf16 and e4m3
 
 SCHEMES = {  # name -> (ExpertMath.quant, weight format)
     "a8w4": ("a8w4", "mxfp4"),
@@ -76,6 +90,15 @@ VARIANTS = {
     ],
 }
 
+
+# What the JSON says about its floors (meta.floor): which peak each case's floor_us divides by.
+FLOOR_META = {
+    "model": "max(weight bytes of the experts hit / HBM, 6 P H I FLOPs / MMA peak): megamoe_backend/bench/floor.py",
+    "floor_us": "H200 datasheet ceilings (meta.ceilings hbm_tbs, bf16_tflops, fp8_tflops)",
+    "floor_measured_us": "this run's measured ceilings (meta.ceilings measured_copy_tbs, measured_*_gemm_tflops)",
+    "mma_peak": "fp8 for MX activations on MXFP4 weights (A8W4, A4W4: FP8 MMA on Hopper), bf16 otherwise "
+                "(A16W4, bf16, the torch baseline); per case: floor_peak",
+}
 
 OUTPUTS = ("bf16", "fp8_blockwise_1x32", "fp32")  # --combine-wire choices; --variants times the default tile with each
 
@@ -116,13 +139,19 @@ class Case:
     weight_bytes: int = 0
     hbm_bytes: int = 0
     flops: int = 0
-    floor_us: float = float("nan")
-    floor_fp8_us: float = float("nan")
-    mma_floor_us: float = float("nan")
+    floor_us: float = float("nan")  # floor.expert_floor, datasheet ceilings, the MMA peak of floor_peak
+    floor_peak: str = ""  # the MMA peak floor_us divides by: "fp8" (MX activations) or "bf16"
+    floor_bound: str = ""  # what sets floor_us: "hbm" (weights of the experts hit) or "mma"
+    floor_fp8_us: float = float("nan")  # the floor with the FP8 peak, whatever the scheme
+    floor_bf16_us: float = float("nan")  # the floor with the bf16 peak (what floor_us was before issue 35)
+    floor_measured_us: float = float("nan")  # floor_us with this run's measured copy / GEMM ceilings
+    mma_floor_us: float = float("nan")  # FLOPs / the floor_peak datasheet peak
     x_floor: float = float("nan")
     x_floor_isolated: float = float("nan")
+    x_floor_measured: float = float("nan")
     hbm_tbs: float = float("nan")
     tflops: float = float("nan")
+    mma_peak_frac: float = float("nan")  # tflops / the floor_peak datasheet peak
     rel_l2_fp32: float = float("nan")
     rel_l2_ref: float = float("nan")
     clock: dict = field(default_factory=dict)  # gpu_clock.ClockSampler.stats() while timed ({}: no NVML)
@@ -169,11 +198,6 @@ def make_routing(tokens: int, n_exp: int, topk: int, hidden: int, device: torch.
         weight=w.reshape(-1).float().contiguous(),
     )
     return x, pairs
-
-
-def weight_bytes_per_expert(hidden: int, inter: int, fmt: str) -> int:
-    elems = 3 * hidden * inter
-    return elems * 2 if fmt == "bf16" else elems // 2 + elems // MX_BLOCK
 
 
 def act_bytes(hidden: int, fmt: str | None) -> float:
@@ -324,15 +348,34 @@ def time_isolated(replay, n: int = 10, idle_s: float = 0.0) -> list[float]:
 
 
 def measure_ceilings(device: torch.device) -> dict:
+    """What this GPU reaches, timed like a case (back to back): a bf16 GEMM, an FP8 GEMM and a copy.
+
+    The FP8 GEMM is ``torch._scaled_mm`` on N x N e4m3 matrices (per-tensor scales, bf16 out) with
+    fast accumulation, as Triton's FP8 ``tl.dot`` runs on sm_90 by default (its
+    max_num_imprecise_acc is unbounded there); the precise-accumulation figure is beside it. An
+    FP8 GEMM that fails (no FP8 MMA: pre-Hopper, ROCm's e4m3fnuz) leaves its error instead."""
     if device.type != "cuda" or interpreting():
         return {}
     out = {}
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    n = CEILING_GEMM_N
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     with ClockSampler(device) as clock:
         us, _ = time_fn(lambda: a @ b, use_graph=False)
-    out["measured_bf16_gemm_tflops"] = 2 * 8192**3 / us / 1e6
+    out["measured_bf16_gemm_tflops"] = 2 * n**3 / us / 1e6
     out["bf16_gemm_clock"] = clock.stats()
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # B column-major, as _scaled_mm wants
+        one = torch.ones((), device=device, dtype=torch.float32)
+        for key, fast in (("measured_fp8_gemm_tflops", True), ("measured_fp8_gemm_precise_tflops", False)):
+            with ClockSampler(device) as clock:
+                us, _ = time_fn(lambda fast=fast: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16,
+                                                                   use_fast_accum=fast), use_graph=False)
+            out[key] = 2 * n**3 / us / 1e6
+            out[key.replace("_tflops", "_clock")] = clock.stats()
+        del a8, b8
+    except Exception as exc:  # noqa: BLE001 - no FP8 GEMM on this GPU: the datasheet peak stays the only one
+        out["fp8_gemm_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     with ClockSampler(device) as clock:
@@ -355,19 +398,50 @@ def describe(cfg: TileConfig | None) -> str:
     return f"m{cfg.block_m} n{cfg.block_n1}/{cfg.block_n2} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{tail}"
 
 
-def fill_metrics(c: Case, hidden: int, inter: int, wfmt: str, a_fmt: str | None) -> None:
+def measured_peaks(ceilings: dict) -> tuple[float, dict[str, float]] | None:
+    """(HBM bytes/s, {MMA kind: FLOP/s}) that measure_ceilings found, for floor.expert_floor; None
+    where it measured nothing (CPU, interpreter, or an older JSON's meta)."""
+    if "measured_copy_tbs" not in ceilings:
+        return None
+    mma = {"bf16": ceilings["measured_bf16_gemm_tflops"] * 1e12}
+    if "measured_fp8_gemm_tflops" in ceilings:
+        mma["fp8"] = ceilings["measured_fp8_gemm_tflops"] * 1e12
+    return ceilings["measured_copy_tbs"] * 1e12, mma
+
+
+def case_floors(ceilings: dict | None, **shape) -> dict:
+    """The floor fields both benches write (floor.expert_floor of ``shape``): floor_us, floor_peak,
+    floor_bound, mma_floor_us with the datasheet ceilings; floor_fp8_us / floor_bf16_us with either
+    datasheet peak; floor_measured_us with ``ceilings``' measured ones (meta.ceilings; NaN if none)."""
+    f = expert_floor(**shape, hbm_bytes_per_s=H200_HBM_BYTES_PER_S, mma_flops_per_s=H200_MMA_FLOPS_PER_S)
+    flops = expert_flops(shape["pairs"], shape["hidden"], shape["intermediate"])
+    out = {"floor_us": f.us, "floor_peak": f.mma, "floor_bound": f.bound, "mma_floor_us": f.mma_us,
+           "floor_fp8_us": max(f.hbm_us, flops / H200_MMA_FLOPS_PER_S["fp8"] * 1e6),
+           "floor_bf16_us": max(f.hbm_us, flops / H200_MMA_FLOPS_PER_S["bf16"] * 1e6),
+           "floor_measured_us": float("nan")}
+    measured = measured_peaks(ceilings or {})
+    if measured is not None and f.mma in measured[1]:
+        out["floor_measured_us"] = expert_floor(**shape, hbm_bytes_per_s=measured[0], mma_flops_per_s=measured[1]).us
+    return out
+
+
+def fill_metrics(c: Case, hidden: int, inter: int, wfmt: str, a_fmt: str | None, ceilings: dict | None = None) -> None:
+    """Bytes, FLOPs, floors (case_floors; ``ceilings``: meta.ceilings, for the measured floor) and the
+    rates of a timed case."""
     c.weight_bytes = c.active_experts * weight_bytes_per_expert(hidden, inter, wfmt)
     a2 = act_bytes(inter, a_fmt)  # bytes per A2 row (payload + scales)
     c.hbm_bytes = int(c.weight_bytes + c.pairs * (act_bytes(hidden, a_fmt) + 2 * a2 + out_bytes(hidden, c.out)))
-    c.flops = 6 * c.pairs * hidden * inter
-    c.mma_floor_us = c.flops / (BF16_TFLOPS * 1e12) * 1e6
-    c.floor_us = max(c.weight_bytes / (HBM_TBS * 1e12) * 1e6, c.mma_floor_us)
-    c.floor_fp8_us = max(c.weight_bytes / (HBM_TBS * 1e12) * 1e6, c.flops / (FP8_TFLOPS * 1e12) * 1e6)
+    c.flops = expert_flops(c.pairs, hidden, inter)
+    for key, value in case_floors(ceilings, experts_hit=c.active_experts, pairs=c.pairs, hidden=hidden,
+                                  intermediate=inter, weight_fmt=wfmt, a_fmt=a_fmt).items():
+        setattr(c, key, value)
     c.x_floor_isolated = c.us_isolated / c.floor_us
     if c.us == c.us:
         c.x_floor = c.us / c.floor_us
+        c.x_floor_measured = c.us / c.floor_measured_us
         c.hbm_tbs = c.hbm_bytes / c.us / 1e6
         c.tflops = c.flops / c.us / 1e6
+        c.mma_peak_frac = c.tflops * 1e12 / H200_MMA_FLOPS_PER_S[c.floor_peak]
 
 
 def forward_call(prov, a, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, out_fmt: str):
@@ -409,7 +483,8 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.time()
     meta = environment(args)
     meta["ceilings"] = {"hbm_tbs": HBM_TBS, "bf16_tflops": BF16_TFLOPS, "fp8_tflops": FP8_TFLOPS, **measure_ceilings(device)}
-    print(json.dumps(meta["ceilings"]))
+    meta["floor"] = FLOOR_META
+    print(json.dumps({k: v for k, v in meta["ceilings"].items() if not k.endswith("_clock")}))
     cases: list[Case] = []
     variants: list[Case] = []
     max_e = max(args.experts)
@@ -440,7 +515,7 @@ def run(args: argparse.Namespace) -> int:
         for tokens in args.tokens:
             x, pairs = make_routing(tokens, n_exp, topk, hidden, device, args.seed + tokens)
             p = len(pairs)
-            active = int(torch.unique(pairs.slot).numel())
+            active = experts_hit(pairs.slot)
             sel = check_subset(pairs, args.check_pairs, args.seed)
             refs = {}
 
@@ -483,7 +558,7 @@ def run(args: argparse.Namespace) -> int:
                     c = Case(n_exp, tokens, p, scheme, "triton", mode, describe(used), out=out_fmt,
                              active_experts=active)
                     run_case(c, forward_call(prov, a, pairs, weights, math, out_fmt), checker(math, out_fmt))
-                    fill_metrics(c, hidden, inter, wfmt, a_fmt)
+                    fill_metrics(c, hidden, inter, wfmt, a_fmt, meta["ceilings"])
                     (cases if i == 0 else variants).append(c)
                     print_case(c)
                     save(args.json, meta, cases, variants)
@@ -492,7 +567,7 @@ def run(args: argparse.Namespace) -> int:
                 c = Case(n_exp, tokens, p, "bf16", "torch_grouped_mm", out=args.combine_wire, active_experts=active)
                 run_case(c, lambda: grouped_mm_forward(x, pairs, bf16, limit, args.combine_wire),
                          checker(math, args.combine_wire))
-                fill_metrics(c, hidden, inter, "bf16", None)
+                fill_metrics(c, hidden, inter, "bf16", None, meta["ceilings"])
                 cases.append(c)
                 print_case(c)
                 save(args.json, meta, cases, variants)
@@ -568,10 +643,17 @@ def environment(args: argparse.Namespace, module: str = __name__) -> dict:
 
 def print_case(c: Case) -> None:
     print(f"  {c.provider:16s} {c.scheme:5s} E{c.experts:<4d} T{c.tokens:<5d} {c.decoder:10s} {c.config:28s} {c.out:5.5s} "
-          f"{c.us:10.1f}us x{c.x_floor:5.2f} (isolated {c.us_isolated:.0f}us x{c.x_floor_isolated:.2f}) "
-          f"{c.hbm_tbs:5.2f}TB/s {c.tflops:6.1f}TF relL2 {c.rel_l2_fp32:.4f}/{c.rel_l2_ref:.2e}"
+          f"{c.us:10.1f}us x{c.x_floor:5.2f} of {floor_text(c)} "
+          f"(isolated {c.us_isolated:.0f}us x{c.x_floor_isolated:.2f}) {c.hbm_tbs:5.2f}TB/s {c.tflops:6.1f}TF "
+          f"({c.mma_peak_frac:.0%} {c.floor_peak}) relL2 {c.rel_l2_fp32:.4f}/{c.rel_l2_ref:.2e}"
           f" SM {clock_text(c.clock)}"
           + (f" ERR {c.error[:80]}" if c.error else ""), flush=True)
+
+
+def floor_text(c) -> str:
+    """'3281.6 fp8' / '1403.8 hbm': a case's floor and what sets it (the weights, or the FP8 / bf16
+    MMA); any case with floor_us / floor_bound / floor_peak (bench experts' and bench layer's)."""
+    return f"{c.floor_us:.1f} {'hbm' if c.floor_bound == 'hbm' else c.floor_peak}"
 
 
 def clock_text(clock: dict) -> str:
@@ -593,16 +675,18 @@ def print_table(cases: list[Case], variants: list[Case]) -> None:
         if not rows:
             continue
         t = Table(title=title)
-        for col in ("E", "T", "scheme", "provider", "config", "out", "µs", "floor µs", "x floor", "µs isolated",
-                    "x floor isolated", "TB/s", "TFLOP/s", "relL2 fp32", "relL2 ref", "graph", "SM MHz (min)"):
+        for col in ("E", "T", "scheme", "provider", "config", "out", "µs", "floor µs (bound)", "x floor", "x measured",
+                    "µs isolated", "x floor isolated", "TB/s", "TFLOP/s", "relL2 fp32", "relL2 ref", "graph",
+                    "SM MHz (min)"):
             t.add_column(col, justify="right")
         for c in rows:
             t.add_row(str(c.experts), str(c.tokens), c.scheme, c.provider + (f"/{c.decoder}" if c.decoder else ""),
-                      c.config, c.out, f"{c.us:.1f}", f"{c.floor_us:.1f}", f"{c.x_floor:.2f}", f"{c.us_isolated:.1f}",
+                      c.config, c.out, f"{c.us:.1f}", floor_text(c), f"{c.x_floor:.2f}", f"{c.x_floor_measured:.2f}",
+                      f"{c.us_isolated:.1f}",
                       f"{c.x_floor_isolated:.2f}", f"{c.hbm_tbs:.2f}",
                       f"{c.tflops:.1f}", f"{c.rel_l2_fp32:.4f}", f"{c.rel_l2_ref:.1e}", "y" if c.graph else "n",
                       clock_text(c.clock))
-        Console(width=200).print(t)
+        Console(width=220).print(t)
 
 
 def plot(cases: list[Case], path: str) -> None:
@@ -623,7 +707,7 @@ def plot(cases: list[Case], path: str) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[1]} ({key[0]})")
         fl = sorted({(c.tokens, c.floor_us) for c in rows if c.scheme == "a8w4" and c.provider == "triton"})
         if fl:
-            ax.plot([p[0] for p in fl], [p[1] for p in fl], "k--", label="floor (MXFP4 bytes / bf16 MMA)")
+            ax.plot([p[0] for p in fl], [p[1] for p in fl], "k--", label="A8W4 floor (MXFP4 bytes / FP8 MMA)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens per rank (x top-k pairs)")

@@ -9,8 +9,11 @@ A8W4 + fp8 dispatch wire and A4W4 + fp4 wire, both combine wires. Per case, all 
                       replayed from a CUDA graph, back to back (what a decoding GPU does)
   experts_us          the same layer's experts half alone (``forward_wire`` on the same pairs), graph
   naive_torch_us      argsort + bf16 ``torch._grouped_mm`` on the dequantised weights + index_add
-  floor_us            max(weight bytes of the experts hit / HBM, FLOPs / bf16 MMA peak) (datasheet
-                      H200 ceilings, as ``megamoe bench experts``; the measured ones are in meta)
+  floor_us            max(weight bytes of the experts hit / HBM, FLOPs / FP8 MMA peak): floor.py with
+                      the datasheet H200 ceilings, as ``megamoe bench experts``; FP8 because both
+                      schemes have MX activations (FP8 MMA on Hopper; floor_peak says so per case).
+                      floor_measured_us: the same with this run's measured copy / FP8 GEMM ceilings
+                      (meta.ceilings); floor_bf16_us: with the bf16 peak (floor_us before issue 35)
   chain_us_per_layer  a 61-layer chain (RMSNorm + residual between layers, independent routing per
                       layer, one shared weight set: the weights of 61 layers do not fit one GPU and
                       are streamed from HBM either way) captured in ONE graph, replay time / 61
@@ -39,15 +42,19 @@ from ..spec import preset
 from ..transport import clear_transport_cache
 from .bench_experts import (
     BF16_TFLOPS,
+    FLOOR_META,
+    FP8_TFLOPS,
     HBM_TBS,
+    case_floors,
     environment,
+    floor_text,
     graph_or_eager,
     make_weights,
     measure_ceilings,
     slice_weights,
     time_fn,
-    weight_bytes_per_expert,
 )
+from .floor import experts_hit
 from .gpu_clock import ClockSampler
 
 SCHEMES = {"a8w4": "fp8", "a4w4": "fp4"}  # quant -> its dispatch wire
@@ -83,6 +90,13 @@ class LayerCase:
     experts_us: float = float("nan")
     naive_torch_us: float = float("nan")
     floor_us: float = float("nan")
+    floor_peak: str = ""  # the MMA peak floor_us divides by ("fp8": MX activations)
+    floor_bound: str = ""  # "hbm" (weights of the experts hit) or "mma"
+    floor_fp8_us: float = float("nan")
+    floor_bf16_us: float = float("nan")
+    floor_measured_us: float = float("nan")
+    mma_floor_us: float = float("nan")
+    experts_x_floor: float = float("nan")
     chain_us_per_layer: float = float("nan")
     chain_glue_us_per_layer: float = float("nan")
     chain_moe_us_per_layer: float = float("nan")
@@ -160,7 +174,8 @@ def experts_alone(layer, routes: Routes):
     return lambda: layer.provider.forward_wire(rows, pairs, layer.weights, plan.math, plan.combine, out=out)
 
 
-def run_case(c: LayerCase, args, weights: ExpertWeights, bf16_weights: ExpertWeights, device) -> LayerCase:
+def run_case(c: LayerCase, args, weights: ExpertWeights, bf16_weights: ExpertWeights, device,
+             ceilings: dict | None = None) -> LayerCase:
     from ..layer import MegaMoELayer
 
     spec = preset("dsv4-pro").scaled(n_routed_experts=c.experts)
@@ -170,10 +185,11 @@ def run_case(c: LayerCase, args, weights: ExpertWeights, bf16_weights: ExpertWei
     if layer.workspace is None:
         raise RuntimeError(f"the layer did not take the device forward (provider {plan.backends.provider})")
     routes = Routes(c.tokens, c.experts, plan.topk, plan.hidden, device, args.seed)
-    c.active_experts = int(torch.unique(routes.ids).numel())
-    wbytes = c.active_experts * weight_bytes_per_expert(plan.hidden, spec.moe_intermediate_size, "mxfp4")
-    flops = 6 * c.tokens * plan.topk * plan.hidden * spec.moe_intermediate_size
-    c.floor_us = max(wbytes / (HBM_TBS * 1e12), flops / (BF16_TFLOPS * 1e12)) * 1e6
+    c.active_experts = experts_hit(routes.ids)
+    for key, value in case_floors(ceilings, experts_hit=c.active_experts, pairs=c.tokens * plan.topk,
+                                  hidden=plan.hidden, intermediate=spec.moe_intermediate_size, weight_fmt="mxfp4",
+                                  a_fmt=plan.math.a_format).items():
+        setattr(c, key, value)
 
     layer_call, c.graphed = graph_or_eager(lambda: layer(routes.x, routes.ids, routes.w))
     with ClockSampler(device) as clock:
@@ -189,6 +205,7 @@ def run_case(c: LayerCase, args, weights: ExpertWeights, bf16_weights: ExpertWei
         c.chain_us_per_layer = chain_us(layer, c, args, device)
         c.chain_glue_us_per_layer = chain_us(layer, c, args, device, glue_only=True)
     c.layer_x_experts = c.layer_us / c.experts_us
+    c.experts_x_floor = c.experts_us / c.floor_us
     c.layer_minus_experts_us = c.layer_us - c.experts_us
     c.chain_moe_us_per_layer = c.chain_us_per_layer - c.chain_glue_us_per_layer
     c.chain_x_layer = c.chain_moe_us_per_layer / c.layer_us
@@ -244,7 +261,9 @@ def run(args: argparse.Namespace) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     meta = environment(argparse.Namespace(**{**vars(args), "hidden": 7168, "intermediate": 3072, "topk": 6}), __name__)
     meta["what"] = "megamoe bench layer: MegaMoELayer device forward, ep_size 1, one GPU"
-    meta["ceilings"] = {"hbm_tbs": HBM_TBS, "bf16_tflops": BF16_TFLOPS, **measure_ceilings(device)}
+    meta["ceilings"] = {"hbm_tbs": HBM_TBS, "bf16_tflops": BF16_TFLOPS, "fp8_tflops": FP8_TFLOPS,
+                        **measure_ceilings(device)}
+    meta["floor"] = FLOOR_META
     spec = preset("dsv4-pro")
     fp4_all, bf16_all = make_weights(max(args.experts), spec.hidden_size, spec.moe_intermediate_size, device, args.seed)
     cases: list[LayerCase] = []
@@ -256,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
                 for tokens in args.tokens:
                     c = LayerCase(n_exp, tokens, scheme, SCHEMES[scheme], combine)
                     try:
-                        run_case(c, args, fp4, bf16, device)
+                        run_case(c, args, fp4, bf16, device, meta["ceilings"])
                     except Exception as exc:  # noqa: BLE001 - one failing case must not sink the sweep
                         c.error = f"{type(exc).__name__}: {str(exc)[:400]}"
                     clear_transport_cache()  # the next case has other wires: drop this one's workspace
@@ -273,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
 def line(c: LayerCase) -> str:
     return (f"E{c.experts:<4d} T{c.tokens:<5d} {c.scheme} {c.dispatch_wire}/{c.combine_wire:18s} layer {c.layer_us:9.1f} "
             f"experts {c.experts_us:9.1f} (x{c.layer_x_experts:.3f}, +{c.layer_minus_experts_us:.1f}) naive "
-            f"{c.naive_torch_us:9.1f} floor {c.floor_us:8.1f} chain/layer {c.chain_us_per_layer:9.1f} "
+            f"{c.naive_torch_us:9.1f} floor {floor_text(c)} (experts x{c.experts_x_floor:.2f}) chain/layer {c.chain_us_per_layer:9.1f} "
             f"- glue {c.chain_glue_us_per_layer:.1f} (x{c.chain_x_layer:.3f}) {'graph' if c.graphed else 'EAGER'} {c.error[:120]}")
 
 
@@ -291,14 +310,16 @@ def print_table(cases: list[LayerCase]) -> None:
     from rich.table import Table
 
     t = Table(title="MegaMoE layer, ep_size 1, one GPU (µs)")
-    for col in ("E", "T", "scheme", "combine", "layer", "experts", "x", "naive torch", "floor", "chain/layer", "glue",
-                "x"):
+    for col in ("E", "T", "scheme", "combine", "layer", "experts", "x", "naive torch", "floor", "experts x floor",
+                "chain/layer", "glue", "x"):
         t.add_column(col, justify="right")
     for c in cases:
         t.add_row(str(c.experts), str(c.tokens), c.scheme, c.combine_wire[:4], f"{c.layer_us:.1f}", f"{c.experts_us:.1f}",
-                  f"{c.layer_x_experts:.3f}", f"{c.naive_torch_us:.1f}", f"{c.floor_us:.1f}", f"{c.chain_us_per_layer:.1f}",
+                  f"{c.layer_x_experts:.3f}", f"{c.naive_torch_us:.1f}",
+                  floor_text(c), f"{c.experts_x_floor:.2f}",
+                  f"{c.chain_us_per_layer:.1f}",
                   f"{c.chain_glue_us_per_layer:.1f}", f"{c.chain_x_layer:.3f}")
-    Console(width=140).print(t)
+    Console(width=160).print(t)
 
 
 def plot(cases: list[LayerCase], path: str) -> None:
@@ -309,6 +330,7 @@ def plot(cases: list[LayerCase], path: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [c for c in cases if not c.error]
+    peak = ok[0].floor_peak if ok and ok[0].floor_peak else "bf16"  # JSONs before issue 35 have no floor_peak: bf16
     rows = sorted({c.experts for c in ok}, reverse=True)
     cols = sorted({(c.scheme, c.combine_wire) for c in ok}, reverse=True)
     fig, axes = plt.subplots(len(rows), len(cols), figsize=(3.6 * len(cols), 3.2 * len(rows)), squeeze=False)
@@ -319,7 +341,8 @@ def plot(cases: list[LayerCase], path: str) -> None:
             tok = [c.tokens for c in pts]
             for attr, style, label in (("layer_us", "o-", "layer (graph)"), ("experts_us", "s--", "experts alone"),
                                        ("chain_moe_us_per_layer", "^:", "in a 61-layer graph"),
-                                       ("naive_torch_us", "x-", "naive torch"), ("floor_us", "k--", "floor")):
+                                       ("naive_torch_us", "x-", "naive torch"),
+                                       ("floor_us", "k--", f"floor (HBM / {peak} MMA)")):
                 ax.plot(tok, [getattr(c, attr) for c in pts], style, label=label, markersize=4)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

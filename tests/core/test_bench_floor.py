@@ -77,3 +77,23 @@ def test_experts_hit_total_and_by_rank():
     with pytest.raises(ValueError, match="outside"):
         experts_hit_by_rank(ids, experts_per_rank=3, ranks=3)
 
+
+def test_bench_cases_get_the_peak_of_their_scheme():
+    """bench experts' cases: A8W4 against the FP8 peak, the bf16 torch baseline against bf16; the
+    measured floor uses the run's ceilings, and is NaN where the run measured none."""
+    from megamoe_backend.bench.bench_experts import Case, fill_metrics
+
+    ceilings = {"measured_copy_tbs": 4.0, "measured_bf16_gemm_tflops": 700.0, "measured_fp8_gemm_tflops": 1400.0}
+    a8w4 = Case(48, 8192, 8192 * TOPK, "a8w4", "triton", active_experts=48, us=6563.232656)
+    fill_metrics(a8w4, H, I, "mxfp4", "fp8", ceilings)
+    assert (a8w4.floor_peak, a8w4.floor_bound) == ("fp8", "mma")
+    assert a8w4.floor_us == a8w4.floor_fp8_us == pytest.approx(3281.616, abs=1e-3)
+    assert a8w4.floor_bf16_us == pytest.approx(6563.564, abs=1e-3)
+    assert a8w4.x_floor == pytest.approx(2.0, abs=1e-4)
+    assert a8w4.mma_peak_frac == pytest.approx(0.5, abs=1e-4)
+    assert a8w4.floor_measured_us == pytest.approx(6_493_990_551_552 / 1400e6)  # FP8-bound on the measured GEMM too
+
+    base = Case(48, 8192, 8192 * TOPK, "bf16", "torch_grouped_mm", active_experts=48, us=13127.0)
+    fill_metrics(base, H, I, "bf16", None, {})
+    assert base.floor_peak == "bf16" and base.floor_us == pytest.approx(6563.564, abs=1e-3)
+    assert base.floor_measured_us != base.floor_measured_us  # NaN: nothing measured
