@@ -1,6 +1,6 @@
 """Peer arenas: one byte buffer per EP rank that every other rank of the group can write.
 
-Why: the device P2P forward (layer/device/ep.py) has each sender write its token rows straight
+Why: the device P2P forward (layer/forwards/p2p.py) has each sender write its token rows straight
 into the owner's receive region and each owner's GEMM2 write its rows straight into the source's
 combine region, with flags in the same buffers as the barrier. All it needs from a transport is
 that buffer and, per peer, where that peer's buffer lies in this process's address space. Kernels
@@ -13,6 +13,10 @@ Backends (allocation and rendezvous are eager, before any graph capture):
 - ``IpcPeerArena``: CUDA IPC handles exchanged over the group (ranks of one host, also several
   rank processes sharing one GPU: what the GPU tests run); on CPU (the Triton interpreter in CI)
   the same arena is a shared-memory file mapped by every rank.
+- ``EmulatedPeerArena``: every rank in ONE process on one device, the ranks' arenas in one
+  allocation (an ``EmulatedGroup`` per rank stands in for the process group): per-rank kernel
+  times without ranks time-slicing a GPU (``megamoe bench layer --ep N --emulate``), and the P2P
+  forward's tests in one process.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ class ArenaLayout:
     """Byte offsets of the regions of every rank's arena (the same on all ranks; from the plan).
 
       flags       int64 [2, ep]                barrier phase x source rank: that source's epoch
-      header      int64 [ep]                   rows per source region the source assumed (checked)
+      header      int64 [2, ep]                [0]: rows per source region the source assumed (checked);
+                                               [1]: tokens it sent (the live head of its region)
       recv_rows   uint8 [ep * mtpr, row_bytes] region s (rows s*B .. s*B+B-1): token rows of source s
       recv_slot   int64 [ep * mtpr * k]        per received (row, k): local expert slot here, -1 = none
       recv_weight fp32  [ep * mtpr * k]        ... and its route weight
@@ -67,7 +72,7 @@ class ArenaLayout:
     def build(cls, ep: int, mtpr: int, topk: int, row_bytes: int, comb_bytes: int) -> "ArenaLayout":
         pairs = ep * mtpr * topk
         offsets, at = [], 0
-        for size in (2 * ep * 8, ep * 8, ep * mtpr * row_bytes, pairs * 8, pairs * 4, mtpr * topk * comb_bytes):
+        for size in (2 * ep * 8, 2 * ep * 8, ep * mtpr * row_bytes, pairs * 8, pairs * 4, mtpr * topk * comb_bytes):
             offsets.append(at)
             at += align(size)
         return cls(ep, mtpr, topk, row_bytes, comb_bytes, *offsets, total=at)
@@ -156,10 +161,61 @@ class SymmPeerArena(PeerArena):
         super().__init__(layout, rank, local, peers)
 
 
+class EmulatedRanks:
+    """N EP ranks in one process: one allocation holds every rank's arena (made by the first arena
+    built), so peers are offsets into it, as they are across processes."""
+
+    def __init__(self, ep: int, device: torch.device) -> None:
+        self.ep, self.device = ep, torch.device(device)
+        self.buffer: torch.Tensor | None = None
+        self.layout: ArenaLayout | None = None
+        # held for the world's lifetime: the workspace cache keys on a group's identity (id), which
+        # must not be reused by another rank's group
+        self._groups = [EmulatedGroup(self, r) for r in range(ep)]
+
+    def group(self, rank: int) -> "EmulatedGroup":
+        if not 0 <= rank < self.ep:
+            raise ValueError(f"emulated rank {rank} outside [0, {self.ep})")
+        return self._groups[rank]
+
+    def arenas(self, layout: ArenaLayout) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer, self.layout = torch.zeros(self.ep * layout.total, dtype=torch.uint8, device=self.device), layout
+        elif layout != self.layout:
+            raise TransportError(f"[megamoe] emulated ranks share one arena layout; got {layout} after {self.layout}")
+        return self.buffer
+
+
+@dataclass(frozen=True, eq=False)
+class EmulatedGroup:
+    """Stands in for rank ``rank``'s process group (the workspace cache keys on its identity)."""
+
+    world: EmulatedRanks
+    rank: int
+
+
+class EmulatedPeerArena(PeerArena):
+    name = "emulated"
+
+    def __init__(self, layout: ArenaLayout, group: EmulatedGroup, device: torch.device) -> None:
+        world = group.world
+        if world.ep != layout.ep:
+            raise TransportError(f"[megamoe] {world.ep} emulated ranks, the plan has ep_size {layout.ep}")
+        if torch.device(device) != world.device:
+            raise TransportError(f"[megamoe] emulated ranks live on {world.device}, the layer on {device}")
+        buf = world.arenas(layout)
+        arenas = [buf[r * layout.total: (r + 1) * layout.total] for r in range(layout.ep)]
+        super().__init__(layout, group.rank, arenas[group.rank], arenas)
+
+
 ARENAS = {"ipc": IpcPeerArena, "symm": SymmPeerArena}
 
 
 def make_arena(kind: str, layout: ArenaLayout, group, device: torch.device) -> PeerArena:
+    """The arena of MEGA_DISPATCH=``kind`` over ``group``; an EmulatedGroup gets the emulated arena
+    whatever the kind (the bench plans with ipc, the kernels are the same)."""
+    if isinstance(group, EmulatedGroup):
+        return EmulatedPeerArena(layout, group, device)
     if kind not in ARENAS:
         raise ValueError(f"no peer arena for transport {kind!r}; the device P2P forward runs over {', '.join(ARENAS)}")
     if group is None:

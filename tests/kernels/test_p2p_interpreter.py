@@ -2,11 +2,11 @@
 interpreter, on CPU: the new kernels against torch references, and whole EP forwards with gloo
 rank processes whose arenas are shared-memory files (the CPU stand-in for CUDA IPC).
 
-Checked here: the dispatch kernel's rows, (slot, weight) entries, destination table, pair owners,
+Checked here: the dispatch kernel's rows, (slot, weight) entries, header (rows, tokens), pair owners,
 bad-id and NaN reports, in two "ranks" of one tensor; the barrier (passes when every peer
 signalled, times out naming the peer and phase when one did not, skips waiting after a timeout,
-detects ranks that disagree on rows per source); GEMM2 through a destination table equals GEMM2
-in pair order, rows moved; EP 2 and 4 (an idle rank) bit-identical to the ep_size-1 device forward
+detects ranks that disagree on rows per source); GEMM2 through a destination table (and one base
+per segment) equals GEMM2 in pair order, rows moved; EP 2 and 4 (an idle rank) bit-identical to the ep_size-1 device forward
 for every quant x wire, within the gates; a peer that dies after start-up ends the other's forward
 with PeerTimeoutError naming layer, rank and peer. GPU runs (2 and 4 ranks on one H200, graphs,
 sync-debug): tests/kernels/test_gpu_ep.py.
@@ -70,6 +70,7 @@ def reference_dispatch(x, ids, weights, owner, slot, fmt, rows_per_src, arenas):
         here = known & (owner[safe] == r)
         slots[:t] = torch.where(here, slot[safe], -1)
         wts[:t] = torch.where(here, weights, 0.0)
+        slots[t:], wts[t:] = 3, 3.0  # past T: the stale entries stay (receivers read T rows: the header)
         goes = here.any(dim=1)
         expect[r] = (slots, wts, goes, rows)
     return expect, lay
@@ -85,13 +86,13 @@ def test_dispatch_kernel_writes_rows_entries_and_tables(fmt):
     owner = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     slot = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
     arenas = two_rank_arenas(fmt)
-    for arena in arenas:  # stale entries of an earlier, larger batch must be overwritten
+    for arena in arenas:  # stale entries of an earlier, larger batch: rewritten for t < T, left (and never read) past it
         arena.view(arena.layout.recv_slot, 2 * 8 * K, torch.int64).fill_(3)
+        arena.view(arena.layout.recv_weight, 2 * 8 * K, torch.float32).fill_(3.0)
     me = 1
     pair_live = torch.full((8 * K,), 77, dtype=torch.int64)
-    dest = torch.zeros(2 * 8 * K, dtype=torch.int64)
     status = InputStatus(torch.device("cpu"), 8)
-    p2p.dispatch(x, ids, weights, owner, slot, rows_per_src, arenas[me], fmt, H, pair_live, dest, status.word, 0)
+    p2p.dispatch(x, ids, weights, owner, slot, rows_per_src, arenas[me], fmt, H, pair_live, status.word, 0)
     assert status.word.tolist() == [0, 0, 0, 0]
     expect, lay = reference_dispatch(x, ids, weights, owner, slot, fmt, rows_per_src, arenas)
     for r, arena in enumerate(arenas):
@@ -107,16 +108,24 @@ def test_dispatch_kernel_writes_rows_entries_and_tables(fmt):
                 assert torch.equal(got_rows[me * rows_per_src + i], rows[i]), (r, i)
             else:
                 assert not got_rows[me * rows_per_src + i].any(), (r, i)  # a rank owning none of its experts gets no row
-        header = arena.view(lay.header, 2, torch.int64)
-        assert int(header[me]) == rows_per_src
+        header = arena.view(lay.header, 4, torch.int64)
+        assert int(header[me]) == rows_per_src and int(header[2 + me]) == t  # rows per source, tokens sent
     known = (ids >= 0) & (ids < 8)
     assert torch.equal(pair_live[: t * K], torch.where(known, owner[torch.where(known, ids, 0)], -1).view(-1))
     assert torch.equal(pair_live[t * K :], torch.full((8 * K - t * K,), 77))  # past T: untouched
-    q = torch.arange(2 * rows_per_src * K)
-    src, within = q // (rows_per_src * K), q % (rows_per_src * K)
-    base = arenas[me].local.data_ptr()
-    expect_dest = torch.tensor([arenas[s].local.data_ptr() - base for s in range(2)])[src] + lay.combine + within * lay.comb_bytes
-    assert torch.equal(dest[: 2 * rows_per_src * K], expect_dest)
+
+
+def test_an_idle_rank_dispatches_its_header_only():
+    arenas = two_rank_arenas("fp8")
+    for arena in arenas:
+        arena.view(arena.layout.header, 4, torch.int64).fill_(-5)
+    status = InputStatus(torch.device("cpu"), 8)
+    owner, slot = torch.tensor([0] * 4 + [1] * 4), torch.tensor([0, 1, 2, 3] * 2)
+    p2p.dispatch(torch.zeros(0, H), torch.zeros(0, K, dtype=torch.int64), torch.zeros(0, K), owner, slot, 8, arenas[0],
+                 "fp8", H, torch.full((8 * K,), -1), status.word, 0)
+    for arena in arenas:
+        assert arena.view(arena.layout.header, 4, torch.int64).tolist() == [8, -5, 0, -5]
+    assert status.word.tolist() == [0, 0, 0, 0]
 
 
 def test_dispatch_reports_the_first_bad_id_and_a_nan_row():
@@ -128,7 +137,7 @@ def test_dispatch_reports_the_first_bad_id_and_a_nan_row():
     arenas = two_rank_arenas("fp8")
     owner, slot = torch.tensor([0] * 4 + [1] * 4), torch.tensor([0, 1, 2, 3] * 2)
     status = InputStatus(torch.device("cpu"), 8)
-    args = (torch.full((8 * K,), -1), torch.zeros(2 * 8 * K, dtype=torch.int64), status.word)
+    args = (torch.full((8 * K,), -1), status.word)
     p2p.dispatch(x, ids, torch.rand(t, K), owner, slot, 8, arenas[0], "fp8", H, *args, 4)
     assert status.word.tolist() == [BAD_EXPERT_ID, 4, 8, 1]  # token 1's program runs before token 2's here
     status.word.zero_()

@@ -192,7 +192,7 @@ def test_layout_triton_build_ignores_out_of_range_slots():
     """Device slots are validated by the layer (a CPU tensor raises below); the kernels themselves
     must never index out of bounds on a bad one: that pair simply gets no row."""
     slot = torch.tensor([0, 2, 7, 1, -3, 2, 0])
-    tile_expert, sorted_pair, sorted_row = K["layout_kernels"].build_layout_triton(slot, torch.full_like(slot, 5), 3, 4,
+    tile_expert, sorted_pair, sorted_row, _ = K["layout_kernels"].build_layout_triton(slot, torch.full_like(slot, 5), 3, 4,
                                                                                    K["layout"].max_tiles(7, 3, 4))
     assert torch.equal(sorted_row, torch.where(sorted_pair >= 0, 5, -1).to(torch.int32))
     ref = K["layout"].build_layout_torch(torch.tensor([0, 2, 1, 2, 0]), 3, 4)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .layout_kernels import live_pairs_total, live_to_index
 from .mxjit import decode_e2m1, decode_e4m3, decode_e8m0, encode_e4m3, pow2
 
 
@@ -86,6 +87,7 @@ def rowscale_piece(k: int) -> int:
 def rowscale_e4m3_kernel(
     sorted_pair_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K,
     A_FMT: tl.constexpr, SORTED: tl.constexpr, NB: tl.constexpr, PK: tl.constexpr, HW_CVT: tl.constexpr,
+    live_ptr=None, n_seg=1, seg_rows=0, BM=1, PERSIST: tl.constexpr = False, N_SEG: tl.constexpr = 1,
 ):
     """MX rows (fp8 bytes or packed fp4, E8M0 per 32) -> e4m3 bytes over ONE power-of-two scale per
     row (rs_ptr, fp32): the frag8 decoder's A operand, so its K loop needs no per-32 rescale.
@@ -105,11 +107,34 @@ def rowscale_e4m3_kernel(
     computed positions with 8 warps; benchmarks/results/h200_power_ab.json). Once per received row,
     H200, same shapes: A takes 34 us at 2 warps, where the per-pair kernel took 265 us at 8 warps in
     the same call (benchmarks/research/rowscale_ab.py, benchmarks/results/h200_rows_ab.json).
+
+    PERSIST (the live rows of a fixed region, experts/live.py): a fixed grid strides over the live
+    rows only: SORTED, the rows of the layout's live tiles (live_ptr: live_tiles, BM rows each);
+    else the received rows at the head of each segment (live_ptr: LiveRows.counts, n_seg segments
+    of seg_rows rows).
     """
-    r = tl.program_id(0).to(tl.int64)
-    if SORTED:
-        if tl.load(sorted_pair_ptr + r) < 0:
-            return
+    if not PERSIST:
+        r = tl.program_id(0).to(tl.int64)
+        if SORTED:
+            if tl.load(sorted_pair_ptr + r) < 0:
+                return
+        _rowscale_row(r, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K, A_FMT, NB, PK, HW_CVT)
+    elif SORTED:
+        for r in range(tl.program_id(0), tl.load(live_ptr) * BM, tl.num_programs(0)):
+            if tl.load(sorted_pair_ptr + r) >= 0:
+                _rowscale_row(tl.cast(r, tl.int64), a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K, A_FMT,
+                              NB, PK, HW_CVT)
+    else:
+        c, total = live_pairs_total(live_ptr, n_seg, seg_rows, 1, N_SEG)
+        for i in range(tl.program_id(0), total, tl.num_programs(0)):
+            r = tl.sum(live_to_index(i + tl.zeros([1], tl.int32), c, seg_rows, N_SEG), 0)
+            _rowscale_row(r, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K, A_FMT, NB, PK, HW_CVT)
+
+
+@triton.jit
+def _rowscale_row(r, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K,
+                  A_FMT: tl.constexpr, NB: tl.constexpr, PK: tl.constexpr, HW_CVT: tl.constexpr):
+    """Row r of rowscale_e4m3_kernel (its docstring)."""
     blk = tl.arange(0, NB)
     smax = tl.max(tl.load(as_ptr + r * stride_asm + blk, mask=blk < K // 32, other=0).to(tl.int32), axis=0)
     for k0 in range(0, K, PK):

@@ -15,42 +15,57 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import assume_k_loop_runs, claim_tile, frag_tile_mainloop, mx_mainloop
+from .mainloop import assume_k_loop_runs, claim_tile, frag_tile_mainloop, mx_mainloop, persistent_items
 from .mxjit import round_bf16
 from .quant import quantize_blocks
 
 
 @triton.jit
 def gemm2_weighted_kernel(
-    tile_expert_ptr, sorted_pair_ptr, route_w_ptr, num_m_tiles,
+    tile_expert_ptr, sorted_pair_ptr, route_w_ptr, num_m_tiles, live_tiles_ptr,
     a_ptr, stride_am, as_ptr, stride_asm,
     w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr,
-    out_ptr, stride_om, dest_ptr,
+    out_ptr, stride_om, dest_ptr, seg_pairs, seg_row_bytes,
     K, N,
     W_FMT: tl.constexpr, A_FMT: tl.constexpr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     F32_DOT: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr, TAIL_RIDE: tl.constexpr, OUT_FMT: tl.constexpr,
-    W_FULL: tl.constexpr, DEST: tl.constexpr = False,
+    W_FULL: tl.constexpr, DEST: tl.constexpr = 0, PERSIST: tl.constexpr = False,
 ):
-    expert, row0, pid_n, mine = claim_tile(tile_expert_ptr, sorted_pair_ptr, num_m_tiles, tl.cdiv(N, BN), GROUP_M, BM, TAIL_M,
-                                           PASS, TAIL_RIDE)
-    if not mine:
-        return
+    """One tile per program, or PERSIST: a fixed grid striding over the live tiles (live_tiles_ptr).
+    DEST: 0 rows at their pair index, 1 a destination table, 2 a destination per segment (_row_offsets)."""
     assume_k_loop_runs(K, BK)
     BM_RUN: tl.constexpr = TAIL_M if PASS == "short" else BM  # the short launch runs its tiles' first TAIL_M rows
     RIDE: tl.constexpr = TAIL_M if PASS == "ride" else 0  # rows of the next (short) tile run in this tile's loop
-    _gemm2_tile(
-        expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
-        w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om,
-        dest_ptr, K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, RIDE, OUT_FMT, W_FULL, DEST,
-    )
+    if PERSIST:
+        first, end, step, m_tiles = persistent_items(live_tiles_ptr, tl.cdiv(N, BN))
+        for item in range(first, end, step):
+            expert, row0, pid_n, mine = claim_tile(item, tile_expert_ptr, sorted_pair_ptr, m_tiles, tl.cdiv(N, BN), GROUP_M,
+                                                   BM, TAIL_M, PASS, TAIL_RIDE)
+            if mine:
+                _gemm2_tile(
+                    expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
+                    w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr,
+                    stride_om, dest_ptr, seg_pairs, seg_row_bytes, K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK,
+                    F32_DOT, RIDE, OUT_FMT, W_FULL, DEST,
+                )
+    else:
+        expert, row0, pid_n, mine = claim_tile(tl.program_id(0), tile_expert_ptr, sorted_pair_ptr, num_m_tiles,
+                                               tl.cdiv(N, BN), GROUP_M, BM, TAIL_M, PASS, TAIL_RIDE)
+        if mine:
+            _gemm2_tile(
+                expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
+                w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr,
+                stride_om, dest_ptr, seg_pairs, seg_row_bytes, K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK,
+                F32_DOT, RIDE, OUT_FMT, W_FULL, DEST,
+            )
 
 
 @triton.jit
 def _gemm2_tile(
     expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
     w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om, dest_ptr,
-    K, N, W_FMT: tl.constexpr, A_FMT: tl.constexpr, DECODE: tl.constexpr, USE_ASM: tl.constexpr,
+    seg_pairs, seg_row_bytes, K, N, W_FMT: tl.constexpr, A_FMT: tl.constexpr, DECODE: tl.constexpr, USE_ASM: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr, RIDE: tl.constexpr, OUT_FMT: tl.constexpr,
     W_FULL: tl.constexpr, DEST: tl.constexpr,
 ):
@@ -77,25 +92,32 @@ def _gemm2_tile(
             a_ptr, rows, valid, stride_am, as_ptr, stride_asm,
             K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
         )
-    _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, N, BN, OUT_FMT, USE_ASM, DEST)
+    _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, seg_pairs, seg_row_bytes, N, BN, OUT_FMT,
+                 USE_ASM, DEST)
     if RIDE > 0:
-        _gemm2_store(acc_r, r_pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, N, BN, OUT_FMT, USE_ASM, DEST)
+        _gemm2_store(acc_r, r_pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, seg_pairs, seg_row_bytes, N, BN,
+                     OUT_FMT, USE_ASM, DEST)
 
 
 @triton.jit
-def _row_offsets(pair, valid, stride_om, dest_ptr, DEST: tl.constexpr, SHIFT: tl.constexpr):
+def _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST: tl.constexpr, SHIFT: tl.constexpr):
     """Where each pair's row starts, in elements of ``out``: at its pair index (``pair * stride_om``),
-    or with DEST where the caller's table says (int64 byte offsets from ``out``, e.g. the source
-    rank's combine region in a peer arena: the table is the caller's, the kernel knows no ranks)."""
-    if DEST:
+    or where the caller says, in int64 byte offsets from ``out`` (e.g. the source rank's combine
+    region in a peer arena; the kernel knows no ranks): DEST 1 a table per pair, DEST 2 one base per
+    segment of seg_pairs pairs, rows seg_row_bytes apart (experts/live.py SegmentDest)."""
+    if DEST == 1:
         return tl.load(dest_ptr + pair, mask=valid, other=0) >> SHIFT
+    elif DEST == 2:
+        p64 = pair.to(tl.int64)
+        seg = p64 // seg_pairs
+        return (tl.load(dest_ptr + seg, mask=valid, other=0) + (p64 - seg * seg_pairs) * seg_row_bytes) >> SHIFT
     else:
         return pair.to(tl.int64) * stride_om
 
 
 @triton.jit
-def _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, N, BN: tl.constexpr, OUT_FMT: tl.constexpr,
-                 HW_CVT: tl.constexpr, DEST: tl.constexpr):
+def _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, seg_pairs, seg_row_bytes, N, BN: tl.constexpr,
+                 OUT_FMT: tl.constexpr, HW_CVT: tl.constexpr, DEST: tl.constexpr):
     """acc [BN, rows] x each row's route weight -> rows of ``out`` at the pairs' indices (padding: -1,
     skipped): fp32, or the combine wire row (OUT_FMT "bf16" / "fp8", module docstring)."""
     valid = pair >= 0
@@ -104,10 +126,10 @@ def _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, N,
     n = pid_n * BN + tl.arange(0, BN)
     mask = valid[None, :] & (n < N)[:, None]
     if OUT_FMT == "f32":
-        ro = _row_offsets(pair, valid, stride_om, dest_ptr, DEST, 2)[None, :]
+        ro = _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST, 2)[None, :]
         tl.store(out_ptr + ro + n[:, None], out, mask=mask)
     elif OUT_FMT == "bf16":  # integer RNE (the interpreter truncates fp32 -> bf16 casts), then an exact cast
-        ro = _row_offsets(pair, valid, stride_om, dest_ptr, DEST, 1)[None, :]
+        ro = _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST, 1)[None, :]
         tl.store(out_ptr + ro + n[:, None], round_bf16(out).to(tl.bfloat16), mask=mask)
     else:
         tl.static_assert(OUT_FMT == "fp8", "OUT_FMT must be f32, bf16 or fp8")
@@ -116,21 +138,21 @@ def _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, N,
         if rows >= 32:  # even / odd token columns apart (in-thread pairs of the MMA layout): half the transpose at a time
             ev, od = tl.split(tl.reshape(out, [BN, rows // 2, 2]))
             pe, po = tl.split(tl.reshape(pair, [rows // 2, 2]))
-            _store_fp8_rows(ev, pe, pid_n, out_ptr, stride_om, dest_ptr, N, BN, HW_CVT, DEST)
-            _store_fp8_rows(od, po, pid_n, out_ptr, stride_om, dest_ptr, N, BN, HW_CVT, DEST)
+            _store_fp8_rows(ev, pe, pid_n, out_ptr, stride_om, dest_ptr, seg_pairs, seg_row_bytes, N, BN, HW_CVT, DEST)
+            _store_fp8_rows(od, po, pid_n, out_ptr, stride_om, dest_ptr, seg_pairs, seg_row_bytes, N, BN, HW_CVT, DEST)
         else:
-            _store_fp8_rows(out, pair, pid_n, out_ptr, stride_om, dest_ptr, N, BN, HW_CVT, DEST)
+            _store_fp8_rows(out, pair, pid_n, out_ptr, stride_om, dest_ptr, seg_pairs, seg_row_bytes, N, BN, HW_CVT, DEST)
 
 
 @triton.jit
-def _store_fp8_rows(out, pair, pid_n, out_ptr, stride_om, dest_ptr, N, BN: tl.constexpr, HW_CVT: tl.constexpr,
-                    DEST: tl.constexpr):
+def _store_fp8_rows(out, pair, pid_n, out_ptr, stride_om, dest_ptr, seg_pairs, seg_row_bytes, N, BN: tl.constexpr,
+                    HW_CVT: tl.constexpr, DEST: tl.constexpr):
     """out [BN, rows] (route-weighted) -> fp8_blockwise_1x32 wire rows at the pairs' indices."""
     rows: tl.constexpr = out.shape[1]
     n = pid_n * BN + tl.arange(0, BN)
     valid = pair >= 0
     payload, scales = quantize_blocks(tl.reshape(tl.trans(out), [rows * (BN // 32), 32]), "fp8", HW_CVT)
-    ro = _row_offsets(pair, valid, stride_om, dest_ptr, DEST, 0)[:, None]
+    ro = _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST, 0)[:, None]
     tl.store(out_ptr + ro + n[None, :], tl.reshape(payload, [rows, BN]), mask=valid[:, None] & (n < N)[None, :])
     sc = pid_n * (BN // 32) + tl.arange(0, BN // 32)
     tl.store(out_ptr + ro + N + sc[None, :], tl.reshape(scales, [rows, BN // 32]),

@@ -27,6 +27,7 @@ class ExpertLayout:
     tile_expert: torch.Tensor  # [num_tiles] local expert of each tile, -1 for unused tiles
     sorted_pair: torch.Tensor  # [num_tiles * block_m] pair index of each sorted row, -1 for padding
     sorted_row: torch.Tensor  # [num_tiles * block_m] that pair's received row (GEMM1's A row), -1 for padding
+    live_tiles: torch.Tensor | None = None  # [1] the tiles the GEMMs walk (persistent grids); None: all num_tiles
 
     @property
     def num_rows(self) -> int:
@@ -38,7 +39,8 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def build_layout(
-    slot: torch.Tensor, num_experts: int, block_m: int, capacity: int | None = None, row: torch.Tensor | None = None
+    slot: torch.Tensor, num_experts: int, block_m: int, capacity: int | None = None, row: torch.Tensor | None = None,
+    live=None, active: tuple[int, int] = (-1, 2**31 - 1),
 ) -> ExpertLayout:
     """Sort pairs by local expert, padding each expert's rows to a multiple of ``block_m``.
 
@@ -52,6 +54,10 @@ def build_layout(
     costs no device synchronisation (the GPU kernels give any out-of-range slot no row). On CUDA (and under the Triton interpreter) three
     small Triton launches build it (`layout_kernels.py`); otherwise torch ops do (`build_layout_torch`,
     also the tests' reference). Both keep the pairs' order within an expert, so they agree exactly.
+
+    ``live`` (experts/live.py LiveRows, Triton build only): read and place only the live pairs (the
+    rest of the region is stale); ``layout.live_tiles`` then holds the routed tile count on the
+    device, 0 when the live pair count falls outside ``active`` = (lo, hi] (another tile config runs).
     """
     if slot.dim() != 1:
         raise ValueError(f"pairs.slot must be 1-D [P], got shape {tuple(slot.shape)}")
@@ -72,9 +78,12 @@ def build_layout(
         from .layout_kernels import build_layout_triton
 
         n_tiles = max_tiles(p, num_experts, block_m)
-        tile_expert, sorted_pair, sorted_row = build_layout_triton(slot, row, num_experts, block_m, n_tiles)
+        tile_expert, sorted_pair, sorted_row, live_tiles = build_layout_triton(slot, row, num_experts, block_m, n_tiles,
+                                                                               live, active)
         return ExpertLayout(block_m=block_m, num_tiles=n_tiles, tile_expert=tile_expert, sorted_pair=sorted_pair,
-                            sorted_row=sorted_row)
+                            sorted_row=sorted_row, live_tiles=live_tiles)
+    if live is not None:
+        raise ValueError("live rows (LiveRows) need the Triton layout build (CUDA or TRITON_INTERPRET=1)")
     return build_layout_torch(slot, num_experts, block_m, row)
 
 

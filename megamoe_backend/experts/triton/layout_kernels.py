@@ -30,20 +30,55 @@ CHUNK = 128  # pairs per chunk: the in-chunk rank is a CHUNK x CHUNK comparison
 
 
 @triton.jit
-def _chunk_slots(slot_ptr, P, E, E_PAD: tl.constexpr, CH: tl.constexpr):
-    """This chunk's pair indices and slots; past P, and any slot outside [0, E), read as the spare
-    last bin E_PAD - 1, which no tile uses (the layer validates slots first; this only keeps a bad
-    slot from indexing out of bounds: such a pair gets no row)."""
+def live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG: tl.constexpr):
+    """(live pairs of each segment [N_SEG], their total): segment s's first counts[s] rows (clamped
+    to [0, seg_rows]: a peer's bad header can cost rows, never an access outside the region)."""
+    s_idx = tl.arange(0, N_SEG)
+    c = tl.load(counts_ptr + s_idx, mask=s_idx < n_seg, other=0)
+    c = tl.minimum(tl.maximum(c, 0), seg_rows).to(tl.int32) * per_row
+    return c, tl.sum(c, 0)
+
+
+@triton.jit
+def live_to_index(i, c, seg_len, N_SEG: tl.constexpr):
+    """Live index i (0 .. total-1, segments' live heads laid end to end) -> the index in the region
+    (segment s at s * seg_len); ``c``: live entries of each segment (live_pairs_total)."""
+    s_idx = tl.arange(0, N_SEG)
+    incl = tl.cumsum(c, 0)
+    seg = tl.sum((incl[None, :] <= i[:, None]).to(tl.int32), 1)
+    before = tl.sum(tl.where(s_idx[None, :] < seg[:, None], c[None, :], 0), 1)
+    return seg.to(tl.int64) * seg_len + (i - before)
+
+
+@triton.jit
+def _chunk_slots(slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row,
+                 E_PAD: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr):
+    """This chunk's pair indices and slots; past the pairs, and any slot outside [0, E), read as the
+    spare last bin E_PAD - 1, which no tile uses (the layer validates slots first; this only keeps a
+    bad slot from indexing out of bounds: such a pair gets no row). SEG: chunks walk the live pairs
+    only (LiveRows), mapped to their index in the region."""
     i = tl.program_id(0) * CH + tl.arange(0, CH)
-    s = tl.load(slot_ptr + i, mask=i < P, other=E_PAD - 1).to(tl.int32)
-    return i, tl.where((s >= 0) & (s < E), s, E_PAD - 1)
+    if SEG:
+        c, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
+        live = i < total
+        q = live_to_index(i, c, seg_rows * per_row, N_SEG)
+    else:
+        live = i < P
+        q = i.to(tl.int64)
+    s = tl.load(slot_ptr + q, mask=live, other=E_PAD - 1).to(tl.int32)
+    return q, tl.where((s >= 0) & (s < E), s, E_PAD - 1)
 
 
 @triton.jit
 def _chunk_histogram(slot_ptr, P, E, hist_ptr, sorted_pair_ptr, sorted_row_ptr, rows, rows_per_program,
-                     E_PAD: tl.constexpr, CH: tl.constexpr, FB: tl.constexpr):
-    _, s = _chunk_slots(slot_ptr, P, E, E_PAD, CH)
+                     counts_ptr, n_seg, seg_rows, per_row, BM, num_tiles,
+                     E_PAD: tl.constexpr, CH: tl.constexpr, FB: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr):
+    _, s = _chunk_slots(slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
     tl.store(hist_ptr + tl.program_id(0) * E_PAD + tl.arange(0, E_PAD), tl.histogram(s, E_PAD))
+    if SEG:  # only the rows the live pairs can fill: ceil(live / BM) + E tiles at most
+        _, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
+        rows = tl.minimum(num_tiles, (total + BM - 1) // BM + E) * BM
+        rows_per_program = tl.cdiv(rows, tl.num_programs(0))
     first = tl.program_id(0) * rows_per_program
     end = tl.minimum(first + rows_per_program, rows)
     for r0 in range(first, end, FB):
@@ -54,11 +89,16 @@ def _chunk_histogram(slot_ptr, P, E, hist_ptr, sorted_pair_ptr, sorted_row_ptr, 
 
 @triton.jit
 def _plan(
-    hist_ptr, base_ptr, first_row_ptr, tile_end_ptr, NC, E, BM, num_tiles, tile_expert_ptr,
-    E_PAD: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr, LOG_E: tl.constexpr,
+    hist_ptr, base_ptr, first_row_ptr, tile_end_ptr, NC, E, BM, num_tiles, tile_expert_ptr, live_tiles_ptr,
+    counts_ptr, n_seg, seg_rows, per_row, active_lo, active_hi,
+    E_PAD: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr, LOG_E: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr,
+    N_SEG: tl.constexpr,
 ):
     e = tl.arange(0, E_PAD)
     real = e < E
+    if SEG:  # the chunks that hold live pairs (_chunk_slots)
+        _, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
+        NC = tl.cdiv(total, CH)
     # pass 1: base[c, e] = pairs of expert e in chunks < c; counts = all of them
     run = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, NC, CB):
@@ -73,7 +113,14 @@ def _plan(
     tile_end = tl.cumsum(tiles, 0)
     tl.store(first_row_ptr + e, (tile_end - tiles) * BM)  # _scatter adds it to the chunk bases
     tl.store(tile_end_ptr + e, tile_end)
+    # the tiles the GEMMs walk (their persistent grids read it): all routed tiles, or none when this
+    # layout's tile config is not the one the live pair count picks (TritonExperts: device-side choice)
+    n_pairs = tl.sum(counts, 0)
+    live_tiles = tl.where((n_pairs > active_lo) & (n_pairs <= active_hi), tl.max(tile_end, 0), 0)
+    tl.store(live_tiles_ptr, live_tiles)
     tl.debug_barrier()  # tile_end is read back below by other threads of this program
+    if SEG:
+        num_tiles = live_tiles
     # the expert of tile t = the number of real experts whose tiles all end at or before t (-1 past
     # the last): an upper-bound binary search over the non-decreasing tile_end[0:E], LOG_E steps
     for t0 in range(0, num_tiles, TB):
@@ -91,22 +138,32 @@ def _plan(
 
 @triton.jit
 def _scatter(slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr, sorted_row_ptr,
-             E_PAD: tl.constexpr, CH: tl.constexpr):
-    i, s = _chunk_slots(slot_ptr, P, E, E_PAD, CH)
+             counts_ptr, n_seg, seg_rows, per_row, live_tiles_ptr,
+             E_PAD: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr):
+    if SEG:
+        if tl.load(live_tiles_ptr) == 0:  # nothing to place (no live pair, or another config runs)
+            return
+    i, s = _chunk_slots(slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
     j = tl.arange(0, CH)
     placed = s < E
     earlier = (s[:, None] == s[None, :]) & (j[None, :] < j[:, None])
     rank = tl.sum(earlier.to(tl.int32), 1)
     row = tl.load(base_ptr + tl.program_id(0) * E_PAD + s, mask=placed, other=0) + rank
     row += tl.load(first_row_ptr + s, mask=placed, other=0)
-    tl.store(sorted_pair_ptr + row, i, mask=placed)
+    tl.store(sorted_pair_ptr + row, i.to(tl.int32), mask=placed)
     tl.store(sorted_row_ptr + row, tl.load(row_ptr + i, mask=placed, other=0).to(tl.int32), mask=placed)
 
 
 def build_layout_triton(
-    slot: torch.Tensor, row: torch.Tensor, num_experts: int, block_m: int, num_tiles: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tile_expert [num_tiles], sorted_pair, sorted_row [num_tiles * block_m]) int32, as build_layout_torch."""
+    slot: torch.Tensor, row: torch.Tensor, num_experts: int, block_m: int, num_tiles: int, live=None,
+    active: tuple[int, int] = (-1, 2**31 - 1),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tile_expert [num_tiles], sorted_pair, sorted_row [num_tiles * block_m]) int32, as build_layout_torch,
+    and live_tiles (int32 [1]: the tiles the GEMMs walk).
+
+    ``live`` (experts/live.py LiveRows): only the live pairs are read, placed and counted; the tiles
+    past live_tiles are left unwritten (every consumer stops at live_tiles). ``active`` (lo, hi]: the
+    live pair counts this layout's tile config serves; outside it live_tiles is 0 (another runs)."""
     p = slot.shape[0]
     dev = slot.device
     e_pad = triton.next_power_of_2(num_experts + 1)  # + a spare bin for the masked tail of a chunk
@@ -118,11 +175,20 @@ def build_layout_triton(
     tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=dev)
     sorted_pair = torch.empty(num_tiles * block_m, dtype=torch.int32, device=dev)
     sorted_row = torch.empty_like(sorted_pair)
+    live_tiles = torch.empty(1, dtype=torch.int32, device=dev)
     slot, row = slot.contiguous(), row.contiguous()
     rows = num_tiles * block_m
+    if live is None:
+        seg = dict(counts_ptr=live_tiles, n_seg=1, seg_rows=0, per_row=1, SEG=False, N_SEG=1)
+    else:
+        n_recv = live.segments * live.seg_rows
+        seg = dict(counts_ptr=live.counts, n_seg=live.segments, seg_rows=live.seg_rows, per_row=p // n_recv, SEG=True,
+                   N_SEG=triton.next_power_of_2(live.segments))
     _chunk_histogram[(nc,)](slot, p, num_experts, hist, sorted_pair, sorted_row, rows, triton.cdiv(rows, nc),
-                            E_PAD=e_pad, CH=CHUNK, FB=1024)
-    _plan[(1,)](hist, base, first_row, tile_end, nc, num_experts, block_m, num_tiles, tile_expert,
-                E_PAD=e_pad, CB=max(1, min(64, 16384 // e_pad)), TB=1024, LOG_E=e_pad.bit_length(), num_warps=8)
-    _scatter[(nc,)](slot, row, p, num_experts, base, first_row, sorted_pair, sorted_row, E_PAD=e_pad, CH=CHUNK)
-    return tile_expert, sorted_pair, sorted_row
+                            BM=block_m, num_tiles=num_tiles, E_PAD=e_pad, CH=CHUNK, FB=1024, **seg)
+    _plan[(1,)](hist, base, first_row, tile_end, nc, num_experts, block_m, num_tiles, tile_expert, live_tiles,
+                active_lo=active[0], active_hi=active[1], E_PAD=e_pad, CB=max(1, min(64, 16384 // e_pad)), TB=1024,
+                LOG_E=e_pad.bit_length(), CH=CHUNK, num_warps=8, **seg)
+    _scatter[(nc,)](slot, row, p, num_experts, base, first_row, sorted_pair, sorted_row, live_tiles_ptr=live_tiles,
+                    E_PAD=e_pad, CH=CHUNK, **seg)
+    return tile_expert, sorted_pair, sorted_row, live_tiles

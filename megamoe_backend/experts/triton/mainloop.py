@@ -156,9 +156,10 @@ def assume_k_loop_runs(K, BK: tl.constexpr):
 
 
 @triton.jit
-def claim_tile(tile_expert_ptr, sorted_ptr, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr, BM: tl.constexpr,
+def claim_tile(pid, tile_expert_ptr, sorted_ptr, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr, BM: tl.constexpr,
                TAIL_M: tl.constexpr, PASS: tl.constexpr, TAIL_RIDE: tl.constexpr):
-    """(expert, first sorted row, N tile, whether this launch runs the tile) of this program.
+    """(expert, first sorted row, N tile, whether this launch runs the tile) of work item ``pid`` (the
+    program id, or a persistent program's current item: persistent_items).
 
     Unused tiles (expert -1) are nobody's. sorted_ptr: per sorted row a value that is -1 on padding
     rows (layout.sorted_pair or sorted_row). With TAIL_M > 0 a tile is "short" when its rows from
@@ -171,7 +172,7 @@ def claim_tile(tile_expert_ptr, sorted_ptr, num_m_tiles, num_n_tiles, GROUP_M: t
       as a rider, in the same K loop on the same decoded weights (frag_mainloop_ride).
     Why: a prefill expert's last tile is often nearly empty; a full-height MMA over it is mostly
     padding, and a short tile of its own still decodes every weight again (docs/triton.md)."""
-    pid_m, pid_n = tile_coords(tl.program_id(0), num_m_tiles, num_n_tiles, GROUP_M)
+    pid_m, pid_n = tile_coords(pid, num_m_tiles, num_n_tiles, GROUP_M)
     expert = tl.load(tile_expert_ptr + pid_m)
     row0 = pid_m * BM
     mine = expert >= 0
@@ -193,6 +194,15 @@ def claim_tile(tile_expert_ptr, sorted_ptr, num_m_tiles, num_n_tiles, GROUP_M: t
         else:
             mine = mine & (short == (PASS == "short"))
     return expert, row0, pid_n, mine
+
+
+@triton.jit
+def persistent_items(live_tiles_ptr, num_n_tiles):
+    """(first item, end, step) of this program's work in a persistent launch: the grid is fixed (a few
+    waves of the GPU, capturable) and its programs stride over live_tiles x num_n_tiles items, the
+    tile count the layout left on the device, so the launch costs the live tiles' work, not the grid's."""
+    m_tiles = tl.load(live_tiles_ptr)
+    return tl.program_id(0), m_tiles * num_n_tiles, tl.num_programs(0), m_tiles
 
 
 @triton.jit

@@ -18,9 +18,10 @@ from ...formats import MX_BLOCK, MXTensor
 from ...formats.wire import WireFormat
 from ..base import Activations, ExpertMath, ExpertPairs, ExpertsProvider
 from ..fragments import FP8_K
+from ..live import LiveRows, SegmentDest
 from ..weights import FRAGMENT_STORAGE, ExpertWeights
 from . import triton_available
-from .config import TileConfig, default_config, interpreting, reduction_block
+from .config import TileConfig, _table, default_config, interpreting, reduction_block
 
 DECODERS = ("auto", "frag8", "frag", "split", "dot_scaled", "manual")
 FRAG_KIND = {"frag": "bf16", "frag8": "fp8"}  # fragment decoder -> the fragments.py kind it reads
@@ -129,7 +130,7 @@ class TritonExperts(ExpertsProvider):
 
     def forward_wire(
         self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, wire: WireFormat,
-        *, out: torch.Tensor | None = None, dest: torch.Tensor | None = None,
+        *, out: torch.Tensor | None = None, dest: torch.Tensor | SegmentDest | None = None, live: LiveRows | None = None,
     ) -> torch.Tensor:
         """See ExpertsProvider.forward_wire: GEMM2's epilogue writes the combine wire row itself (bf16, or
         fp8 + E8M0 per 1x32 via the same block quantiser as quant.py), so the fp32 rows are never
@@ -138,7 +139,12 @@ class TritonExperts(ExpertsProvider):
         ``dest`` (int64 [P]): pair p's row goes to byte ``dest[p]`` from ``out``'s first byte instead
         of row p of ``out`` (a transport's destination table: the device P2P forward points each row
         at its source rank's combine region; the experts never learn about ranks). ``out`` is then a
-        flat uint8 base, and the table must keep every row inside memory the caller owns."""
+        flat uint8 base, and the table must keep every row inside memory the caller owns. A
+        ``SegmentDest`` says the same per segment of pairs (experts/live.py), with no table to write.
+
+        ``live`` (experts/live.py): only the rows at the head of each segment are live this forward
+        (a count on the device); every kernel then runs a fixed grid that walks the live work only,
+        and the tile config follows ``live.config_pairs`` (else it is picked on the device)."""
         if wire.mx not in (None, "fp8"):
             raise ValueError(f"combine wire {wire.name!r}: the Triton GEMM2 epilogue writes bf16 or fp8_blockwise_1x32 rows")
         if dest is None:
@@ -147,18 +153,20 @@ class TritonExperts(ExpertsProvider):
         else:
             _check_dest(dest, out, len(pairs), pairs.weight.device)
         if wire.mx is None:
-            self._run(a, pairs, weights, math, out.view(torch.bfloat16), "bf16", dest)
+            self._run(a, pairs, weights, math, out.view(torch.bfloat16), "bf16", dest, live)
         else:
-            self._run(a, pairs, weights, math, out, "fp8", dest)
+            self._run(a, pairs, weights, math, out, "fp8", dest, live)
         return out
 
     def _run(
         self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, out: torch.Tensor, out_fmt: str,
-        dest: torch.Tensor | None = None,
+        dest: torch.Tensor | SegmentDest | None = None, live: LiveRows | None = None,
     ) -> torch.Tensor:
         """The forward proper; ``out`` is the checked [P, ...] result buffer GEMM2 writes in ``out_fmt``
         ("f32", or the combine wire: "bf16" / "fp8"; gemm2.py), or with ``dest`` the base its byte
-        offsets count from."""
+        offsets count from. With ``live`` the A conversion runs once over the live rows, then each
+        tile config candidate (tile_candidates) builds its layout and runs both GEMMs; a candidate the
+        live pair count does not pick finds live_tiles = 0 and its launches exit at once."""
         from .gather import gather_split_kernel, rowscale_e4m3_kernel, rowscale_piece
         from .gemm1 import gemm1_swiglu_kernel
         from .gemm2 import gemm2_weighted_kernel
@@ -183,14 +191,16 @@ class TritonExperts(ExpertsProvider):
             return out
 
         mode = self.resolve_decoder(weights.fmt, weights.storage)
-        cfg = self.config or default_config(p, n_exp, mode)
-        if out_fmt == "fp8" and cfg.block_n2 < MX_BLOCK:
-            raise ValueError(f"the fp8_blockwise_1x32 combine wire is quantised per 1x32 block of a GEMM2 tile: "
-                             f"TileConfig.block_n2={cfg.block_n2} must be >= {MX_BLOCK}")
+        if live is not None:
+            _check_live(live, x, p, device)
+            candidates = tile_candidates(self.config, p // live.segments, n_exp, mode, live.config_pairs)
+        else:
+            candidates = ((self.config or default_config(p, n_exp, mode), ALL_COUNTS),)
+        for cfg, _ in candidates:
+            if out_fmt == "fp8" and cfg.block_n2 < MX_BLOCK:
+                raise ValueError(f"the fp8_blockwise_1x32 combine wire is quantised per 1x32 block of a GEMM2 tile: "
+                                 f"TileConfig.block_n2={cfg.block_n2} must be >= {MX_BLOCK}")
         use_asm = device.type == "cuda" and not interpreting()
-        bk1, bk2 = reduction_block(hidden, cfg.block_k), reduction_block(inter, cfg.block_k)
-        layout = build_layout(pairs.slot, n_exp, cfg.block_m, self.capacity, row=pairs.row)
-        rows = layout.num_rows
         a_data, a_scale = _operand(x, a_fmt, mode == "dot_scaled")
         n_recv = a_data.shape[0]  # A is prepared once per received row; GEMM1 reads it through layout.sorted_row
         if n_recv == 0:
@@ -199,95 +209,111 @@ class TritonExperts(ExpertsProvider):
             # checked where it costs no device synchronisation (as layout.py does for slots); the layer builds rows itself
             raise ValueError(f"pairs.row out of range [0, {n_recv}) of the received rows: "
                              f"min {int(pairs.row.min())}, max {int(pairs.row.max())}")
+        bk1, bk2 = (reduction_block(hidden, candidates[0][0].block_k), reduction_block(inter, candidates[0][0].block_k))
         if mode in ("frag", "frag8") and (bk1 < 64 or bk2 < 64):
             raise ValueError(f"decoder={mode!r} needs block_k >= 64 dividing hidden={hidden} and intermediate={inter}")
+        cap = persistent_grid(device) if live is not None else None
         a_rs = w1_rs = w2_rs = pairs.weight  # row scales: frag8 only (the kernels ignore them otherwise)
         if mode == "frag8":
-            if cfg.block_k < FP8_K:
-                raise ValueError(f"decoder='frag8' steps K by {FP8_K} (its weights' K chunk, fragments.fp8_k_order): "
-                                 f"TileConfig.block_k={cfg.block_k} must be >= {FP8_K}")
-            bk1 = bk2 = FP8_K  # hidden / intermediate % 128 == 0: checked when the weights were re-laid
+            for cfg, _ in candidates:
+                if cfg.block_k < FP8_K:
+                    raise ValueError(f"decoder='frag8' steps K by {FP8_K} (its weights' K chunk, fragments.fp8_k_order): "
+                                     f"TileConfig.block_k={cfg.block_k} must be >= {FP8_K}")
             _require_mx_activations(math)
             # A once per received row (GEMM1 reads it through layout.sorted_row): not a copy per pair
             a8 = torch.empty(n_recv, hidden, dtype=torch.uint8, device=device)
             a_rs = torch.empty(n_recv, dtype=torch.float32, device=device)
             # 2 warps per row: fastest of 1 / 2 / 4 / 8 at 8192 tokens, within noise of them at 1024 (benchmarks/research/rowscale_ab.py)
-            rowscale_e4m3_kernel[(n_recv,)](
-                layout.sorted_pair, a_data, a_data.stride(0), a_scale, a_scale.stride(0),
+            rowscale_e4m3_kernel[(_grid(n_recv, cap),)](
+                pairs.row, a_data, a_data.stride(0), a_scale, a_scale.stride(0),
                 a8, a8.stride(0), a_rs, hidden, A_FMT=a_fmt, SORTED=False,
                 NB=triton.next_power_of_2(hidden // MX_BLOCK), PK=rowscale_piece(hidden), HW_CVT=use_asm, num_warps=2,
+                **_live_rows_args(live),
             )
             e4m3 = torch.uint8 if interpreting() else torch.float8_e4m3fn  # typed for the FP8 MMA loads
             a_data, a_scale = a8.view(e4m3), a8
             w1_rs, w2_rs = weights.w1_row_scale, weights.w2_row_scale
-            # GEMM1 writes A2 in the A format (MX per 32, as the reference); rowscale_e4m3 then re-scales it
-            a2 = torch.empty(rows, inter if a_fmt == "fp8" else inter // 2, dtype=torch.uint8, device=device)
-            a2_scale = torch.empty(rows, inter // MX_BLOCK, dtype=torch.uint8, device=device)
-        elif mode in ("split", "frag"):
-            if mode == "split" or a_fmt != "bf16":  # bf16 rows in natural order are frag's A as received
-                a_split = torch.empty(n_recv, hidden, dtype=torch.bfloat16, device=device)
-                gather_split_kernel[(n_recv, 1)](  # one program per received row, all of K
-                    a_data, a_data.stride(0), a_scale, a_scale.stride(0), a_split, a_split.stride(0), hidden,
-                    A_FMT=a_fmt, BK=bk1, NB=triton.next_power_of_2(hidden // bk1), SPLIT=mode == "split",
-                    HW_CVT=use_asm, num_warps=8,
-                )
-                a_data = a_scale = a_split
-            a2 = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
-            a2_scale = a2
-        elif a_fmt == "bf16":
-            a2 = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
-            a2_scale = a2
-        else:
-            a2 = torch.empty(rows, inter if a_fmt == "fp8" else inter // 2, dtype=torch.uint8, device=device)
-            a2_scale = torch.empty(rows, inter // MX_BLOCK, dtype=torch.uint8, device=device)
+        elif mode in ("split", "frag") and (mode == "split" or a_fmt != "bf16"):  # bf16 rows in natural order are frag's A
+            # one program per received row (not walking LiveRows: the default decoders at DeepSeek shapes are frag8 for MX
+            # activations and none for bf16 rows; stale rows are converted and never read)
+            a_split = torch.empty(n_recv, hidden, dtype=torch.bfloat16, device=device)
+            gather_split_kernel[(n_recv, 1)](  # one program per received row, all of K
+                a_data, a_data.stride(0), a_scale, a_scale.stride(0), a_split, a_split.stride(0), hidden,
+                A_FMT=a_fmt, BK=bk1, NB=triton.next_power_of_2(hidden // bk1), SPLIT=mode == "split",
+                HW_CVT=use_asm, num_warps=8,
+            )
+            a_data = a_scale = a_split
+        if mode == "split" and len({cfg.block_k for cfg, _ in candidates}) > 1:
+            raise ValueError("decoder='split' lays A out per block_k: the tile config candidates must share block_k")
         w1s = weights.w1_scale if weights.fmt == "mxfp4" else weights.w1
         w2s = weights.w2_scale if weights.fmt == "mxfp4" else weights.w2
+        dest_mode, dest_ptr, seg_pairs, seg_row_bytes = _dest_args(dest, pairs)
         limit = math.swiglu_limit
-        common = dict(DECODE=mode, USE_ASM=use_asm, BM=cfg.block_m, GROUP_M=cfg.group_m, F32_DOT=interpreting(),
-                      TAIL_M=cfg.tail_m, TAIL_RIDE=cfg.tail_ride, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        for cfg, active in candidates:
+            if mode == "frag8":  # hidden / intermediate % 128 == 0: checked when the weights were re-laid
+                bk1 = bk2 = FP8_K
+            else:
+                bk1, bk2 = reduction_block(hidden, cfg.block_k), reduction_block(inter, cfg.block_k)
+            layout = build_layout(pairs.slot, n_exp, cfg.block_m, self.capacity, row=pairs.row, live=live, active=active)
+            rows = layout.num_rows
+            if mode == "frag8":
+                # GEMM1 writes A2 in the A format (MX per 32, as the reference); rowscale_e4m3 then re-scales it
+                a2 = torch.empty(rows, inter if a_fmt == "fp8" else inter // 2, dtype=torch.uint8, device=device)
+                a2_scale = torch.empty(rows, inter // MX_BLOCK, dtype=torch.uint8, device=device)
+            elif mode in ("split", "frag") or a_fmt == "bf16":
+                a2 = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
+                a2_scale = a2
+            else:
+                a2 = torch.empty(rows, inter if a_fmt == "fp8" else inter // 2, dtype=torch.uint8, device=device)
+                a2_scale = torch.empty(rows, inter // MX_BLOCK, dtype=torch.uint8, device=device)
+            live_tiles = layout.live_tiles if layout.live_tiles is not None else pairs.weight
+            common = dict(DECODE=mode, USE_ASM=use_asm, BM=cfg.block_m, GROUP_M=cfg.group_m, F32_DOT=interpreting(),
+                          TAIL_M=cfg.tail_m, TAIL_RIDE=cfg.tail_ride, PERSIST=live is not None, num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages)
 
-        n1 = triton.cdiv(2 * inter, cfg.block_n1)
-        passes = tile_passes(cfg, mode)
-        for tile_pass in passes:
-            gemm1_swiglu_kernel[(layout.num_tiles * n1,)](
-                layout.tile_expert, layout.sorted_row, layout.num_tiles,
-                a_data, a_data.stride(0), a_scale, a_scale.stride(0),
-                weights.w1, weights.w1.stride(0), weights.w1.stride(1), w1s, w1s.stride(0), w1s.stride(1),
-                w1_rs, w1_rs.stride(0), a_rs,
-                a2, a2.stride(0), a2_scale, a2_scale.stride(0),
-                hidden, inter, float(limit) if limit is not None else 0.0,
-                W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
-                BN=cfg.block_n1, BK=bk1, BK2=bk2, PASS=tile_pass, W_FULL=whole_weight_tiles(2 * inter, cfg.block_n1), **common,
-                **_register_cap(cfg, tile_pass),
-            )
-        a2_rs = pairs.weight  # frag8 only
-        if mode == "frag8":
-            a2e = a2 if a_fmt == "fp8" else torch.empty(rows, inter, dtype=torch.uint8, device=device)  # fp8: in place
-            a2_rs = torch.empty(rows, dtype=torch.float32, device=device)
-            rowscale_e4m3_kernel[(rows,)](
-                layout.sorted_pair, a2, a2.stride(0), a2_scale, a2_scale.stride(0), a2e, a2e.stride(0), a2_rs,
-                inter, A_FMT=a_fmt, SORTED=True, NB=triton.next_power_of_2(inter // MX_BLOCK), PK=rowscale_piece(inter),
-                HW_CVT=use_asm, num_warps=2,
-            )
-            a2_data, a2_s, a2_fmt = a2e.view(e4m3), a2e, a_fmt
-        elif mode in ("split", "frag"):
-            a2_data, a2_s, a2_fmt = a2, a2, "bf16"
-        else:
-            a2_data, a2_s = _operand(MXTensor(a2, a2_scale, a_fmt) if a_fmt != "bf16" else a2, a_fmt, mode == "dot_scaled")
-            a2_fmt = a_fmt
-        n2 = triton.cdiv(hidden, cfg.block_n2)
-        for tile_pass in passes:
-            gemm2_weighted_kernel[(layout.num_tiles * n2,)](
-                layout.tile_expert, layout.sorted_pair, pairs.weight, layout.num_tiles,
-                a2_data, a2_data.stride(0), a2_s, a2_s.stride(0),
-                weights.w2, weights.w2.stride(0), weights.w2.stride(1), w2s, w2s.stride(0), w2s.stride(1),
-                w2_rs, w2_rs.stride(0), a2_rs,
-                out, out.stride(0) if dest is None else 0, dest if dest is not None else pairs.row,
-                inter, hidden,
-                W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, OUT_FMT=out_fmt,
-                W_FULL=whole_weight_tiles(hidden, cfg.block_n2), DEST=dest is not None, **common,
-                **_register_cap(cfg, tile_pass),
-            )
+            n1 = triton.cdiv(2 * inter, cfg.block_n1)
+            passes = tile_passes(cfg, mode)
+            for tile_pass in passes:
+                gemm1_swiglu_kernel[(_grid(layout.num_tiles * n1, cap),)](
+                    layout.tile_expert, layout.sorted_row, layout.num_tiles, live_tiles,
+                    a_data, a_data.stride(0), a_scale, a_scale.stride(0),
+                    weights.w1, weights.w1.stride(0), weights.w1.stride(1), w1s, w1s.stride(0), w1s.stride(1),
+                    w1_rs, w1_rs.stride(0), a_rs,
+                    a2, a2.stride(0), a2_scale, a2_scale.stride(0),
+                    hidden, inter, float(limit) if limit is not None else 0.0,
+                    W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
+                    BN=cfg.block_n1, BK=bk1, BK2=bk2, PASS=tile_pass, W_FULL=whole_weight_tiles(2 * inter, cfg.block_n1),
+                    **common, **_register_cap(cfg, tile_pass),
+                )
+            a2_rs = pairs.weight  # frag8 only
+            if mode == "frag8":
+                a2e = a2 if a_fmt == "fp8" else torch.empty(rows, inter, dtype=torch.uint8, device=device)  # fp8: in place
+                a2_rs = torch.empty(rows, dtype=torch.float32, device=device)
+                rowscale_e4m3_kernel[(_grid(rows, cap),)](
+                    layout.sorted_pair, a2, a2.stride(0), a2_scale, a2_scale.stride(0), a2e, a2e.stride(0), a2_rs,
+                    inter, A_FMT=a_fmt, SORTED=True, NB=triton.next_power_of_2(inter // MX_BLOCK), PK=rowscale_piece(inter),
+                    HW_CVT=use_asm, num_warps=2,
+                    **({} if live is None else dict(live_ptr=live_tiles, BM=cfg.block_m, PERSIST=True)),
+                )
+                a2_data, a2_s, a2_fmt = a2e.view(e4m3), a2e, a_fmt
+            elif mode in ("split", "frag"):
+                a2_data, a2_s, a2_fmt = a2, a2, "bf16"
+            else:
+                a2_data, a2_s = _operand(MXTensor(a2, a2_scale, a_fmt) if a_fmt != "bf16" else a2, a_fmt, mode == "dot_scaled")
+                a2_fmt = a_fmt
+            n2 = triton.cdiv(hidden, cfg.block_n2)
+            for tile_pass in passes:
+                gemm2_weighted_kernel[(_grid(layout.num_tiles * n2, cap),)](
+                    layout.tile_expert, layout.sorted_pair, pairs.weight, layout.num_tiles, live_tiles,
+                    a2_data, a2_data.stride(0), a2_s, a2_s.stride(0),
+                    weights.w2, weights.w2.stride(0), weights.w2.stride(1), w2s, w2s.stride(0), w2s.stride(1),
+                    w2_rs, w2_rs.stride(0), a2_rs,
+                    out, out.stride(0) if dest is None else 0, dest_ptr, seg_pairs, seg_row_bytes,
+                    inter, hidden,
+                    W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, OUT_FMT=out_fmt,
+                    W_FULL=whole_weight_tiles(hidden, cfg.block_n2), DEST=dest_mode, **common,
+                    **_register_cap(cfg, tile_pass),
+                )
         return out
 
 
@@ -302,13 +328,91 @@ def _result_buffer(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.
     return out
 
 
-def _check_dest(dest: torch.Tensor, out: torch.Tensor | None, pairs: int, device: torch.device) -> None:
+def _check_dest(dest: torch.Tensor | SegmentDest, out: torch.Tensor | None, pairs: int, device: torch.device) -> None:
     if out is None or out.dtype != torch.uint8 or not out.is_contiguous() or out.device != device:
         raise ValueError("out: with dest= the base of the destination table must be a contiguous uint8 buffer on "
                          f"{device}, got {None if out is None else (tuple(out.shape), out.dtype, out.device)}")
+    if isinstance(dest, SegmentDest):
+        base = dest.base
+        if base.dtype != torch.int64 or base.dim() != 1 or not base.is_contiguous() or base.device != device:
+            raise ValueError(f"dest.base: expected contiguous int64 [segments] byte offsets on {device}, got "
+                             f"{tuple(base.shape)} {base.dtype} on {base.device}")
+        if dest.seg_pairs < 1 or base.shape[0] * dest.seg_pairs < pairs:
+            raise ValueError(f"dest: {base.shape[0]} segments of {dest.seg_pairs} pairs do not cover the {pairs} pairs")
+        return
     if dest.dtype != torch.int64 or tuple(dest.shape) != (pairs,) or not dest.is_contiguous() or dest.device != device:
         raise ValueError(f"dest: expected contiguous int64 [{pairs}] byte offsets on {device}, got "
                          f"{tuple(dest.shape)} {dest.dtype} on {dest.device}")
+
+
+def _dest_args(dest, pairs: ExpertPairs) -> tuple[int, torch.Tensor, int, int]:
+    """GEMM2's (DEST mode, pointer, seg_pairs, seg_row_bytes) for a destination (gemm2._row_offsets)."""
+    if dest is None:
+        return 0, pairs.row, 1, 0
+    if isinstance(dest, SegmentDest):
+        return 2, dest.base, dest.seg_pairs, dest.row_bytes
+    return 1, dest, 1, 0
+
+
+def _check_live(live: LiveRows, x, pairs: int, device: torch.device) -> None:
+    """LiveRows must tile the received rows into segments, with the pairs in row-major order (k per row)."""
+    n_recv = (x.data if isinstance(x, MXTensor) else x).shape[0]
+    c = live.counts
+    if c.dtype != torch.int64 or c.dim() != 1 or c.device != device or not c.is_contiguous():
+        raise ValueError(f"live.counts: expected contiguous int64 [segments] on {device}, got {tuple(c.shape)} {c.dtype} "
+                         f"on {c.device}")
+    if live.segments * live.seg_rows != n_recv or n_recv == 0 or pairs % n_recv:
+        raise ValueError(f"live: {live.segments} segments x {live.seg_rows} rows must be the {n_recv} received rows, "
+                         f"each with the same number of pairs ({pairs} pairs)")
+
+
+ALL_COUNTS = (-1, 2**31 - 1)  # (lo, hi]: a layout that serves every live pair count
+
+
+def tile_candidates(config: TileConfig | None, seg_pairs: int, num_experts: int, mode: str,
+                    config_pairs: int | None) -> tuple[tuple[TileConfig, tuple[int, int]], ...]:
+    """The tile configs of a forward over live rows, each with the live pair counts (lo, hi] it serves.
+
+    A bound (``config_pairs``, the engine's DP-padded batch x top-k) or a fixed config gives one. With
+    no bound the host knows only the region (``seg_pairs``: one source's share, what a rank receives
+    when every rank fills its region), so two run: the smallest bucket's config (decode) for up to
+    its limit of pairs per expert, and the region's config above it; each layout finds on the device
+    whether the live count is its own (build_layout ``active``), the other's GEMMs exit at once."""
+    if config is not None:
+        return ((config, ALL_COUNTS),)
+    if config_pairs is not None:
+        return ((default_config(config_pairs, num_experts, mode), ALL_COUNTS),)
+    small, big = default_config(0, num_experts, mode), default_config(seg_pairs, num_experts, mode)
+    if small == big:
+        return ((small, ALL_COUNTS),)
+    limit = int(_table(mode)[0][0] * num_experts)
+    return ((small, (-1, limit)), (big, (limit, ALL_COUNTS[1])))
+
+
+_SMS: dict[int, int] = {}  # documented cache: multiprocessor count per CUDA device index
+
+
+def persistent_grid(device: torch.device) -> int:
+    """Programs of a persistent launch (a fixed grid that loops over the live work): 8 per SM on a GPU
+    (a few resident waves), 3 under the interpreter (so its tests stride)."""
+    if device.type != "cuda" or interpreting():
+        return 3
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return 8 * _SMS[index]
+
+
+def _grid(programs: int, cap: int | None) -> int:
+    return max(1, programs if cap is None else min(programs, cap))
+
+
+def _live_rows_args(live: LiveRows | None) -> dict:
+    """rowscale_e4m3_kernel's arguments for walking the live received rows (none: one program per row)."""
+    if live is None:
+        return {}
+    return dict(live_ptr=live.counts, n_seg=live.segments, seg_rows=live.seg_rows, PERSIST=True,
+                N_SEG=triton.next_power_of_2(live.segments))
 
 
 def tile_passes(cfg: TileConfig, mode: str) -> tuple[str, ...]:

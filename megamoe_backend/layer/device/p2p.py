@@ -3,21 +3,24 @@ cross-rank barrier with a bounded wait.
 
 Why these and nothing else: the rest of the EP forward is the ep_size-1 forward's kernels on other
 buffers. The expert layout runs on the receiver's own pair list (whatever the peers wrote), GEMM2
-writes each row where a destination table says (the source rank's combine region), and the top-k
+writes each row where its source segment's destination says (the source rank's combine region), and the top-k
 sum reads this rank's combine region in pair order. Peers are addressed through one int64 byte
 offset each (transport/peer_arena.py): ``arena + offset[r]`` is rank r's arena in this process.
 
-Dispatch, one program per token row t of the fixed region (t < B, the rows per source):
-  t < T: check the k ids (the first bad one -> status word), quantise the row once into the A
-  format (NaN / Inf -> status word), and write it to every rank owning one of its experts at row
-  me * B + t of that rank's recv region; write the k (slot, weight) entries of the row to EVERY
-  rank (slot -1 where that rank owns none of them), so no stale entry of an earlier, larger batch
-  survives. t >= T: the (-1, 0) entries only. Also: this rank's pair_live (owner of each pair,
-  -1 = runs nowhere: the top-k sum skips it) and the receiver-side destination table.
+Dispatch, one program per token t < T of this rank (one program when T = 0): check the k ids
+  (the first bad one -> status word), quantise the row once into the A format (NaN / Inf -> status
+  word), and write it to every rank owning one of its experts at row me * B + t of that rank's recv
+  region (B: rows per source, the same on every rank); write the k (slot, weight) entries of the row
+  to EVERY rank (slot -1 where that rank owns none of them). Program 0 writes (B, T) into every
+  rank's header: a receiver reads the first T rows of source me's region and nothing after them
+  (experts/live.py LiveRows), so no stale entry of an earlier, larger batch is ever read and no
+  work is spent on the rows of the region nobody sent. Also: this rank's pair_live (owner of each
+  pair, -1 = runs nowhere: the top-k sum skips it).
 
 Barrier (one program): bump this phase's epoch, store it (release, system scope) into every
 peer's flag of this rank, then spin (acquire, system scope) until every peer's flag here reached
-it or the deadline passed. A wait that ends by the deadline records (PEER_TIMEOUT, layer, peer,
+it or the deadline passed. The one-process emulator (transport/peer_arena.py) runs the signal and
+the wait as two launches, every rank's signal before any rank's wait, as ranks on one stream must. A wait that ends by the deadline records (PEER_TIMEOUT, layer, peer,
 phase) in the status word and returns: the stream goes on, the host raises at its next check
 (layer/device/status.py) naming the layer, this rank and the peer. Later barriers of the step
 still signal but do not wait once the word holds a timeout, so a dead peer costs one timeout per
@@ -61,8 +64,8 @@ def _record(status_ptr, code, layer_id, value, row):
 def _dispatch_kernel(
     x_ptr, stride_x, ids_ptr, w_ptr, owner_ptr, slot_ptr, num_physical, n_tokens, rows_per_src, ep, me,
     arena_u8, arena_i16, arena_i64, arena_f32, peer_off_ptr,
-    header_e, rows_b, row_bytes, slot_e, weight_e, combine_b, comb_bytes,
-    pair_live_ptr, dest_ptr, status_ptr, layer_id,
+    header_e, rows_b, row_bytes, slot_e, weight_e,
+    pair_live_ptr, status_ptr, layer_id,
     H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, FMT: tl.constexpr, BLOCKS: tl.constexpr,
     HW_CVT: tl.constexpr,
 ):
@@ -82,21 +85,17 @@ def _dispatch_kernel(
         first = tl.min(tl.where(bad, j, K_PAD), axis=0)
         _record(status_ptr, _BAD_ID, layer_id, tl.sum(tl.where(j == first, e, 0), axis=0), t)
 
-    # the receiver side: where the GEMM2 row of received pair q = (s * B + t) * k + j goes
-    for s in range(ep):
-        q = (s * rows_per_src + t) * K + j
-        target = tl.load(peer_off_ptr + s) + combine_b + (t * K + j) * comb_bytes
-        tl.store(dest_ptr + q, target, mask=jm)
-
-    # metadata of row t to every rank (-1 / 0 where that rank owns none of the row's experts)
+    # metadata of row t to every rank (-1 / 0 where that rank owns none of the row's experts); the
+    # header (rows per source, tokens sent) from program 0
     q = (me * rows_per_src + t) * K + j
     for r in range(ep):
         off = tl.load(peer_off_ptr + r)
         here = known & (owner == r)
-        tl.store(arena_i64 + (off >> 3) + slot_e + q, tl.where(here, slot, -1), mask=jm)
-        tl.store(arena_f32 + (off >> 2) + weight_e + q, tl.where(here, wt, 0.0), mask=jm)
+        tl.store(arena_i64 + (off >> 3) + slot_e + q, tl.where(here, slot, -1), mask=jm & live)
+        tl.store(arena_f32 + (off >> 2) + weight_e + q, tl.where(here, wt, 0.0), mask=jm & live)
         if t == 0:
             tl.store(arena_i64 + (off >> 3) + header_e + me, rows_per_src.to(tl.int64))
+            tl.store(arena_i64 + (off >> 3) + header_e + ep + me, n_tokens.to(tl.int64))
 
     # the row, quantised once, to each owning rank
     if tl.sum(known.to(tl.int32), axis=0) > 0:
@@ -143,16 +142,27 @@ def _now(anchor, CLOCK: tl.constexpr):
 @triton.jit
 def _barrier_kernel(
     arena_i64, peer_off_ptr, ep, me, flags_e, header_e, rows_per_src, epoch_ptr, phase, budget,
-    status_ptr, layer_id, CHECK_ROWS: tl.constexpr, CLOCK: tl.constexpr,
+    status_ptr, layer_id, CHECK_ROWS: tl.constexpr, CLOCK: tl.constexpr, SIGNAL: tl.constexpr = True,
+    WAIT: tl.constexpr = True,
 ):
-    epoch = tl.load(epoch_ptr + phase) + 1
-    tl.store(epoch_ptr + phase, epoch)
+    if SIGNAL:
+        epoch = tl.load(epoch_ptr + phase) + 1
+        tl.store(epoch_ptr + phase, epoch)
+        for r in range(ep):
+            off = tl.load(peer_off_ptr + r) >> 3
+            tl.atomic_xchg(arena_i64 + off + flags_e + phase * ep + me, epoch, sem="release", scope="sys")
+    else:
+        epoch = tl.load(epoch_ptr + phase)  # the epoch this rank's signal launch just stored
+    if WAIT:
+        _wait(arena_i64, ep, flags_e, header_e, rows_per_src, phase, budget, epoch, status_ptr, layer_id, CHECK_ROWS, CLOCK)
+
+
+@triton.jit
+def _wait(arena_i64, ep, flags_e, header_e, rows_per_src, phase, budget, epoch, status_ptr, layer_id,
+          CHECK_ROWS: tl.constexpr, CLOCK: tl.constexpr):
     zero = epoch * 0
     if tl.load(status_ptr) == _TIMEOUT:  # an earlier wait of this step timed out: signal, but wait no more
         budget = zero
-    for r in range(ep):
-        off = tl.load(peer_off_ptr + r) >> 3
-        tl.atomic_xchg(arena_i64 + off + flags_e + phase * ep + me, epoch, sem="release", scope="sys")
     start = _now(zero, CLOCK)
     spent = zero
     waited_for = zero - 1
@@ -176,30 +186,32 @@ def _barrier_kernel(
 
 
 def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor,
-             rows_per_src: int, arena, fmt: str, hidden: int, pair_live: torch.Tensor, dest: torch.Tensor,
-             status_word: torch.Tensor, layer_id: int) -> None:
+             rows_per_src: int, arena, fmt: str, hidden: int, pair_live: torch.Tensor, status_word: torch.Tensor,
+             layer_id: int) -> None:
     """Launch the dispatch (module docstring); ``fmt``: the rows' format on the wire (bf16 | fp8 | fp4)."""
     t, k = topk_ids.shape
     lay = arena.layout
     local = arena.local
-    _dispatch_kernel[(rows_per_src,)](
+    _dispatch_kernel[(max(t, 1),)](
         x, x.stride(0) if t else hidden, topk_ids, topk_weights, owner, slot, owner.shape[0], t, rows_per_src,
         arena.ep, arena.rank, local, arena.as_i16, arena.as_i64, arena.as_f32,
         arena.peer_offsets, lay.header // 8, lay.recv_rows, lay.row_bytes, lay.recv_slot // 8, lay.recv_weight // 4,
-        lay.combine, lay.comb_bytes, pair_live, dest, status_word, layer_id,
+        pair_live, status_word, layer_id,
         H=hidden, K=k, K_PAD=triton.next_power_of_2(k), FMT=fmt, BLOCKS=BLOCKS,
         HW_CVT=x.is_cuda and not interpreting(), num_warps=4,
     )
 
 
 def barrier(arena, epochs: torch.Tensor, phase: int, budget: int, rows_per_src: int, status_word: torch.Tensor,
-            layer_id: int) -> None:
+            layer_id: int, signal: bool = True, wait: bool = True) -> None:
     """Meet every peer at ``phase`` (0: rows dispatched, 1: combine rows written); bounded by ``budget``
-    (ns of the global timer on the GPU, spins in the interpreter: :func:`wait_budget`)."""
+    (ns of the global timer on the GPU, spins in the interpreter: :func:`wait_budget`). ``signal`` /
+    ``wait``: one half only (the one-process emulator launches every rank's signal, then the waits)."""
     lay = arena.layout
     _barrier_kernel[(1,)](
         arena.as_i64, arena.peer_offsets, arena.ep, arena.rank, lay.flags // 8, lay.header // 8,
-        rows_per_src, epochs, phase, budget, status_word, layer_id, CHECK_ROWS=phase == 0, CLOCK=_clock(), num_warps=1,
+        rows_per_src, epochs, phase, budget, status_word, layer_id, CHECK_ROWS=phase == 0, CLOCK=_clock(),
+        SIGNAL=signal, WAIT=wait, num_warps=1,
     )
 
 

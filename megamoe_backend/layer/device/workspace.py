@@ -67,7 +67,9 @@ class P2PWorkspace(_Workspace):
 
       arena        PeerArena        recv rows / slots / weights, combine rows, barrier flags (peer_arena.py)
       pair_row     int64 [ep*MTPR*k] constant: received pair q reads received row q // k
-      dest         int64 [ep*MTPR*k] where GEMM2 writes received pair q (byte offset from arena.local)
+      recv_tokens  int64 [ep]        view of the arena header: tokens each source sent this step (LiveRows)
+      combine_base int64 [ep]        byte offset (from arena.local) of each source's combine region: GEMM2
+                                     writes received pair q of source s at combine_base[s] + (q - s*B*k) * row
       pair_live    int64 [MTPR*k]    owner rank of each of this rank's pairs, -1 = runs nowhere
       epochs       int64 [2]         barriers passed per phase (the flags' next value)
     ``broken`` holds the message once a peer timed out: the group cannot continue after that.
@@ -90,7 +92,8 @@ class P2PWorkspace(_Workspace):
         self.recv_weight = self.arena.view(lay.recv_weight, pairs, torch.float32)
         self.combine_rows = self.arena.view(lay.combine, self.mtpr * self.topk * lay.comb_bytes, torch.uint8).view(-1, lay.comb_bytes)
         self.pair_row = torch.arange(pairs, dtype=torch.int64, device=self.device) // self.topk
-        self.dest = torch.zeros(pairs, dtype=torch.int64, device=self.device)
+        self.recv_tokens = self.arena.view(lay.header + self.ep * 8, self.ep, torch.int64)
+        self.combine_base = self.arena.peer_offsets + lay.combine
         self.pair_live = torch.full((self.mtpr * self.topk,), -1, dtype=torch.int64, device=self.device)
         self.epochs = torch.zeros(2, dtype=torch.int64, device=self.device)
         self.timeout_s = timeout_s
@@ -99,4 +102,4 @@ class P2PWorkspace(_Workspace):
 
     @property
     def bytes(self) -> int:
-        return self.layout.total + sum(t.numel() * t.element_size() for t in (self.pair_row, self.dest, self.pair_live))
+        return self.layout.total + sum(t.numel() * t.element_size() for t in (self.pair_row, self.pair_live))

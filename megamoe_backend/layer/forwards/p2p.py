@@ -1,0 +1,115 @@
+"""The device P2P forward across EP ranks (MEGA_DISPATCH=symm | ipc, or the one-process emulator):
+
+    dispatch (quantise once, write into the owners' arenas, header: rows per source B, tokens T)
+    -> barrier -> the experts on the live rows of the receive region (GEMM2 writing each row into
+    its source rank's combine region) -> barrier -> top-k sum of this rank's combine region
+
+Every rank runs it, also with 0 tokens; nothing reads the device or sizes a buffer by the data.
+The receive region holds ep x B rows, B = ``max_tokens_across_ranks`` (the engine's DP-padded
+bound, the same on every rank) or MEGA_MAX_TOKENS_PER_RANK; the experts walk only the T_s rows
+each source sent (experts/live.py), so a step costs its live rows, whatever B is. The tile config
+follows B when the engine passed it, else it is picked on the device from the live pair count.
+
+``steps`` is the forward as a generator that stops after each launch group a peer must see, so the
+one-process emulator (bench/bench_layer_emulated.py) can run every rank's step i before any rank's
+step i + 1 on one stream, with each barrier split into signal and wait.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...experts import ExpertPairs
+from ...experts.live import LiveRows, SegmentDest
+from ...transport import PeerInputError, PeerTimeoutError
+from .device import WorkspaceForward
+
+
+class P2PForward(WorkspaceForward):
+    def __init__(self, layer, group) -> None:
+        from ..device.workspace import P2PWorkspace
+
+        plan = layer.plan
+        super().__init__(layer, group, lambda: P2PWorkspace(plan, group, layer.device, plan.knobs.p2p_timeout_s))
+
+    @property
+    def name(self) -> str:
+        ws = self.workspace
+        kind = ws.arena.name if ws is not None else self.plan.backends.transport
+        return f"device p2p over {kind}"
+
+    @property
+    def takes_token_bound(self) -> bool:
+        return True
+
+    def __call__(self, x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks):
+        return run_steps(self.steps(x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks))
+
+    def rows_per_source(self, t: int, max_tokens_across_ranks: int | None) -> int:
+        """B: the bound the engine passed (checked), else MEGA_MAX_TOKENS_PER_RANK."""
+        mtpr = self.plan.mtpr
+        rows = mtpr if max_tokens_across_ranks is None else int(max_tokens_across_ranks)
+        if not t <= rows <= mtpr or rows < 1:
+            raise PeerInputError(
+                f"[megamoe] {self.layer_name}: max_tokens_across_ranks={max_tokens_across_ranks} must lie in [tokens on this "
+                f"rank ({t}), MEGA_MAX_TOKENS_PER_RANK={mtpr}] and be >= 1; no token was dropped")
+        return rows
+
+    def steps(self, x, topk_ids, topk_weights, output_scale: float = 1.0, out=None, max_tokens_across_ranks=None,
+              split_barriers: bool = False):
+        """The forward, yielding after: dispatch, barrier 0 (signal; with ``split_barriers`` then its
+        wait), the experts, barrier 1 (likewise); the last step (top-k sum) returns the result (the
+        generator's return value: run_steps). Host checks run before the first launch."""
+        from ..device.p2p import dispatch
+        from ..device.topk_sum import topk_sum
+
+        plan, ws = self.plan, self.workspace
+        if ws.broken:
+            raise PeerTimeoutError(ws.broken)
+        self.begin(x, topk_ids, topk_weights)
+        t, k, hidden = x.shape[0], plan.topk, plan.hidden
+        rows = self.rows_per_source(t, max_tokens_across_ranks)
+        out = self.output(t, out)
+        word, index = ws.status.word, self.status_index
+
+        dispatch(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), self.owner, self.slot, rows, ws.arena,
+                 ws.wire.name, hidden, ws.pair_live, word, index)
+        yield "dispatch"
+        yield from self._barrier(0, rows, split_barriers)
+        n_recv = plan.ep_size * rows
+        n_pairs = n_recv * k
+        pairs = ExpertPairs(row=ws.pair_row[:n_pairs], slot=ws.recv_slot[:n_pairs], weight=ws.recv_weight[:n_pairs])
+        live = LiveRows(ws.recv_tokens, rows, config_pairs=None if max_tokens_across_ranks is None else rows * k)
+        # GEMM2 writes each received pair's row into its source rank's combine region
+        dest = SegmentDest(ws.combine_base, rows * k, ws.layout.comb_bytes)
+        self.provider.forward_wire(ws.wire.view(ws.recv_rows[:n_recv], hidden), pairs, self.weights, plan.math, plan.combine,
+                                   out=ws.arena.local, dest=dest, live=live)
+        yield "experts"
+        yield from self._barrier(1, rows, split_barriers)
+        if t:
+            topk_sum(ws.combine_rows[: t * k], ws.pair_live[: t * k], out, plan.combine.mx, hidden, k, word, index,
+                     output_scale)
+        ws.status.publish()
+        return out
+
+    def _barrier(self, phase: int, rows: int, split: bool):
+        from ..device.p2p import barrier
+
+        ws = self.workspace
+        args = (ws.arena, ws.epochs, phase, ws.budget, rows, ws.status.word, self.status_index)
+        if split:
+            barrier(*args, signal=True, wait=False)
+            yield f"signal {phase}"
+            barrier(*args, signal=False, wait=True)
+        else:
+            barrier(*args)
+        yield f"barrier {phase}"
+
+
+def run_steps(steps) -> torch.Tensor:
+    """Run a ``P2PForward.steps`` generator to its end and return its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value

@@ -1,0 +1,204 @@
+"""Work bounded by the live rows (experts/live.py), under the Triton interpreter, on CPU.
+
+Checked here: the layout over LiveRows reads and places the live heads of each segment only (stale
+slots past them never become rows) and leaves live_tiles on the device, 0 outside its ``active``
+range; the experts over LiveRows + SegmentDest write exactly what the plain forward writes for the
+live pairs, and nothing for stale ones; the tile config picked on the device when no bound is
+given; the one-process emulated EP forward (parallel/emulated_ep.py) bit-identical to the ep_size-1
+device forward (bf16 wires; uneven DP batches with an idle rank; bound passed or not) and within
+the gates for A8W4 / A4W4. The same on an H200 with graphs and timing: tests/kernels/test_gpu_ep.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interpreter_guard import require_interpreter  # noqa: E402
+
+require_interpreter("tests/kernels/test_gpu_ep.py")
+
+from megamoe_backend.experts import ExpertPairs  # noqa: E402
+from megamoe_backend.experts.live import LiveRows, SegmentDest  # noqa: E402
+from megamoe_backend.experts.triton import TritonExperts  # noqa: E402
+from megamoe_backend.experts.triton import provider as provider_module  # noqa: E402
+from megamoe_backend.experts.triton.config import INTERPRETER_CONFIG  # noqa: E402
+from megamoe_backend.experts.triton.layout import build_layout, build_layout_torch  # noqa: E402
+from megamoe_backend.formats import MXTensor, quantize_mx  # noqa: E402
+from megamoe_backend.knobs import Knobs  # noqa: E402
+from megamoe_backend.layer import MegaMoELayer, fp32_reference_moe, rel_l2  # noqa: E402
+from megamoe_backend.parallel.emulated_ep import EmulatedEP  # noqa: E402
+from megamoe_backend.plan import build_plan  # noqa: E402
+from megamoe_backend.spec import preset  # noqa: E402
+from megamoe_backend.transport import clear_transport_cache  # noqa: E402
+from megamoe_backend.workload import ProblemConfig, make_problem  # noqa: E402
+from megamoe_backend.workload.problem import local_weights  # noqa: E402
+
+SPEC = preset("dsv4-pro").scaled(hidden_size=128, moe_intermediate_size=128, n_routed_experts=8)
+K = SPEC.num_experts_per_tok
+H = SPEC.hidden_size
+GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    clear_transport_cache()
+    yield
+    clear_transport_cache()
+
+
+def _region(seg_rows, counts, e, g, k=K):
+    """Slots of a region of len(counts) segments x seg_rows rows x k, stale values past each live head."""
+    slot = torch.randint(-1, e, (len(counts) * seg_rows * k,), generator=g)
+    live = torch.zeros_like(slot, dtype=torch.bool)
+    for s, c in enumerate(counts):
+        live[s * seg_rows * k: (s * seg_rows + c) * k] = True
+    return slot, live
+
+
+@pytest.mark.parametrize("counts", [(3, 0, 5), (0, 0, 0), (7, 7, 7), (1, 6, 2)])
+def test_layout_over_live_rows_places_the_live_heads_only(counts):
+    g = torch.Generator().manual_seed(sum(counts))
+    e, bm, seg_rows = 5, 4, 7
+    slot, live = _region(seg_rows, counts, e, g)
+    row = torch.arange(slot.numel()) // K
+    ref = build_layout_torch(torch.where(live, slot, -1), e, bm, row)  # stale pairs made "not here"
+    lay = build_layout(slot, e, bm, row=row, live=LiveRows(torch.tensor(counts), seg_rows))
+    n = int(lay.live_tiles[0])
+    assert n == int((ref.tile_expert >= 0).sum())
+    assert torch.equal(lay.tile_expert[:n], ref.tile_expert[:n])
+    assert torch.equal(lay.sorted_pair[: n * bm], ref.sorted_pair[: n * bm])
+    assert torch.equal(lay.sorted_row[: n * bm], ref.sorted_row[: n * bm])
+    # outside its active range the layout serves nothing: the GEMMs' persistent grids exit at once
+    pairs_here = int((torch.where(live, slot, -1) >= 0).sum())
+    off = build_layout(slot, e, bm, row=row, live=LiveRows(torch.tensor(counts), seg_rows), active=(pairs_here, 10**6))
+    assert int(off.live_tiles[0]) == 0
+
+
+def test_a_bad_header_count_is_clamped_to_the_region():
+    slot = torch.zeros(2 * 3 * K, dtype=torch.int64)
+    lay = build_layout(slot, 2, 4, row=torch.arange(slot.numel()) // K, live=LiveRows(torch.tensor([99, -4]), 3))
+    n = int(lay.live_tiles[0])  # rows past the live tiles are never written nor read
+    assert int((lay.sorted_pair[: n * 4] >= 0).sum()) == 3 * K  # segment 0 whole, segment 1 none
+
+
+def _a8w4_rows(n, seed):
+    problem = make_problem(ProblemConfig(SPEC, n, 1, seed=seed))
+    q = quantize_mx(problem.x.float(), "fp8")
+    return problem, MXTensor(q.data, q.scales, "fp8")
+
+
+@pytest.mark.parametrize("combine", ["bf16", "fp8_blockwise_1x32"])
+def test_experts_over_live_rows_write_the_live_pairs_only(combine):
+    g = torch.Generator().manual_seed(11)
+    seg_rows, counts = 4, (3, 0, 2)
+    problem, rows = _a8w4_rows(seg_rows * len(counts), seed=7)
+    plan = build_plan(SPEC, Knobs(dispatch_wire="fp8", combine_wire=combine), quant="a8w4")
+    provider = TritonExperts()
+    weights = provider.prepare_weights(problem.expert_weights("a8w4"), plan.math)
+    slot, live = _region(seg_rows, counts, SPEC.n_routed_experts, g)
+    p = slot.numel()
+    pairs = ExpertPairs(row=torch.arange(p) // K, slot=slot, weight=torch.rand(p, generator=g))
+    wire = plan.combine
+    width = wire.row_bytes(H)
+    plain = provider.forward_wire(rows, ExpertPairs(pairs.row, torch.where(live, slot, -1), pairs.weight), weights,
+                                  plan.math, wire)
+    # segment s's rows go to a region of its own, in reverse segment order, two rows of gap between them
+    seg_pairs = seg_rows * K
+    base_rows = torch.tensor([(len(counts) - 1 - s) * (seg_pairs + 2) for s in range(len(counts))])
+    base = torch.full(((seg_pairs + 2) * len(counts), width), 0xAB, dtype=torch.uint8)
+    dest = SegmentDest(base_rows * width, seg_pairs, width)
+    provider.forward_wire(rows, pairs, weights, plan.math, wire, out=base, dest=dest,
+                          live=LiveRows(torch.tensor(counts), seg_rows))
+    q = torch.arange(p)
+    at = base_rows[q // seg_pairs] + q % seg_pairs
+    ran = live & (slot >= 0)
+    assert torch.equal(base[at[ran]], plain[ran])
+    written = torch.zeros(base.shape[0], dtype=torch.bool)
+    written[at[ran]] = True
+    assert (base[~written] == 0xAB).all()  # stale pairs (past a live head) and pairs not here: nothing written
+
+
+def test_the_tile_config_is_picked_on_the_device_without_a_bound(monkeypatch):
+    """Two candidate configs (decode-sized BM 16, region-sized BM 32): whichever the live pair count
+    picks, the rows are the plain forward's, bit for bit."""
+    small, big = INTERPRETER_CONFIG, INTERPRETER_CONFIG.with_(block_m=32, block_n1=128, block_n2=64)
+    monkeypatch.setattr(provider_module, "default_config", lambda p, e, mode="split": small if p <= 2 * e else big)
+    monkeypatch.setattr(provider_module, "_table", lambda mode: ((2.0, small), (float("inf"), big)))
+    assert provider_module.tile_candidates(None, 64, 8, "frag8", None) == ((small, (-1, 16)), (big, (16, 2**31 - 1)))
+    assert provider_module.tile_candidates(None, 64, 8, "frag8", 12) == ((small, (-1, 2**31 - 1)),)
+    g = torch.Generator().manual_seed(3)
+    seg_rows = 8
+    problem, rows = _a8w4_rows(2 * seg_rows, seed=9)
+    plan = build_plan(SPEC, Knobs(dispatch_wire="fp8"), quant="a8w4")
+    provider = TritonExperts()
+    weights = provider.prepare_weights(problem.expert_weights("a8w4"), plan.math)
+    for counts in ((1, 1), (8, 7)):  # 12 pairs at most (<= 16: small) / ~90 (big)
+        slot, live = _region(seg_rows, counts, SPEC.n_routed_experts, g)
+        p = slot.numel()
+        pairs = ExpertPairs(row=torch.arange(p) // K, slot=slot, weight=torch.rand(p, generator=g))
+        plain = provider.forward_wire(rows, ExpertPairs(pairs.row, torch.where(live, slot, -1), pairs.weight), weights,
+                                      plan.math, plan.combine)
+        out = torch.full_like(plain, 0xAB)
+        provider.forward_wire(rows, pairs, weights, plan.math, plan.combine, out=out,
+                              dest=SegmentDest(torch.tensor([0, seg_rows * K * plain.shape[1]]), seg_rows * K, plain.shape[1]),
+                              live=LiveRows(torch.tensor(counts), seg_rows))
+        ran = live & (slot >= 0)
+        assert torch.equal(out[ran], plain[ran]), counts
+
+
+# ------------------------------------------------------------------------------ emulated EP
+def _emulated(world, quant, wire, combine, tokens, mtpr):
+    problem = make_problem(ProblemConfig(SPEC, max(tokens), world, seed=3, masked_fraction=0.2))
+    knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, transport="ipc")
+    plans = [build_plan(SPEC, knobs, r, world, quant=quant, backends=("triton", "ipc")) for r in range(world)]
+    emu = EmulatedEP(world, plans.__getitem__,
+                     lambda r: local_weights(problem.expert_weights(quant), plans[r].placement, r),
+                     torch.device("cpu"), provider_for=lambda r: TritonExperts(capacity=mtpr * K * world))
+    per = max(tokens)
+    idx = [torch.arange(r * per, r * per + tokens[r]) for r in range(world)]
+    inputs = [(problem.x[i], problem.topk_ids[i], problem.topk_weights[i]) for i in idx]
+    return problem, emu, inputs, torch.cat(idx)
+
+
+def _ep1(problem, quant, wire, combine, keep, mtpr):
+    clear_transport_cache()
+    plan = build_plan(SPEC, Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr), quant=quant)
+    layer = MegaMoELayer(plan, problem.expert_weights(quant), provider=TritonExperts(), device_path=True)
+    out = layer(problem.x[keep], problem.topk_ids[keep], problem.topk_weights[keep])
+    ref = fp32_reference_moe(problem.x[keep], problem.topk_ids[keep], problem.topk_weights[keep],
+                             *problem.expert_weights(quant).dequantized(), "interleaved", SPEC.swiglu_limit)
+    return out, ref
+
+
+CASES = [(2, ("bf16", "bf16", "bf16"), (5, 0)), (4, ("a8w4", "fp8", "fp8_blockwise_1x32"), (0, 2, 5, 5)),
+         (2, ("a4w4", "fp4", "bf16"), (3, 5)), (2, ("a8w4", "bf16", "bf16"), (5, 5))]
+
+
+@pytest.mark.parametrize("world,case,tokens", CASES, ids=[f"ep{w}-{'-'.join(c)}-{t}" for w, c, t in CASES])
+def test_emulated_ep_equals_the_ep1_device_forward(world, case, tokens):
+    mtpr = 8
+    problem, emu, inputs, keep = _emulated(world, *case, tokens, mtpr)
+    assert all(layer.transport_name == "device p2p over emulated" for layer in emu.layers)
+    unbounded = torch.cat(emu.forward(inputs))
+    bounded = torch.cat(emu.forward(inputs, max_tokens_across_ranks=max(tokens)))
+    emu.raise_if_bad_input()
+    ep1, fp32 = _ep1(problem, *case, keep, mtpr * world)
+    assert torch.equal(unbounded.view(torch.int16), ep1.view(torch.int16))
+    assert torch.equal(bounded.view(torch.int16), ep1.view(torch.int16))
+    assert rel_l2(unbounded.float(), fp32) < GATES[case[0]]
+
+
+def test_emulated_ep_reports_a_bad_id_on_its_rank_only():
+    world, tokens, mtpr = 2, (4, 4), 8
+    problem, emu, inputs, keep = _emulated(world, "bf16", "bf16", "bf16", tokens, mtpr)
+    x, ids, w = inputs[1]
+    bad = ids.clone()
+    bad[2, 1] = SPEC.n_routed_experts + 3
+    emu.forward([inputs[0], (x, bad, w)])
+    emu.layers[0].raise_if_bad_input()
+    with pytest.raises(ValueError, match=r"topk_ids holds 11 at token 2"):
+        emu.layers[1].raise_if_bad_input()
+    again = torch.cat(emu.forward(inputs))  # the group goes on, correct
+    ep1, _ = _ep1(problem, "bf16", "bf16", "bf16", keep, mtpr * world)
+    assert torch.equal(again.view(torch.int16), ep1.view(torch.int16))
