@@ -72,7 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-baseline", action="store_true", help="skip the naive torch layer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ep", type=int, default=1, help="N > 1: the device P2P forward on N rank processes "
-                        "(bench_layer_ep.py; on one GPU a proxy)")
+                        "(bench_layer_ep.py; on one GPU a proxy); with --emulate: N ranks in one process")
+    parser.add_argument("--emulate", action="store_true", help="per-rank EP figures on one GPU: the N ranks in one process, "
+                        "launched in turn (bench_layer_emulated.py); --ep 1 runs EP 8 and EP 2")
+    parser.add_argument("--experts-total", type=int, default=384, help="--emulate: experts of the model (local = total / ep)")
+    parser.add_argument("--routings", nargs="+", default=["uniform", "zipf", "uneven"],
+                        choices=["uniform", "zipf", "uneven"], help="--emulate: routing cases")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--replot", default=None, metavar="JSON", help="only draw --plot from a saved JSON (no GPU)")
@@ -243,7 +248,11 @@ def run(args: argparse.Namespace) -> int:
         with open(args.replot) as f:
             saved = json.load(f)
         target = args.plot or args.replot.replace(".json", ".png")
-        if saved["cases"] and "experts_per_rank" in saved["cases"][0]:  # a --ep N run
+        if saved["cases"] and "routing" in saved["cases"][0]:  # an --emulate run
+            from .bench_layer_emulated import EmulatedCase, plot_emulated
+
+            plot_emulated([EmulatedCase(**c) for c in saved["cases"]], target)
+        elif saved["cases"] and "experts_per_rank" in saved["cases"][0]:  # a --ep N run
             from .bench_layer_ep import EPLayerCase, plot_ep
 
             plot_ep([EPLayerCase(**c) for c in saved["cases"]], target, saved["meta"].get("placement", ""))
@@ -253,6 +262,10 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench layer needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.emulate:
+        from .bench_layer_emulated import run_emulated
+
+        return run_emulated(args)
     if args.ep > 1:
         from .bench_layer_ep import run_ep
 

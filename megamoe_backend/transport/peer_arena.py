@@ -166,7 +166,7 @@ class EmulatedRanks:
     built), so peers are offsets into it, as they are across processes."""
 
     def __init__(self, ep: int, device: torch.device) -> None:
-        self.ep, self.device = ep, torch.device(device)
+        self.ep, self.device = ep, _indexed(torch.device(device))
         self.buffer: torch.Tensor | None = None
         self.layout: ArenaLayout | None = None
         # held for the world's lifetime: the workspace cache keys on a group's identity (id), which
@@ -201,7 +201,7 @@ class EmulatedPeerArena(PeerArena):
         world = group.world
         if world.ep != layout.ep:
             raise TransportError(f"[megamoe] {world.ep} emulated ranks, the plan has ep_size {layout.ep}")
-        if torch.device(device) != world.device:
+        if _indexed(torch.device(device)) != world.device:
             raise TransportError(f"[megamoe] emulated ranks live on {world.device}, the layer on {device}")
         buf = world.arenas(layout)
         arenas = [buf[r * layout.total: (r + 1) * layout.total] for r in range(layout.ep)]
@@ -221,6 +221,13 @@ def make_arena(kind: str, layout: ArenaLayout, group, device: torch.device) -> P
     if group is None:
         raise ValueError(f"MEGA_DISPATCH={kind}: ep_size {layout.ep} needs a process group (group=None given)")
     return ARENAS[kind](layout, group, device)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """"cuda" -> "cuda:N" (the current device), as tensors report it; other devices as they are."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _cuda_handle(t: torch.Tensor) -> bytes:

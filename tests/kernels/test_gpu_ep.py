@@ -163,12 +163,8 @@ def _dead_peer_worker(rank, world, phase):
     dist.barrier()
     if rank == world - 1:
         if phase == 1:  # dies mid-forward: its rows are dispatched and it passed barrier 0, never barrier 1
-            from megamoe_backend.layer.device.p2p import barrier, dispatch
-
-            ws = layer.workspace
-            dispatch(x, ids, w, layer._owner, layer._slot, T, ws.arena, ws.wire.name, SPEC.hidden_size, ws.pair_live,
-                     ws.dest, ws.status.word, 0)
-            barrier(ws.arena, ws.epochs, 0, ws.budget, T, ws.status.word, 0)
+            steps = layer.path.steps(x, ids, w, 1.0, None, T)
+            assert [next(steps), next(steps)] == ["dispatch", "barrier 0"]
             torch.cuda.synchronize()
         os._exit(0)  # dies without a word
     time.sleep(1.0)

@@ -40,7 +40,7 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def build_layout(
     slot: torch.Tensor, num_experts: int, block_m: int, capacity: int | None = None, row: torch.Tensor | None = None,
-    live=None, active: tuple[int, int] = (-1, 2**31 - 1),
+    live=None, active: tuple[int, int] = (-1, 2**31 - 1), all_tiles: bool = True,
 ) -> ExpertLayout:
     """Sort pairs by local expert, padding each expert's rows to a multiple of ``block_m``.
 
@@ -57,7 +57,8 @@ def build_layout(
 
     ``live`` (experts/live.py LiveRows, Triton build only): read and place only the live pairs (the
     rest of the region is stale); ``layout.live_tiles`` then holds the routed tile count on the
-    device, 0 when the live pair count falls outside ``active`` = (lo, hi] (another tile config runs).
+    device, 0 when the live pair count falls outside ``active`` = (lo, hi] (another tile config runs);
+    ``all_tiles`` False leaves the tiles past live_tiles unwritten (persistent GEMMs never read them).
     """
     if slot.dim() != 1:
         raise ValueError(f"pairs.slot must be 1-D [P], got shape {tuple(slot.shape)}")
@@ -79,7 +80,7 @@ def build_layout(
 
         n_tiles = max_tiles(p, num_experts, block_m)
         tile_expert, sorted_pair, sorted_row, live_tiles = build_layout_triton(slot, row, num_experts, block_m, n_tiles,
-                                                                               live, active)
+                                                                               live, active, all_tiles)
         return ExpertLayout(block_m=block_m, num_tiles=n_tiles, tile_expert=tile_expert, sorted_pair=sorted_pair,
                             sorted_row=sorted_row, live_tiles=live_tiles)
     if live is not None:

@@ -76,7 +76,7 @@ def _chunk_histogram(slot_ptr, P, E, hist_ptr, sorted_pair_ptr, sorted_row_ptr, 
     _, s = _chunk_slots(slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
     tl.store(hist_ptr + tl.program_id(0) * E_PAD + tl.arange(0, E_PAD), tl.histogram(s, E_PAD))
     if SEG:  # only the rows the live pairs can fill: ceil(live / BM) + E tiles at most
-        _, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
+        seg_live, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
         rows = tl.minimum(num_tiles, (total + BM - 1) // BM + E) * BM
         rows_per_program = tl.cdiv(rows, tl.num_programs(0))
     first = tl.program_id(0) * rows_per_program
@@ -92,12 +92,12 @@ def _plan(
     hist_ptr, base_ptr, first_row_ptr, tile_end_ptr, NC, E, BM, num_tiles, tile_expert_ptr, live_tiles_ptr,
     counts_ptr, n_seg, seg_rows, per_row, active_lo, active_hi,
     E_PAD: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr, LOG_E: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr,
-    N_SEG: tl.constexpr,
+    N_SEG: tl.constexpr, ALL_TILES: tl.constexpr = True,
 ):
     e = tl.arange(0, E_PAD)
     real = e < E
     if SEG:  # the chunks that hold live pairs (_chunk_slots)
-        _, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
+        seg_live, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
         NC = tl.cdiv(total, CH)
     # pass 1: base[c, e] = pairs of expert e in chunks < c; counts = all of them
     run = tl.zeros([E_PAD], dtype=tl.int32)
@@ -119,7 +119,7 @@ def _plan(
     live_tiles = tl.where((n_pairs > active_lo) & (n_pairs <= active_hi), tl.max(tile_end, 0), 0)
     tl.store(live_tiles_ptr, live_tiles)
     tl.debug_barrier()  # tile_end is read back below by other threads of this program
-    if SEG:
+    if not ALL_TILES:  # persistent GEMMs stop at live_tiles: the tiles past it are never read
         num_tiles = live_tiles
     # the expert of tile t = the number of real experts whose tiles all end at or before t (-1 past
     # the last): an upper-bound binary search over the non-decreasing tile_end[0:E], LOG_E steps
@@ -156,14 +156,16 @@ def _scatter(slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr, 
 
 def build_layout_triton(
     slot: torch.Tensor, row: torch.Tensor, num_experts: int, block_m: int, num_tiles: int, live=None,
-    active: tuple[int, int] = (-1, 2**31 - 1),
+    active: tuple[int, int] = (-1, 2**31 - 1), all_tiles: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tile_expert [num_tiles], sorted_pair, sorted_row [num_tiles * block_m]) int32, as build_layout_torch,
     and live_tiles (int32 [1]: the tiles the GEMMs walk).
 
     ``live`` (experts/live.py LiveRows): only the live pairs are read, placed and counted; the tiles
     past live_tiles are left unwritten (every consumer stops at live_tiles). ``active`` (lo, hi]: the
-    live pair counts this layout's tile config serves; outside it live_tiles is 0 (another runs)."""
+    live pair counts this layout's tile config serves; outside it live_tiles is 0 (another runs).
+    ``all_tiles`` False: tile_expert is written up to live_tiles only (for persistent GEMMs, which stop
+    there), else for all num_tiles (-1 past the routed ones: one program per tile may be launched)."""
     p = slot.shape[0]
     dev = slot.device
     e_pad = triton.next_power_of_2(num_experts + 1)  # + a spare bin for the masked tail of a chunk
@@ -188,7 +190,7 @@ def build_layout_triton(
                             BM=block_m, num_tiles=num_tiles, E_PAD=e_pad, CH=CHUNK, FB=1024, **seg)
     _plan[(1,)](hist, base, first_row, tile_end, nc, num_experts, block_m, num_tiles, tile_expert, live_tiles,
                 active_lo=active[0], active_hi=active[1], E_PAD=e_pad, CB=max(1, min(64, 16384 // e_pad)), TB=1024,
-                LOG_E=e_pad.bit_length(), CH=CHUNK, num_warps=8, **seg)
+                LOG_E=e_pad.bit_length(), CH=CHUNK, ALL_TILES=all_tiles, num_warps=8, **seg)
     _scatter[(nc,)](slot, row, p, num_experts, base, first_row, sorted_pair, sorted_row, live_tiles_ptr=live_tiles,
                     E_PAD=e_pad, CH=CHUNK, **seg)
     return tile_expert, sorted_pair, sorted_row, live_tiles

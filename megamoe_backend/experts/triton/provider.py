@@ -212,6 +212,9 @@ class TritonExperts(ExpertsProvider):
         bk1, bk2 = (reduction_block(hidden, candidates[0][0].block_k), reduction_block(inter, candidates[0][0].block_k))
         if mode in ("frag", "frag8") and (bk1 < 64 or bk2 < 64):
             raise ValueError(f"decoder={mode!r} needs block_k >= 64 dividing hidden={hidden} and intermediate={inter}")
+        # with a bound (one config, grids sized by it) one program per tile as at ep_size 1; without one the
+        # region is the capacity, so the GEMMs run persistent grids over the live tiles the layout counted
+        persist = live is not None and live.config_pairs is None
         cap = persistent_grid(device) if live is not None else None
         a_rs = w1_rs = w2_rs = pairs.weight  # row scales: frag8 only (the kernels ignore them otherwise)
         if mode == "frag8":
@@ -254,7 +257,9 @@ class TritonExperts(ExpertsProvider):
                 bk1 = bk2 = FP8_K
             else:
                 bk1, bk2 = reduction_block(hidden, cfg.block_k), reduction_block(inter, cfg.block_k)
-            layout = build_layout(pairs.slot, n_exp, cfg.block_m, self.capacity, row=pairs.row, live=live, active=active)
+            layout = build_layout(pairs.slot, n_exp, cfg.block_m, self.capacity, row=pairs.row, live=live, active=active,
+                                  all_tiles=not persist)
+            gemm_cap = persistent_grid(device, cfg) if persist else None
             rows = layout.num_rows
             if mode == "frag8":
                 # GEMM1 writes A2 in the A format (MX per 32, as the reference); rowscale_e4m3 then re-scales it
@@ -268,13 +273,13 @@ class TritonExperts(ExpertsProvider):
                 a2_scale = torch.empty(rows, inter // MX_BLOCK, dtype=torch.uint8, device=device)
             live_tiles = layout.live_tiles if layout.live_tiles is not None else pairs.weight
             common = dict(DECODE=mode, USE_ASM=use_asm, BM=cfg.block_m, GROUP_M=cfg.group_m, F32_DOT=interpreting(),
-                          TAIL_M=cfg.tail_m, TAIL_RIDE=cfg.tail_ride, PERSIST=live is not None, num_warps=cfg.num_warps,
+                          TAIL_M=cfg.tail_m, TAIL_RIDE=cfg.tail_ride, PERSIST=persist, num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages)
 
             n1 = triton.cdiv(2 * inter, cfg.block_n1)
             passes = tile_passes(cfg, mode)
             for tile_pass in passes:
-                gemm1_swiglu_kernel[(_grid(layout.num_tiles * n1, cap),)](
+                gemm1_swiglu_kernel[(_grid(layout.num_tiles * n1, gemm_cap),)](
                     layout.tile_expert, layout.sorted_row, layout.num_tiles, live_tiles,
                     a_data, a_data.stride(0), a_scale, a_scale.stride(0),
                     weights.w1, weights.w1.stride(0), weights.w1.stride(1), w1s, w1s.stride(0), w1s.stride(1),
@@ -303,7 +308,7 @@ class TritonExperts(ExpertsProvider):
                 a2_fmt = a_fmt
             n2 = triton.cdiv(hidden, cfg.block_n2)
             for tile_pass in passes:
-                gemm2_weighted_kernel[(_grid(layout.num_tiles * n2, cap),)](
+                gemm2_weighted_kernel[(_grid(layout.num_tiles * n2, gemm_cap),)](
                     layout.tile_expert, layout.sorted_pair, pairs.weight, layout.num_tiles, live_tiles,
                     a2_data, a2_data.stride(0), a2_s, a2_s.stride(0),
                     weights.w2, weights.w2.stride(0), weights.w2.stride(1), w2s, w2s.stride(0), w2s.stride(1),
@@ -375,32 +380,44 @@ def tile_candidates(config: TileConfig | None, seg_pairs: int, num_experts: int,
 
     A bound (``config_pairs``, the engine's DP-padded batch x top-k) or a fixed config gives one. With
     no bound the host knows only the region (``seg_pairs``: one source's share, what a rank receives
-    when every rank fills its region), so two run: the smallest bucket's config (decode) for up to
-    its limit of pairs per expert, and the region's config above it; each layout finds on the device
-    whether the live count is its own (build_layout ``active``), the other's GEMMs exit at once."""
+    when every rank fills its region), so one per bucket up to the region's runs: the smallest (decode) for up to
+    its limit of pairs per expert, the next buckets' over theirs, up to the region's; each layout finds on the device
+    whether the live count is its own (build_layout ``active``), the others' GEMMs exit at once."""
     if config is not None:
         return ((config, ALL_COUNTS),)
     if config_pairs is not None:
         return ((default_config(config_pairs, num_experts, mode), ALL_COUNTS),)
-    small, big = default_config(0, num_experts, mode), default_config(seg_pairs, num_experts, mode)
-    if small == big:
-        return ((small, ALL_COUNTS),)
-    limit = int(_table(mode)[0][0] * num_experts)
-    return ((small, (-1, limit)), (big, (limit, ALL_COUNTS[1])))
+    table = _table(mode)
+    avg = seg_pairs / max(1, num_experts)
+    last = next((i for i, (limit, _) in enumerate(table) if avg <= limit), len(table) - 1)
+    out, lo = [], ALL_COUNTS[0]
+    for i in range(last + 1):  # every bucket up to the region's, each over its own live pair range
+        hi = ALL_COUNTS[1] if i == last else int(table[i][0] * num_experts)
+        cfg = default_config(max(lo, 0) + 1 if i else 0, num_experts, mode)
+        if out and out[-1][0] == cfg:
+            out[-1] = (cfg, (out[-1][1][0], hi))
+        else:
+            out.append((cfg, (lo, hi)))
+        lo = hi
+    return tuple(out)
 
 
 _SMS: dict[int, int] = {}  # documented cache: multiprocessor count per CUDA device index
 
 
-def persistent_grid(device: torch.device) -> int:
-    """Programs of a persistent launch (a fixed grid that loops over the live work): 8 per SM on a GPU
-    (a few resident waves), 3 under the interpreter (so its tests stride)."""
+def persistent_grid(device: torch.device, cfg: TileConfig | None = None) -> int:
+    """Programs of a persistent launch (a fixed grid that loops over the live work): about one resident
+    wave, so a launch with nothing live (a tile config the live count did not pick) costs one wave of
+    programs that exit. GEMMs (``cfg``): 3 CTAs per SM up to 64-row tiles (frag8 decode / mid configs
+    fit 3), 2 for 128-row tiles; the row-rescale kernels (2 warps, no shared memory): 8 per SM. Under
+    the interpreter 3 programs, so its tests stride."""
     if device.type != "cuda" or interpreting():
         return 3
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return 8 * _SMS[index]
+    per_sm = 8 if cfg is None else (3 if cfg.block_m <= 64 else 2)
+    return per_sm * _SMS[index]
 
 
 def _grid(programs: int, cap: int | None) -> int:

@@ -1,0 +1,339 @@
+"""`megamoe bench layer --ep N --emulate`: one EP rank's device P2P forward, per rank, on ONE GPU.
+
+The N ranks of one layer run in one process (parallel/emulated_ep.py): the ranks' arenas are one
+allocation, each rank's steps are launched in turn on one stream, so nothing time-slices the GPU and
+every figure is one rank's own kernels. A step is timed with the GPU held busy (torch.cuda._sleep)
+while the host enqueues it, so CUDA events around each rank's launches see no host gaps. Per case:
+
+  rank_us          the slowest rank's whole forward: dispatch, both barriers (signal + wait), the
+                   experts half, top-k sum (kernels only, median of the timed steps)
+  experts_us       that rank's experts half alone (layout, A rescale, GEMM1, A2 rescale, GEMM2 into
+                   the sources' combine regions)
+  rank_us_by_rank  every rank's
+  step_graph_us    the whole emulated step (all ranks, in turn) replayed from ONE CUDA graph / N: also
+                   shows the step is capturable
+  nvlink_model_us  a MODEL, not a measurement: the slowest rank's dispatch + combine bytes to other
+                   ranks / NVLINK_BYTES_PER_S per direction + BARRIER_LATENCY_US per barrier; in the
+                   emulator those bytes go to the same GPU's HBM (inside rank_us)
+  naive_torch_us   one rank's share in naive torch: the pairs routed to rank 0, argsort + bf16
+                   torch._grouped_mm of its local experts + index_add (graph replay)
+  floor_us         the slowest rank's floor (bench/floor.py: its experts hit / HBM, its FLOPs / FP8 peak)
+
+Cases: EP x local experts x tokens per rank x scheme x combine wire x bound (max_tokens_across_ranks
+passed or not) x routing ("uniform", "zipf": expert popularity ~ 1 / rank^ZIPF_S, hot experts spread
+over ranks at random; "uneven": uniform routing, DP batches 0, T/2, T by rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+NVLINK_BYTES_PER_S = 450e9  # H200 NVLink 4: 900 GB/s bidirectional per GPU, 450 GB/s each way
+BARRIER_LATENCY_US = 3.0  # assumed: one system-scope flag store + poll across NVLink, both directions
+ZIPF_S = 1.0
+TIMED_STEPS = 5
+ROUTINGS = ("uniform", "zipf", "uneven")
+
+
+@dataclass
+class EmulatedCase:
+    ep: int
+    experts: int  # local experts per rank
+    tokens: int  # per rank (the largest rank's under "uneven")
+    scheme: str
+    dispatch_wire: str
+    combine_wire: str
+    routing: str
+    bounded: bool
+    rank_us: float = float("nan")
+    experts_us: float = float("nan")
+    rank_us_by_rank: list = field(default_factory=list)
+    experts_us_by_rank: list = field(default_factory=list)
+    step_graph_us: float = float("nan")
+    nvlink_model_us: float = float("nan")
+    naive_torch_us: float = float("nan")
+    floor_us: float = float("nan")
+    floor_bound: str = ""
+    live_pairs_by_rank: list = field(default_factory=list)
+    tokens_by_rank: list = field(default_factory=list)
+    error: str = ""
+
+
+def rank_tokens(routing: str, tokens: int, ep: int) -> list[int]:
+    """Tokens each rank brings: T everywhere, or (uneven) 0, T/2, T, 0, T/2, ... by rank."""
+    if routing != "uneven":
+        return [tokens] * ep
+    return [(0, tokens // 2, tokens)[r % 3] for r in range(ep)]
+
+
+def make_routes(routing: str, tokens: list[int], n_exp: int, topk: int, hidden: int, device, seed: int):
+    """Per rank (x, global ids, weights); zipf: Gumbel top-k over log popularity (no repeats per token)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    if routing == "zipf":
+        pop = 1.0 / torch.arange(1, n_exp + 1, device=device, dtype=torch.float32) ** ZIPF_S
+        logp = pop.log()[torch.randperm(n_exp, generator=g, device=device)]
+    else:
+        logp = torch.zeros(n_exp, device=device)
+    routes = []
+    for t in tokens:
+        x = torch.randn(t, hidden, generator=g, device=device).to(torch.bfloat16)
+        gumbel = -torch.log(-torch.log(torch.rand(t, n_exp, generator=g, device=device).clamp_min(1e-20)))
+        ids = (logp[None, :] + gumbel).topk(topk, dim=1).indices
+        w = torch.rand(t, topk, generator=g, device=device)
+        routes.append((x, ids, w / w.sum(1, keepdim=True)))
+    return routes
+
+
+def nvlink_model_us(routes, ep: int, experts: int, row_bytes: int, comb_bytes: int, topk: int) -> float:
+    """The slowest rank's modelled NVLink time (module docstring): rows and (slot, weight) entries it
+    sends in dispatch, combine rows its experts send back, to ranks other than itself."""
+    worst = 0.0
+    out_bytes = [0] * ep
+    for src, (_, ids, _) in enumerate(routes):
+        owner = ids // experts  # [t, k]
+        for r in range(ep):
+            if r == src:
+                continue
+            hits = owner == r
+            out_bytes[src] += int(hits.any(dim=1).sum()) * row_bytes + ids.shape[0] * topk * 12
+            out_bytes[r] += int(hits.sum()) * comb_bytes  # rank r's experts return these rows to src
+    for b in out_bytes:
+        worst = max(worst, b / NVLINK_BYTES_PER_S * 1e6)
+    return worst + 2 * BARRIER_LATENCY_US
+
+
+def rank_share(routes, rank: int, experts: int):
+    """(x rows, local ids [P], route weights [P], pair rows [P]) of the pairs routed to ``rank``."""
+    xs, ids, ws = (torch.cat([r[i] for r in routes]) for i in range(3))
+    here = (ids // experts) == rank
+    tok, j = here.nonzero(as_tuple=True)
+    return xs, (ids[tok, j] - rank * experts), ws[tok, j].float(), tok
+
+
+def naive_rank_layer(xs, local_ids, weights, rows, wd, limit):
+    """argsort + gather + two bf16 torch._grouped_mm + SwiGLU + route weight + index_add (capturable)."""
+    from ..experts import swiglu
+
+    order = torch.argsort(local_ids, stable=True)
+    counts = torch.zeros(wd.num_experts, dtype=torch.int64, device=xs.device).index_add_(0, local_ids,
+                                                                                       torch.ones_like(local_ids))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    src = rows[order]
+    h = torch._grouped_mm(xs[src], wd.w1.transpose(1, 2), offs=offs)
+    act = swiglu(h.float(), wd.gate_up_layout, limit).to(torch.bfloat16)
+    y = torch._grouped_mm(act, wd.w2.transpose(1, 2), offs=offs).float() * weights[order, None]
+    return torch.zeros(xs.shape[0], wd.hidden, dtype=torch.float32, device=xs.device).index_add_(0, src, y).to(torch.bfloat16)
+
+
+def timed_steps(emu, inputs, bound, n: int = TIMED_STEPS):
+    """Per-rank (whole, experts) µs of ``n`` steps (median), the GPU held busy while each is enqueued."""
+    from ..parallel.emulated_ep import RankTimer
+
+    emu.forward(inputs, bound)  # warm: compiles, allocator
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    emu.forward(inputs, bound)
+    enqueue_s = time.perf_counter() - t0  # host time to enqueue one step (the GPU kept up: upper bound)
+    torch.cuda.synchronize()
+    whole, experts = [], []
+    for _ in range(n):
+        timer = RankTimer(emu.ep)
+        torch.cuda._sleep(int(max(2e6, enqueue_s * 2.5 * 1.9e9)))  # ~1.9 GHz: cycles that outlast the enqueue
+        emu.forward(inputs, bound, timer=timer)
+        torch.cuda.synchronize()
+        spans = [[b.elapsed_time(e) * 1e3 for b, e in s] for s in timer.spans]
+        whole.append([sum(s) for s in spans])
+        experts.append([s[3] for s in spans])  # steps: dispatch, signal 0, wait 0, experts, signal 1, wait 1, top-k sum
+    med = lambda rows: [statistics.median(v) for v in zip(*rows)]  # noqa: E731
+    return med(whole), med(experts)
+
+
+def step_graph_us(emu, inputs, bound) -> float:
+    from .bench_experts import capture_graph
+
+    g = capture_graph(lambda: emu.forward(inputs, bound))
+    for _ in range(2):
+        g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(5):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / 5 / emu.ep
+
+
+def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict, save) -> None:
+    """Every case of one (EP, local experts): rank weights made once, one emulated EP per wire set."""
+    from ..knobs import Knobs
+    from ..parallel.emulated_ep import EmulatedEP
+    from ..plan import build_plan
+    from ..spec import preset
+    from ..transport import clear_transport_cache
+    from .bench_experts import graph_or_eager, make_weights, time_fn
+    from .bench_layer import SCHEMES
+    from .floor import H200_HBM_BYTES_PER_S, H200_MMA_FLOPS_PER_S, expert_floor
+
+    device = torch.device("cuda")
+    spec = preset("dsv4-pro").scaled(n_routed_experts=ep * experts)
+    hidden, inter, topk = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok
+    weights, bf16_rank0 = [], None
+    for r in range(ep):
+        fp4, bf16 = make_weights(experts, hidden, inter, device, args.seed + r)
+        weights.append(fp4)
+        bf16_rank0 = bf16 if r == 0 else bf16_rank0
+        del bf16
+    for scheme in args.schemes:
+        for combine in args.combine_wires:
+            knobs = Knobs(dispatch_wire=SCHEMES[scheme], combine_wire=combine, max_tokens_per_rank=args.mtpr, transport="ipc")
+            plans = [build_plan(spec, knobs, r, ep, quant=scheme, backends=("triton", "ipc")) for r in range(ep)]
+            emu = EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device)
+            ws0 = emu.layers[0].workspace
+            for routing in args.routings:
+                if routing != "uniform" and (scheme, combine) != (args.schemes[0], args.combine_wires[0]):
+                    continue  # skewed / uneven cases on the first scheme and wire only
+                for tokens in args.tokens:
+                    toks = rank_tokens(routing, tokens, ep)
+                    routes = make_routes(routing, toks, ep * experts, topk, hidden, device, args.seed + tokens)
+                    for bounded in (True, False):
+                        c = EmulatedCase(ep, experts, tokens, scheme, SCHEMES[scheme], combine, routing, bounded,
+                                         tokens_by_rank=toks)
+                        try:
+                            bound = max(toks) if bounded else None
+                            bound = max(bound, 1) if bounded else None
+                            c.rank_us_by_rank, c.experts_us_by_rank = timed_steps(emu, routes, bound)
+                            slowest = max(range(ep), key=lambda r: c.rank_us_by_rank[r])
+                            c.rank_us, c.experts_us = c.rank_us_by_rank[slowest], c.experts_us_by_rank[slowest]
+                            c.step_graph_us = step_graph_us(emu, routes, bound)
+                            c.nvlink_model_us = nvlink_model_us(routes, ep, experts, ws0.layout.row_bytes,
+                                                                ws0.layout.comb_bytes, topk)
+                            floors = []
+                            for r in range(ep):
+                                _, lid, _, _ = rank_share(routes, r, experts)
+                                c.live_pairs_by_rank.append(int(lid.numel()))
+                                floors.append(expert_floor(experts_hit=int(torch.unique(lid).numel()), pairs=int(lid.numel()),
+                                                           hidden=hidden, intermediate=inter, weight_fmt="mxfp4",
+                                                           a_fmt=plans[0].math.a_format,
+                                                           hbm_bytes_per_s=H200_HBM_BYTES_PER_S,
+                                                           mma_flops_per_s=H200_MMA_FLOPS_PER_S))
+                            worst = max(floors, key=lambda f: f.us)
+                            c.floor_us, c.floor_bound = worst.us, worst.bound
+                            if not args.no_baseline and bounded:
+                                share = rank_share(routes, 0, experts)
+                                if share[1].numel():
+                                    naive, _ = graph_or_eager(lambda: naive_rank_layer(*share, bf16_rank0, spec.swiglu_limit))  # noqa: B023
+                                    c.naive_torch_us, _ = time_fn(naive, use_graph=False)
+                        except Exception as exc:  # noqa: BLE001 - one failing case must not sink the sweep
+                            c.error = f"{type(exc).__name__}: {str(exc)[:400]}"
+                            torch.cuda.synchronize()
+                        cases.append(c)
+                        print(line(c), flush=True)
+                        save()
+            del emu
+            clear_transport_cache()
+            torch.cuda.empty_cache()
+
+
+def line(c: EmulatedCase) -> str:
+    return (f"EP{c.ep} E{c.experts:<4d} T{c.tokens:<5d} {c.scheme} {c.dispatch_wire}/{c.combine_wire:18s} {c.routing:7s} "
+            f"{'bound' if c.bounded else 'MTPR ':5s} rank {c.rank_us:9.1f} experts {c.experts_us:9.1f} graph/rank "
+            f"{c.step_graph_us:9.1f} nvlink(model) {c.nvlink_model_us:7.1f} naive {c.naive_torch_us:9.1f} "
+            f"floor {c.floor_us:8.1f} {c.error[:160]}")
+
+
+def summary(cases: list[EmulatedCase]) -> dict:
+    """The issue's targets, read off the cases (uniform routing, first scheme / wire)."""
+    def find(ep, t, bounded, scheme="a8w4", combine="bf16"):
+        for c in cases:
+            if (c.ep, c.tokens, c.bounded, c.scheme, c.combine_wire, c.routing) == (ep, t, bounded, scheme, combine, "uniform"):
+                return c
+        return None
+
+    out = {}
+    c = find(8, 8, True)
+    if c:
+        out["ep8_t8_bounded_rank_us"] = c.rank_us
+    for t in (8, 32, 128):
+        b, u = find(8, t, True), find(8, t, False)
+        if b and u:
+            out[f"ep8_t{t}_unbounded_over_bounded"] = u.rank_us / b.rank_us
+    for ep in (8, 2):
+        c = find(ep, 8192, True)
+        if c:
+            out[f"ep{ep}_t8192_rank_over_experts"] = c.rank_us / c.experts_us
+    return out
+
+
+def run_emulated(args: argparse.Namespace) -> int:
+    from .bench_experts import environment
+
+    if not torch.cuda.is_available():
+        print("bench layer --emulate needs a CUDA GPU", file=sys.stderr)
+        return 2
+    meta = environment(argparse.Namespace(**{**vars(args), "hidden": 7168, "intermediate": 3072, "topk": 6}),
+                       "megamoe_backend.bench.bench_layer")
+    meta["what"] = ("megamoe bench layer --ep N --emulate: N EP ranks of one DSV4-Pro layer (384 experts) in one process "
+                    "on one GPU, each rank's device P2P forward timed on its own (CUDA events, kernels only)")
+    meta["nvlink_model"] = {"bytes_per_s_per_direction": NVLINK_BYTES_PER_S, "barrier_latency_us": BARRIER_LATENCY_US,
+                            "note": "a model, not a measurement: dispatch + combine bytes to other ranks / bandwidth + "
+                                    "2 barriers x latency, the slowest rank"}
+    meta["zipf_s"] = ZIPF_S
+    cases: list[EmulatedCase] = []
+    t0 = time.time()
+
+    def save() -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": {**meta, "seconds": round(time.time() - t0, 1)}, "summary": summary(cases),
+                           "cases": [asdict(c) for c in cases]}, f, indent=1, default=str)
+
+    eps = [args.ep] if args.ep > 1 else [8, 2]
+    for ep in eps:
+        experts = args.experts_total // ep
+        run_group(ep, experts, args, cases, meta, save)
+    save()
+    print(json.dumps(summary(cases), indent=1))
+    if args.plot:
+        plot_emulated(cases, args.plot)
+    return 0
+
+
+def plot_emulated(cases: list[EmulatedCase], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [c for c in cases if not c.error and c.routing == "uniform"]
+    panels = sorted({(c.ep, c.scheme, c.combine_wire) for c in ok}, key=lambda k: (-k[0], k[1], k[2]))
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4 * max(1, len(panels)), 3.6), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        sel = [c for c in ok if (c.ep, c.scheme, c.combine_wire) == key]
+        for bounded, style, label in ((True, "o-", "rank, bound passed"), (False, "o:", "rank, no bound (MTPR 8192)")):
+            pts = sorted((c for c in sel if c.bounded == bounded), key=lambda c: c.tokens)
+            ax.plot([c.tokens for c in pts], [c.rank_us for c in pts], style, label=label, markersize=4)
+        pts = sorted((c for c in sel if c.bounded), key=lambda c: c.tokens)
+        tok = [c.tokens for c in pts]
+        for attr, style, label in (("experts_us", "s--", "its experts alone"), ("naive_torch_us", "x-", "naive torch (its share)"),
+                                   ("floor_us", "k--", "floor"), ("nvlink_model_us", "g-.", "NVLink (model)")):
+            ax.plot(tok, [getattr(c, attr) for c in pts], style, label=label, markersize=4)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"EP {key[0]} ({cases[0].experts * cases[0].ep // key[0]} local), {key[1]}, combine {key[2][:4]}",
+                     fontsize=9)
+        ax.set_xlabel("tokens per rank")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("µs per rank (emulated, kernels only)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("megamoe bench layer --emulate: one EP rank of DSV4-Pro (384 experts) on one H200", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
