@@ -4,6 +4,7 @@ every forward, log line. Upstream constraints the fakes add are tested in test_u
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -234,3 +235,28 @@ def test_rank_major_ids_follow_the_placement_and_fill_masked_entries():
     assert ids.dtype == torch.int32 and ids.is_contiguous()
     assert ids.tolist() == [[2, 1], [3, 3], [0, 0]] and w.tolist() == [[0.5, 0.5], [1.0, 0.0], [0.0, 0.0]]
     assert knobs().transport == "auto"
+
+
+def test_megamoe_layer_runs_the_shared_fused_runtime_over_a_real_process_group(fakes, tmp_path):
+    """The layer's fused branch end to end on CPU: a one-rank gloo group (torch's own
+    broadcast_object_list for the shmem bootstrap), two layers on one MegaMoEV2, an idle step."""
+    import torch.distributed as dist
+
+    from megamoe_backend.layer.megamoe_layer import MegaMoELayer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        plan = make_plan(ep=1)
+        sel = select_backends(rocm_facts("gfx950"), plan.knobs, plan.math, ep_size=1, num_experts=E)
+        plan = dataclasses.replace(plan, backends=sel)
+        raw = [layer_weights(i, ep=1) for i in range(2)]
+        layers = [MegaMoELayer(plan, w, group=group, layer_id=i) for i, w in enumerate(raw)]
+        x, ids, tw = inputs()
+        outs = [layer(x, ids, tw) for layer in layers]
+        assert len(cached_runtime_keys()) == 1 and len(calls(fakes.aiter.CALL_LOG, "MegaMoEV2")) == 1
+        for out, w in zip(outs, raw):
+            assert rel_l2(out.float(), reference(w, x, ids, tw)) < 1e-2
+        assert layers[0](x[:0], ids[:0], tw[:0]).shape == (0, H)
+    finally:
+        dist.destroy_process_group()

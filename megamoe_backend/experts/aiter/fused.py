@@ -28,7 +28,6 @@ from ...knobs import KnobError
 from ...platform.rocm_rules import check_gfx1250_shapes
 from ...platform.select import Selection, select_backends
 from ..weights import ExpertWeights
-from .heap import MoriHeap
 from .routing import rank_major_ids
 from .runtime import (
     BIND_ATTRS,
@@ -123,7 +122,7 @@ class AiterFusedMoE:
         self._runtime = None
         self._forward_params = param_names(self._cls.forward)
         self._idle = _IdleToken()
-        self.shmem_bytes = plan_shmem(self.spec(), group, MoriHeap.from_env(env))
+        self.shmem_bytes = plan_shmem(self.spec(), group, env)
 
     def spec(self) -> AiterRuntimeSpec:
         p, s = self.plan, self.selection

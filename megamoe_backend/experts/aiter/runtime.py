@@ -26,7 +26,7 @@ import importlib
 import inspect
 import logging
 from dataclasses import astuple, dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -91,14 +91,16 @@ def clear_aiter_runtimes() -> None:
     _PLANNED_SHMEM.clear()
 
 
-def plan_shmem(spec: AiterRuntimeSpec, group: Any, heap: MoriHeap) -> int:
+def plan_shmem(spec: AiterRuntimeSpec, group: Any, env: Mapping[str, str] | None = None) -> int:
     """Reserve this runtime's share of mori's heap at start-up; an error now, not in the first forward.
 
     Counts every distinct runtime planned in this process (normally one); returns the total.
+    mori's environment (``env``, default os.environ) is read only when the runtime uses the heap.
     """
     need = spec.shmem_bytes()
     if not need:
         return 0
+    heap = MoriHeap.from_env(env)
     planned = dict(_PLANNED_SHMEM)
     planned[spec.key(group)] = need
     total = sum(planned.values())
