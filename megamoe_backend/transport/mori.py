@@ -168,7 +168,7 @@ def init_mori_shmem(group: Any, rank: int, world_size: int, shmem: Any = None, d
 
     Bootstrap as mori's own ``shmem_torch_process_group_init`` does it (unique id from the root,
     ``shmem_init_attr``), but rooted at the group's first rank. mori skips a second init silently
-    (init.cpp:668-672), so an engine's earlier init on another group would leave MegaMoE on the
+    (init.cpp:669-674), so an engine's earlier init on another group would leave MegaMoE on the
     engine's world: whoever started it, the shmem world must be this EP group (mype / npes).
     Returns "initialised" or "reused".
     """

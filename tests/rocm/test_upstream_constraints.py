@@ -37,7 +37,7 @@ def fake_v2_heap_bytes(fakes, world=1, hidden=H, experts=E, topk=K, mtpr=512) ->
     return used
 
 
-# ---- mori's symmetric heap (mori tensor_utils.py:50, init.cpp:223-227, memory.cpp:34) -----------------
+# ---- mori's symmetric heap (mori tensor_utils.py:50, init.cpp:223-227, memory.cpp:37) -----------------
 
 def test_layers_share_one_v2_runtime_inside_a_heap_one_per_layer_would_exhaust(fakes, monkeypatch):
     """Before: one MegaMoEV2 per layer; the second layer's first forward hit `AssertionError:
@@ -192,7 +192,7 @@ def test_a_runtime_built_inside_inference_mode_runs_outside_it(fakes, monkeypatc
     assert rel_l2(out.float(), reference(w, x, ids, tw)) < 1e-2
 
 
-# ---- mori shmem bootstrap (mori python/mori/shmem/api.py:113-119, src/shmem/init.cpp:668-672) -----------
+# ---- mori shmem bootstrap (mori python/mori/shmem/api.py:113-119, src/shmem/init.cpp:669-674) -----------
 
 def test_shmem_bootstrap_is_rooted_at_the_groups_first_rank(fakes):
     """Before: mori's shmem_torch_process_group_init broadcast the id from global rank 0, which an EP

@@ -13,8 +13,8 @@ Sizes restate ROCm/aiter e4048607, all allocations of one MegaMoEV2:
   world_size``, so the dispatch-side receive count is ``world_size``);
 - ``FlyDSLDispatchGroupMajorOp._alloc`` (435-505), sized by ``num_valid_max`` (414-421);
 - ``MegaMoEV2._allocate_dispatch_workspace`` (mega_moe_v2.py:129-136).
-and ROCm/mori 624002c8: every ``ShmemMalloc`` is 256-byte aligned (src/shmem/memory.cpp:34), the
-heap starts 256 bytes in (init.cpp:257) and holds a 1 KiB internal sync block (init.cpp:505).
+and ROCm/mori 624002c8: every ``ShmemMalloc`` is 256-byte aligned (src/shmem/memory.cpp:37), the
+heap starts 256 bytes in (init.cpp:260) and holds a 1 KiB internal sync block (init.cpp:505).
 Not run on AMD hardware: the fakes in tests/rocm account the same allocations one by one.
 """
 
@@ -32,8 +32,8 @@ HEAP_SIZE_ENV = "MORI_SHMEM_HEAP_SIZE"
 HEAP_MODE_ENV = "MORI_SHMEM_MODE"
 GIB = 1 << 30
 MORI_DEFAULT_STATIC_HEAP = 4 * GIB  # include/mori/shmem/internal.hpp:61
-MORI_ALIGNMENT = 256  # src/shmem/memory.cpp:34
-MORI_HEAP_RESERVED = 256 + 1024  # initial offset (init.cpp:257) + internal sync block (init.cpp:505)
+MORI_ALIGNMENT = 256  # src/shmem/memory.cpp:37
+MORI_HEAP_RESERVED = 256 + 1024  # initial offset (init.cpp:260) + internal sync block (init.cpp:505)
 SORT_BLOCK_M = 32  # MegaMoEV2._build_fused_stage1: metadata blocks per 32 rows (mega_moe_v2.py:75,82)
 
 # ParseSizeString (src/shmem/init.cpp:96-150): digits, then exactly one of these suffixes (any other
@@ -59,11 +59,8 @@ def v2_shmem_bytes(world: int, hidden: int, experts_per_rank: int, topk: int, mt
                  combine_in, 4 * w * mt * k, 2 * mt * h, 4 * mt * k, 8 * w]
     compact = mt > V2_FIXED_SLOT_MAX_MTPR
     unit = 128 if compact else 32
-    if compact:
-        num_valid_max = w * mt * k + epr * unit
-    else:
-        num_valid_max = epr * (-(-w * mt // unit) * unit) + 256
-    nvm = num_valid_max
+    # num_valid_max: rows of the expert-major receive buffer (intranode op 414-421)
+    nvm = w * mt * k + epr * unit if compact else epr * (-(-w * mt // unit) * unit) + 256
     group_major = [4 * w, 4 * epr, 4 * epr, nvm * h, 4 * max(1, nvm * -(-scale_bytes // 4)), 4 * nvm, 4 * nvm,
                    4 * nvm, 4 * w]
     if compact:
@@ -95,7 +92,7 @@ class MoriHeap:
     def from_env(cls, env: Mapping[str, str] | None = None) -> "MoriHeap":
         """init.cpp ConfigureShmemMode (615-637) and the heap size read (223-227, 289-299).
 
-        vmm_heap falls back to a static heap when VMM is unsupported (init.cpp:366-371), whose
+        vmm_heap falls back to a static heap when VMM is unsupported (init.cpp:360-371), whose
         default is 4 GiB: without MORI_SHMEM_HEAP_SIZE that smaller default is what we check.
         """
         env = os.environ if env is None else env
@@ -108,8 +105,10 @@ class MoriHeap:
         return cls(parse_mori_size(raw), f"{HEAP_SIZE_ENV}={raw}")
 
     def check(self, needed: int, what: str) -> None:
-        if self.capacity is None or needed <= self.capacity:
+        """``needed`` bytes of allocations must fit next to what mori itself keeps on the heap."""
+        if self.capacity is None or needed + MORI_HEAP_RESERVED <= self.capacity:
             return
+        needed += MORI_HEAP_RESERVED
         unit, suffix = (GIB, "G") if needed >= GIB else (1 << 20, "M")
         raise KnobError(
             f"{self.source} is smaller than the {needed / unit:.2f} {suffix}iB of mori symmetric heap that {what} "

@@ -6,7 +6,8 @@ are sized by geometry, not weights, and one MegaMoEV2 takes 0.24-2.3 GiB of mori
 heap (heap.py), so one per layer exhausts it. The cache key holds everything the runtime fixes at
 construction -- the dispatch wire and combine quant included, since they change the arena's
 layout -- so a layer never reuses a runtime built for another wire. Weights are per layer and
-reach the runtime at each forward (``bind_weights``).
+reach the runtime at each forward (as forward arguments, through ``set_weights``, or
+by ``bind_launch_attrs``).
 
 Both runtimes are built and run with ``torch.inference_mode(False)`` and ``no_grad`` (as ATOM and
 SGLang do): a runtime outlives the engine phase that builds it; built inside inference mode, its

@@ -3,15 +3,15 @@
 Signatures from python/mori/shmem/api.py (ROCm/mori 624002c8; amd-mori 1.2.x has the same).
 Constraints copied, each failing where mori fails:
 - shmem is process-wide; a second init is skipped silently and keeps the first world
-  (src/shmem/init.cpp:668-672);
+  (src/shmem/init.cpp:669-674);
 - ``shmem_torch_process_group_init`` broadcasts the unique id from *global* rank 0 (api.py:113-119):
   torch refuses that for a group without global rank 0 (the fake dist raises the same ValueError);
 - ``shmem_mype`` / ``shmem_npes`` before init read a null pointer (src/shmem/runtime.cpp:172-180):
   a crash in mori, a RuntimeError here;
 - the symmetric heap: MORI_SHMEM_HEAP_SIZE parsed at init like ParseSizeString (init.cpp:96-150,
   223-227; default 4 GiB, include/mori/shmem/internal.hpp:61; MORI_SHMEM_MODE=isolation has no
-  heap, init.cpp:349-352); 256 bytes reserved up front (init.cpp:257) and a 1 KiB sync block
-  (init.cpp:505); every allocation 256-byte aligned (src/shmem/memory.cpp:34); an allocation past
+  heap, init.cpp:349-352); 256 bytes reserved up front (init.cpp:260) and a 1 KiB sync block
+  (init.cpp:505); every allocation 256-byte aligned (src/shmem/memory.cpp:37); an allocation past
   the end returns 0 (memory.cpp:43-48). Bytes are only counted: no memory is allocated.
 ``DIST`` stands in for torch.distributed (tests set it); ``_shmem_module_loaded_gpus`` is the
 real module's record of the GPUs an init ran on (api.py:34, 79, 175).
