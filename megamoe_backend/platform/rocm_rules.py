@@ -17,11 +17,23 @@ V2_FIXED_SLOT_MAX_MTPR = 255  # FIXED_SLOT_MAX_MTPR: mtpr <= this runs the fixed
 V2_FIXED_SLOT_MAX_EXPERTS_PER_RANK = 64  # select_mega_moe_config: "fixed-slot supports at most 64"
 V2_P2P_FP8_MIN_MTPR = 1024  # above this, the MAX_MTPR_CLASS config picks p2p_quant fp8_blockwise_1x32
 V2_FIRST_NON_FIXED_MTPR = 256  # smallest power of two above V2_FIXED_SLOT_MAX_MTPR
+# aiter/ops/flydsl/kernels/flydsl_dispatch_combine_intranode_op.py (e4048607): _MAX_INTRANODE_NPES = 8
+# (line 37), enforced by _check_config (749) and FlyDSLDispatchGroupMajorOp (392); MegaMoEV2 builds
+# that intranode op, so it runs inside one node only.
+V2_MAX_WORLD_SIZE = 8
 
 # aiter/ops/flydsl/kernels/mega_moe_gfx1250/mega_moe.py (ROCm/aiter e4048607)
 GFX1250_MAX_WORLD_SIZE = 72
 GFX1250_MAX_EXPERTS_PER_RANK = 512
 GFX1250_WAVE_SIZE = 32  # topk must be in [1, wave size]
+# aiter/ops/shuffle.py shuffle_scale_n32k4 (e4048607, lines 283-288), what moe_shuffle_scale runs on
+# gfx1250: scale rows N % 32 == 0 and K // 32 % 4 == 0 (K % 128), for w1 (N=2I, K=H) and w2 (N=H, K=I);
+# K % 128 on both GEMMs implies the row condition.
+GFX1250_SCALE_K_ALIGN = 128
+
+# mori/ops/dispatch_combine.py (ROCm/mori 624002c8, lines 1485-1506): the blockwise combine quant
+# runs on these kernel types only; InterNodeV1 raises ValueError at the first combine.
+MORI_BLOCKWISE_COMBINE_KERNELS = ("IntraNode", "IntraNodeLL", "AsyncLL")
 
 # Our combine wire name -> MegaMoEGfx1250's combine_quant name ("mxfp8 is what the mega_moe v2
 # path calls fp8_blockwise_1x32", yhl-amd/aiter 22f2e2dc).
@@ -84,6 +96,49 @@ def check_gfx1250_quant(math_a_format: str | None, quant: str, a_operand: str, r
             f"the model's quant scheme is {quant} (A operand {math_a_format}) but AITER_FORCE_A8W4="
             f"{raw_force_a8w4!r} makes aiter compute {a_operand} activations on gfx1250; set AITER_FORCE_A8W4="
             f"{'1' if math_a_format == 'fp8' else '0'}"
+        )
+
+
+def check_gfx1250_shapes(hidden: int, inter: int) -> None:
+    """aiter's gfx1250 scale shuffle folds scales into 32-row x 4-scale tiles; other shapes raise there.
+
+    K % 128 for both GEMMs (w1: K = hidden, w2: K = intermediate) also gives the rows % 32 it needs.
+    """
+    bad = [f"{name}={v}" for name, v in (("hidden_size", hidden), ("moe_intermediate_size", inter))
+           if v % GFX1250_SCALE_K_ALIGN]
+    if bad:
+        raise KnobError(
+            f"this checkpoint's {' and '.join(bad)} cannot run aiter MegaMoEGfx1250: its weight-scale shuffle "
+            f"(moe_shuffle_scale -> shuffle_scale_n32k4) needs hidden and intermediate sizes that are multiples "
+            f"of {GFX1250_SCALE_K_ALIGN} (K // 32 % 4 == 0); use MEGA_DISPATCH=nccl to run this model with the "
+            "triton experts instead"
+        )
+
+
+def gfx1250_fused_refusal(a_operand: str) -> str | None:
+    """Why MegaMoEGfx1250 cannot run this A operand fused, or None.
+
+    Its fused combine needs aiter's grouped kernel to write the stage-2 scatter; with fp4
+    activations that kernel wants ``w1.dtype == fp4x2`` (grouped_moe_gfx1250.py:991) and the shuffled
+    weights are uint8, so fused_moe falls back to its generic path, which ignores stage2_scatter, and
+    the combine sums a buffer nothing wrote this step. aiter's own test refuses the case
+    (test_mega_moe_gfx1250.py:525-527, "scatter_fused is available only for a8w4_mxfp4").
+    """
+    if a_operand == "fp8":
+        return None
+    return (
+        "aiter MegaMoEGfx1250 runs its fused combine for A8W4 only (fp4 activations take aiter's generic MoE "
+        "path, which skips the fused combine's scatter); set AITER_FORCE_A8W4=1 to run it (fp8 activations)"
+    )
+
+
+def check_mori_combine_kernel(combine_wire: str, kernel_type: str) -> None:
+    """mori's blockwise combine quantisation is intranode-only (and AsyncLL)."""
+    if combine_wire != "bf16" and kernel_type not in MORI_BLOCKWISE_COMBINE_KERNELS:
+        raise KnobError(
+            f"MEGA_COMBINE_WIRE={combine_wire} needs mori's blockwise combine, which runs on "
+            f"{'/'.join(MORI_BLOCKWISE_COMBINE_KERNELS)} kernels only; this EP group spans nodes (kernel_type "
+            f"{kernel_type}): use MEGA_COMBINE_WIRE=bf16"
         )
 
 

@@ -19,13 +19,16 @@ from .rocm_rules import (
     GFX1250_COMBINE_QUANT,
     GFX1250_MAX_EXPERTS_PER_RANK,
     GFX1250_MAX_WORLD_SIZE,
+    MORI_BLOCKWISE_COMBINE_KERNELS,
     RUNTIME_BY_ARCH,
+    V2_MAX_WORLD_SIZE,
     PlatformError,
     check_experts_divisible,
     check_force_a8w4_agrees,
     check_gfx1250_quant,
     check_gfx1250_wire,
     gfx1250_a_operand,
+    gfx1250_fused_refusal,
     resolve_v2_mtpr,
     v2_combine_wire,
 )
@@ -117,23 +120,38 @@ def _select_rocm(facts, knobs, math, ep_size, experts_per_rank) -> Selection:
     fused, why_not = _fused_selection(facts, knobs, math, ep_size, experts_per_rank, head)
     if fused is not None:
         return fused
-    return _unfused_rocm(facts, knobs, head, why_not)
+    return _unfused_rocm(facts, knobs, head, why_not, ep_size)
 
 
-def _unfused_rocm(facts, knobs, head, why_not) -> Selection:
+def _mori_combine_refusal(facts, knobs, ep_size) -> str | None:
+    """Why mori cannot carry this combine wire for this EP group, or None."""
+    if knobs.combine_wire == "bf16":
+        return None
+    if knobs.dispatch_wire != "bf16":
+        return (
+            f"MEGA_COMBINE_WIRE={knobs.combine_wire} with MEGA_DISPATCH_WIRE={knobs.dispatch_wire}: mori's blockwise "
+            "combine quantisation requires bf16 dispatch and combine dtypes (amd-mori 1.2.4 test matrix)"
+        )
+    if ep_size is not None and facts.gpu_count and ep_size > facts.gpu_count:
+        return (
+            f"MEGA_COMBINE_WIRE={knobs.combine_wire} over EP {ep_size} > {facts.gpu_count} GPUs per node: mori runs "
+            f"InterNodeV1 there, and its blockwise combine runs on {'/'.join(MORI_BLOCKWISE_COMBINE_KERNELS)} only"
+        )
+    return None
+
+
+def _unfused_rocm(facts, knobs, head, why_not, ep_size) -> Selection:
     provider = _local_provider(facts)
     reasons = [head, f"aiter fused MegaMoE not used: {why_not}"]
     base = dict(dispatch_wire=knobs.dispatch_wire, combine_wire=knobs.combine_wire, mtpr=knobs.max_tokens_per_rank)
     if knobs.transport == "flydsl":
         raise PlatformError(f"MEGA_DISPATCH=flydsl names aiter's fused dispatch, which cannot run here: {why_not}")
     if facts.has("mori"):
-        if knobs.combine_wire != "bf16" and knobs.dispatch_wire != "bf16":
-            msg = (
-                f"MEGA_COMBINE_WIRE={knobs.combine_wire} with MEGA_DISPATCH_WIRE={knobs.dispatch_wire}: mori's blockwise "
-                "combine quantisation requires bf16 dispatch and combine dtypes (amd-mori 1.2.4 test matrix)"
-            )
+        msg = _mori_combine_refusal(facts, knobs, ep_size)
+        if msg:
             if knobs.transport == "mori":
-                raise KnobError(msg + "; use MEGA_DISPATCH_WIRE=bf16 or MEGA_COMBINE_WIRE=bf16")
+                fix = "MEGA_COMBINE_WIRE=bf16" if knobs.dispatch_wire == "bf16" else "MEGA_DISPATCH_WIRE=bf16 or MEGA_COMBINE_WIRE=bf16"
+                raise KnobError(f"{msg}; use {fix}")
             reasons.append(msg + "; using RCCL all_to_all instead")
             return Selection(provider, "nccl", reasons=tuple(reasons + [f"{provider} experts"]), **base)
         reasons.append(f"mori EpDispatchCombineOp transport (MEGA_DISPATCH={knobs.transport}); {provider} experts")
@@ -153,14 +171,18 @@ def _fused_selection(facts, knobs, math, ep_size, experts_per_rank, head):
     if math.quant not in MXFP4_SCHEMES:
         return None, f"aiter MegaMoE runtimes take MXFP4 weights (a8w4 / a4w4); this model is {math.quant}"
     if runtime == "MegaMoEV2":
-        return _v2_selection(facts, knobs, math, experts_per_rank, head)
+        return _v2_selection(facts, knobs, math, ep_size, experts_per_rank, head)
     return _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head)
 
 
-def _v2_selection(facts, knobs, math, experts_per_rank, head):
+def _v2_selection(facts, knobs, math, ep_size, experts_per_rank, head):
     caps = facts.aiter_caps
     if not caps.has_v2:
         return None, "the installed aiter has no aiter.ops.flydsl.kernels.mega_moe.MegaMoEV2 (added in ROCm/aiter 97d0c6e)"
+    if ep_size is not None and ep_size > V2_MAX_WORLD_SIZE:
+        return None, (
+            f"MegaMoEV2 runs on aiter's intranode dispatch op, world_size <= {V2_MAX_WORLD_SIZE}; EP size is {ep_size}"
+        )
     if math.quant == "a4w4" and not caps.v2_accepts_a4w4:
         return None, "the installed aiter's MegaMoEV2 accepts quant='a8w4' only"
     if knobs.dispatch_wire != math.a_format:
@@ -209,6 +231,9 @@ def _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head):
     check_gfx1250_quant(math.a_format, math.quant, a_operand, raw)
     if not caps.has_gfx1250:
         return None, "the installed aiter has no MegaMoEGfx1250 (added in ROCm/aiter ba59a37)"
+    refusal = gfx1250_fused_refusal(a_operand)
+    if refusal:
+        return None, f"{refusal} (AITER_FORCE_A8W4={raw!r})"
     init = set(caps.gfx1250_init or ())
     if knobs.dispatch_wire != "bf16" and "dispatch_wire" not in init:
         return None, f"the installed aiter's MegaMoEGfx1250 has no dispatch_wire argument (bf16 wire only); MEGA_DISPATCH_WIRE={knobs.dispatch_wire}"

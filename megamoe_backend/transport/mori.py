@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,12 +31,12 @@ import torch
 
 from ..formats import MX_BLOCK
 from ..knobs import KnobError
+from ..platform.rocm_rules import check_mori_combine_kernel
 from .base import DispatchHandle, DispatchResult, PeerInputError, Transport, TransportError
 from .layout import DispatchLayout
 
 logger = logging.getLogger("megamoe")
 
-SHMEM_GROUP_NAME = "megamoe_ep"
 COMBINE_SCALE_DIM_ENV = "MORI_FP8_COMBINE_SCALE_DIM"  # read by mori's C++ handle at construction
 
 # Our dispatch wire -> (torch dtype of the payload mori moves, payload columns per hidden element)
@@ -130,35 +131,76 @@ def pick_kernel_type(ep_size: int, gpus_per_node: int) -> tuple[str, int]:
     return ("IntraNode" if ep_size <= gpus_per_node else "InterNodeV1"), per_node
 
 
-_SHMEM_STATE: dict[str, Any] = {}
+_SHMEM_STATE: dict[str, Any] = {}  # the EP group this process's mori shmem serves (one per process)
+_SHMEM_LOCK = threading.Lock()  # check-and-init is one step when layers are built from several threads
 
 
-def init_mori_shmem(
-    group: Any,
-    name: str = SHMEM_GROUP_NAME,
-    register: Callable[[str, Any], None] | None = None,
-    shmem: Any = None,
-) -> str:
-    """Register the EP group under ``name`` with c10d, then initialise mori shmem on it.
+def broadcast_from_group_root(obj: Any, group: Any, dist: Any = None) -> Any:
+    """``obj`` from the group's first rank, on every rank of ``group``.
 
-    Order matters: ``shmem_torch_process_group_init(name)`` resolves the group by name through
-    c10d's registry. mori shmem is process-wide, so a second, different EP group is an error.
+    Why not ``src=0``: torch's ``src`` is a global rank, and global rank 0 is not a member of an EP
+    group that leaves it out (mori.shmem.shmem_torch_process_group_init broadcasts from 0,
+    python/mori/shmem/api.py:113-119, and fails there). ATOM's cco bootstrap does the same.
     """
-    done = _SHMEM_STATE.get("group")
-    if done is not None:
-        if done is not group:
-            raise TransportError("mori shmem is already initialised on another process group; one EP group per process")
-        return _SHMEM_STATE["name"]
-    if register is None:
-        register = torch._C._distributed_c10d._register_process_group
+    if dist is None:
+        import torch.distributed as dist
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def shmem_initialised(shmem: Any) -> bool:
+    """Whether mori shmem already runs in this process (vLLM's MoriAll2AllManager starts it, for one).
+
+    mori 1.2.x / 624002c8 has no Python query (ShmemIsInitialized is C++ only, shmem_api.hpp:82,
+    and shmem_mype() before init dereferences a null pointer, runtime.cpp:172). Every init path
+    records the GPU it loaded the shmem module on in ``api._shmem_module_loaded_gpus`` (api.py:34,
+    79) and shmem_finalize drops it (api.py:175): read, never written. A public query wins.
+    """
+    query = getattr(shmem, "shmem_is_initialized", None)
+    if callable(query):
+        return bool(query())
+    return bool(getattr(getattr(shmem, "api", None), "_shmem_module_loaded_gpus", None))
+
+
+def init_mori_shmem(group: Any, rank: int, world_size: int, shmem: Any = None, dist: Any = None) -> str:
+    """Start mori shmem on the EP group, or reuse the one already running on the same ranks.
+
+    Bootstrap as mori's own ``shmem_torch_process_group_init`` does it (unique id from the root,
+    ``shmem_init_attr``), but rooted at the group's first rank. mori skips a second init silently
+    (init.cpp:669-674), so an engine's earlier init on another group would leave MegaMoE on the
+    engine's world: whoever started it, the shmem world must be this EP group (mype / npes).
+    Returns "initialised" or "reused".
+    """
+    with _SHMEM_LOCK:
+        done = _SHMEM_STATE.get("group")
+        if done is not None:
+            if done is not group:
+                raise TransportError("mori shmem is already initialised on another process group; one EP group per process")
+            return _SHMEM_STATE["origin"]
+        origin = _start_or_reuse_shmem(group, rank, world_size, shmem, dist)
+        _SHMEM_STATE.update(group=group, origin=origin)
+        return origin
+
+
+def _start_or_reuse_shmem(group: Any, rank: int, world_size: int, shmem: Any, dist: Any) -> str:
     if shmem is None:
         shmem = importlib.import_module("mori.shmem")
-    register(name, group)
-    status = shmem.shmem_torch_process_group_init(name)
-    if status not in (None, 0):
-        raise TransportError(f"mori.shmem.shmem_torch_process_group_init({name!r}) returned {status}")
-    _SHMEM_STATE.update(group=group, name=name)
-    return name
+    origin = "reused" if shmem_initialised(shmem) else "initialised"
+    if origin == "initialised":
+        uid = broadcast_from_group_root(shmem.shmem_get_unique_id() if rank == 0 else None, group, dist)
+        status = shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, world_size, uid)
+        if status not in (None, 0):
+            raise TransportError(f"mori.shmem.shmem_init_attr(rank={rank}, nranks={world_size}) returned {status}")
+    pe, npes = int(shmem.shmem_mype()), int(shmem.shmem_npes())
+    if (pe, npes) != (rank, world_size):
+        raise TransportError(
+            f"mori shmem in this process runs on {npes} PEs with this rank as PE {pe}, but MegaMoE's EP group has "
+            f"{world_size} ranks with this one as rank {rank}: mori shmem is process-wide and was started on another "
+            "group (by the engine, e.g. vLLM --all2all-backend mori_*); run MegaMoE on that group or leave mori to it"
+        )
+    logger.info("[megamoe] mori shmem %s on the EP group (PE %d of %d)", origin, pe, npes)
+    return origin
 
 
 def reset_mori_shmem_state() -> None:
@@ -234,7 +276,7 @@ class MoriTransport(Transport):
         device: torch.device,
         *,
         gpus_per_node: int | None = None,
-        register: Callable[[str, Any], None] | None = None,
+        dist: Any = None,
         mori_module: Any = None,
         all_reduce_max: Callable[[int], int] | None = None,
     ) -> None:
@@ -251,7 +293,8 @@ class MoriTransport(Transport):
         if gpus_per_node is None:
             gpus_per_node = torch.cuda.device_count() if torch.cuda.is_available() else 1
         kernel_name, per_node = pick_kernel_type(self.ep_size, gpus_per_node)
-        self.shmem_name = init_mori_shmem(group, register=register, shmem=getattr(mori, "shmem", None))
+        check_mori_combine_kernel(self.wire.combine_wire, kernel_name)
+        self.shmem_origin = init_mori_shmem(group, self.rank, self.ep_size, shmem=getattr(mori, "shmem", None), dist=dist)
         apply_combine_scale_env(self.wire)
         ops = mori.ops
         w = self.wire

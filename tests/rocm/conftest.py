@@ -30,6 +30,8 @@ def _drop(prefixes, monkeypatch=None):
 def fakes(monkeypatch):
     """Import the fake mori and aiter under their real names; removed again after the test."""
     _drop(FAKE_ROOTS, monkeypatch)  # a real install (AMD box) is restored by monkeypatch afterwards
+    for name in ("MORI_SHMEM_HEAP_SIZE", "MORI_SHMEM_MODE", "AITER_FORCE_A8W4"):  # read by the fakes, as upstream
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.syspath_prepend(str(FAKES))
     importlib.invalidate_caches()
     mori = importlib.import_module("mori")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from megamoe_backend.knobs import Knobs
@@ -56,3 +57,37 @@ def loose_knobs(**kw):
     base = dict(dispatch_wire="bf16", combine_wire="bf16", transport="auto", max_tokens_per_rank=8192, aiter_force_a8w4=None)
     base.update(kw)
     return SimpleNamespace(**base)
+
+
+@dataclass(frozen=True)
+class FakeGroup:
+    """An EP process group: the global ranks it holds, in group-rank order."""
+
+    ranks: tuple[int, ...] = (0, 1)
+
+
+@dataclass
+class FakeDist:
+    """torch.distributed's group semantics for one rank: ``src`` of broadcast_object_list is a *global*
+    rank and must belong to the group (torch: ValueError "Global rank N is not part of group",
+    distributed_c10d.get_group_rank). Non-root ranks receive ``received`` (a well-formed 128-byte id)."""
+
+    rank: int = 0  # this process's rank in the group
+    log: list = field(default_factory=list)
+    received: object = b"U" * 128
+
+    def get_rank(self, group) -> int:
+        return self.rank
+
+    def get_world_size(self, group) -> int:
+        return len(group.ranks)
+
+    def get_global_rank(self, group, group_rank: int) -> int:
+        return group.ranks[group_rank]
+
+    def broadcast_object_list(self, box, src, group) -> None:
+        if src not in group.ranks:
+            raise ValueError(f"Global rank {src} is not part of group {group}")
+        self.log.append(("broadcast_object_list", type(box[0]).__name__, src, group))
+        if group.ranks.index(src) != self.rank:
+            box[0] = self.received

@@ -1,71 +1,24 @@
 """aiter fused MegaMoE contract: weight shuffles, runtime constructor arguments, shmem / cco order,
-one runtime per shape (wire in the key), each layer's weights passed explicitly, log line."""
+one runtime per shape (wire in the key) shared by every layer, each layer's weights reaching it at
+every forward, log line. Upstream constraints the fakes add are tested in test_upstream_constraints.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
+from aiter_helpers import GROUP, E, H, I, K, calls, fused, inputs, layer_weights, make_plan, on_arch, reference
 from rocm_helpers import GFX1250_CAPS_OLD, knobs, rocm_facts
 
 from megamoe_backend.experts import quantize_expert_weights
 from megamoe_backend.experts.aiter import AiterFusedMoE, AiterRuntimeSpec, cached_runtime_keys, rank_major_ids
 from megamoe_backend.experts.weights import deinterleave_gate_up
-from megamoe_backend.knobs import KnobError, Knobs
-from megamoe_backend.plan import build_plan
+from megamoe_backend.knobs import KnobError
+from megamoe_backend.layer.reference import rel_l2
 from megamoe_backend.platform import select_backends
-from megamoe_backend.spec import MoESpec
-from megamoe_backend.transport.mori import init_mori_shmem
-
-H, I, E, K = 64, 32, 8, 2
-GROUP = object()
-
-
-class FakeDist:
-    """broadcast_object_list / get_global_rank, recorded (rank 0's object reaches everyone)."""
-
-    def __init__(self, log):
-        self.log = log
-
-    def get_global_rank(self, group, rank):
-        return 0
-
-    def broadcast_object_list(self, box, src, group):
-        self.log.append(("broadcast_object_list", type(box[0]).__name__, src, group))
-
-
-def make_plan(wire="fp8", combine="bf16", quant="a8w4", mtpr=512, ep=2, rank=0, limit=None, force=None):
-    spec = MoESpec(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K, quant=quant, swiglu_limit=limit)
-    k = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, aiter_force_a8w4=force)
-    return build_plan(spec, k, ep_rank=rank, ep_size=ep, backends=("aiter", "mori"))
-
-
-def fused(fakes, plan, facts, layer_id=0):
-    sel = select_backends(facts, plan.knobs, plan.math, ep_size=plan.ep_size, num_experts=E)
-    return AiterFusedMoE(
-        plan, GROUP, "cpu", selection=sel, layer_id=layer_id,
-        init_shmem=lambda g: init_mori_shmem(g, register=fakes.mori.fake_register_process_group),
-        dist=FakeDist(fakes.mori.CALL_LOG),
-    )
-
-
-def layer_weights(seed, ep=2):
-    g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(E // ep, 2 * I, H, generator=g)
-    w2 = torch.randn(E // ep, H, I, generator=g)
-    return quantize_expert_weights(w1, w2, "mxfp4", gate_up_layout="interleaved")
-
-
-def inputs(t=5):
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(t, H, generator=g), torch.randint(0, E, (t, K), generator=g), torch.rand(t, K, generator=g)
-
-
-def calls(log, name):
-    return [c for c in log if c[0] == name]
-
 
 # ---- gfx950 / MegaMoEV2 -----------------------------------------------------------------------
 
@@ -94,25 +47,30 @@ def test_v2_is_built_after_shmem_with_a_power_of_two_mtpr(fakes, caplog):
     (_, kwargs), = calls(fakes.aiter.CALL_LOG, "MegaMoEV2")
     assert kwargs == dict(rank=0, world_size=2, model_dim=H, inter_dim=I, experts=E, topk=K, quant="a8w4",
                           max_tok_per_rank=1024, mega_scheme="fixedslot", swiglu_limit=10.0)
-    assert [c[0] for c in fakes.mori.CALL_LOG] == ["_register_process_group", "shmem_torch_process_group_init", "shmem_barrier_all"]
+    order = [c[0] for c in fakes.mori.CALL_LOG]
+    assert order[:4] == ["shmem_get_unique_id", "broadcast_object_list", "shmem_init_attr", "shmem_barrier_all"]
+    assert fakes.mori.CALL_LOG[2][1:] == (fakes.mori.shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, 0, 2)
     call = m.runtime(None).forward_calls[0]
     assert call["x"].dtype == torch.bfloat16 and call["wts"].dtype == torch.float32 and call["topk_ids"].dtype == torch.int32
     assert "aiter MegaMoEV2" in caplog.text and "wire=fp8" in caplog.text and "mtpr=1024" in caplog.text
+    assert "weights=launch-attrs shared by all layers" in caplog.text
 
 
-def test_v2_published_api_gets_one_runtime_per_layer_and_no_private_rebinding(fakes):
+def test_v2_published_api_shares_one_runtime_and_each_layer_computes_with_its_own_weights(fakes):
     facts = rocm_facts("gfx950")
-    layers = [fused(fakes, make_plan(), facts, layer_id=i) for i in range(2)]
-    weights = [m.prepare_weights(layer_weights(i)) for i, m in enumerate(layers)]
-    x, ids, w = inputs()
-    for m, lw in zip(layers, weights):
-        m(x, ids, w, lw)
-    assert {m.binding for m in layers} == {"per-layer-instance"}
-    runtimes = [m.runtime(None) for m in layers]
-    assert runtimes[0] is not runtimes[1] and len(cached_runtime_keys()) == 2
-    for rt, lw in zip(runtimes, weights):
-        assert rt.bound[0] is lw.w1 and rt.bound[2] is lw.w2
-        assert not hasattr(rt, "_s1_w1")
+    layers = [fused(fakes, make_plan(ep=1), facts, layer_id=i) for i in range(3)]
+    raw = [layer_weights(i, ep=1) for i in range(3)]
+    weights = [m.prepare_weights(w) for m, w in zip(layers, raw)]
+    x, ids, tw = inputs()
+    outs = [m(x, ids, tw, lw) for m, lw in zip(layers, weights)]
+    rt = layers[0].runtime(None)
+    assert {m.binding for m in layers} == {"launch-attrs"}
+    assert all(m.runtime(None) is rt for m in layers) and len(cached_runtime_keys()) == 1
+    assert len(calls(fakes.aiter.CALL_LOG, "MegaMoEV2")) == 1
+    assert [c["weights"][0] for c in rt.forward_calls] == [lw.w1 for lw in weights]  # bound per forward
+    for out, w in zip(outs, raw):
+        assert rel_l2(out.float(), reference(w, x, ids, tw)) < 1e-2
+    assert rel_l2(outs[0].float(), outs[1].float()) > 0.1  # the layers really differ
 
 
 def test_v2_with_a_public_setter_shares_one_runtime_and_sets_each_layers_weights(fakes, monkeypatch):
@@ -124,18 +82,26 @@ def test_v2_with_a_public_setter_shares_one_runtime_and_sets_each_layers_weights
     x, ids, w = inputs()
     for m, lw in zip(layers, weights):
         m(x, ids, w, lw)
-        assert m.runtime(None).forward_calls[-1]["weights"][0] is lw.w1
+        assert m.runtime(None).forward_calls[-1]["weights"][2] is lw.w2
+        assert m.binding == "set_weights"
     assert layers[0].runtime(None) is layers[1].runtime(None) and len(cached_runtime_keys()) == 1
+
+
+def test_v2_whose_launch_attributes_changed_is_refused_not_run_on_the_first_layers_weights(fakes):
+    m = fused(fakes, make_plan(), rocm_facts("gfx950"))
+    lw = m.prepare_weights(layer_weights(0))
+    x, ids, w = inputs()
+    m(x, ids, w, lw)
+    del m.runtime(None)._s1_w1  # an aiter revision that renamed it
+    with pytest.raises(KnobError, match="'_s1_w1' is None, not w1"):
+        m(x, ids, w, lw)
 
 
 # ---- gfx1250 / MegaMoEGfx1250 -----------------------------------------------------------------
 
 @pytest.fixture
 def gfx1250(fakes, monkeypatch):
-    fakes.aiter.reset("gfx1250")
-    mod = fakes.aiter.ops.flydsl.kernels.mega_moe_gfx1250
-    monkeypatch.setattr(mod, "MegaMoEGfx1250", mod.MegaMoEGfx1250_22f2e2dc)
-    return fakes
+    return on_arch(fakes, monkeypatch, "gfx1250")
 
 
 def test_gfx1250_weights_use_moe_shuffles_with_gate_up_interleave(gfx1250):
@@ -173,17 +139,18 @@ def test_gfx1250_fp8_wire_runs_mori_dispatch_and_passes_everything_explicitly(gf
 
 def test_gfx1250_one_runtime_serves_all_layers_with_their_own_weights(gfx1250):
     facts = rocm_facts("gfx1250", force_a8w4="1")
-    layers = [fused(gfx1250, make_plan(force=True), facts, layer_id=i) for i in range(3)]
-    weights = [m.prepare_weights(layer_weights(i)) for i, m in enumerate(layers)]
-    x, ids, w = inputs()
-    for m, lw in zip(layers, weights):
-        m(x, ids, w, lw)
+    layers = [fused(gfx1250, make_plan(force=True, ep=1), facts, layer_id=i) for i in range(3)]
+    raw = [layer_weights(i, ep=1) for i in range(3)]
+    weights = [m.prepare_weights(w) for m, w in zip(layers, raw)]
+    x, ids, tw = inputs()
+    outs = [m(x, ids, tw, lw) for m, lw in zip(layers, weights)]
     rt = layers[0].runtime(None)
     assert all(m.runtime(None) is rt for m in layers) and len(cached_runtime_keys()) == 1
-    assert [c["w1"] for c in rt.forward_calls] == [lw.w1 for lw in weights]
     assert all(c["w1"] is lw.w1 and c["w2_scale"] is lw.w2_scale for c, lw in zip(rt.forward_calls, weights))
     assert {c["combine_quant"] for c in rt.forward_calls} == {"none"}
     assert len(calls(gfx1250.mori.CALL_LOG, "cco.init")) == 1
+    for out, w in zip(outs, raw):
+        assert rel_l2(out.float(), reference(w, x, ids, tw)) < 1e-2
 
 
 def test_gfx1250_runtime_cache_key_includes_the_wire(gfx1250):
@@ -198,16 +165,17 @@ def test_gfx1250_runtime_cache_key_includes_the_wire(gfx1250):
 
 
 def test_gfx1250_fp8_combine_is_built_and_asked_for_per_step(gfx1250):
-    m = fused(gfx1250, make_plan(wire="fp4", quant="a4w4", combine="fp8_blockwise_1x32"), rocm_facts("gfx1250"))
+    m = fused(gfx1250, make_plan(wire="fp8", force=True, combine="fp8_blockwise_1x32"), rocm_facts("gfx1250", force_a8w4="1"))
     x, ids, w = inputs()
     m(x, ids, w, m.prepare_weights(layer_weights(0)))
     (_, kw), = calls(gfx1250.aiter.CALL_LOG, "MegaMoEGfx1250")
-    assert (kw["dispatch_wire"], kw["combine_quant"]) == ("fp4", "mxfp8")
+    assert (kw["dispatch_wire"], kw["combine_quant"]) == ("fp8", "mxfp8")
     assert m.runtime(None).forward_calls[0]["combine_quant"] == "mxfp8"
 
 
-def test_gfx1250_published_e4048607_api_with_bf16_wire(fakes):
+def test_gfx1250_published_e4048607_api_with_bf16_wire(fakes, monkeypatch):
     fakes.aiter.reset("gfx1250")
+    monkeypatch.setenv("AITER_FORCE_A8W4", "1")
     m = fused(fakes, make_plan(wire="bf16", force=True), rocm_facts("gfx1250", caps=GFX1250_CAPS_OLD, force_a8w4="1"))
     x, ids, w = inputs()
     m(x, ids, w, m.prepare_weights(layer_weights(0)))
@@ -234,7 +202,7 @@ def test_unfused_selection_is_refused(fakes):
         AiterFusedMoE(plan, GROUP, selection=sel)
 
 
-def test_too_many_tokens_and_wrong_weights_are_refused(fakes):
+def test_too_many_tokens_wrong_weights_and_a_wrong_out_are_refused(fakes):
     m = fused(fakes, make_plan(mtpr=4), rocm_facts("gfx950"))
     lw = m.prepare_weights(layer_weights(0))
     x, ids, w = inputs(5)
@@ -242,6 +210,8 @@ def test_too_many_tokens_and_wrong_weights_are_refused(fakes):
         m(x, ids, w, lw)
     with pytest.raises(ValueError, match="prepared for MegaMoEGfx1250"):
         m(x[:2], ids[:2], w[:2], SimpleNamespace(**{**lw.__dict__, "runtime": "MegaMoEGfx1250"}))
+    with pytest.raises(ValueError, match=r"out must be bf16 \(2, 128\)"):
+        m(x[:2], ids[:2], w[:2], lw, out=torch.empty(2, H))
     bf16 = quantize_expert_weights(torch.randn(E // 2, 2 * I, H), torch.randn(E // 2, H, I), "bf16")
     with pytest.raises(ValueError, match="MXFP4 expert weights"):
         m.prepare_weights(bf16)
@@ -265,3 +235,28 @@ def test_rank_major_ids_follow_the_placement_and_fill_masked_entries():
     assert ids.dtype == torch.int32 and ids.is_contiguous()
     assert ids.tolist() == [[2, 1], [3, 3], [0, 0]] and w.tolist() == [[0.5, 0.5], [1.0, 0.0], [0.0, 0.0]]
     assert knobs().transport == "auto"
+
+
+def test_megamoe_layer_runs_the_shared_fused_runtime_over_a_real_process_group(fakes, tmp_path):
+    """The layer's fused branch end to end on CPU: a one-rank gloo group (torch's own
+    broadcast_object_list for the shmem bootstrap), two layers on one MegaMoEV2, an idle step."""
+    import torch.distributed as dist
+
+    from megamoe_backend.layer.megamoe_layer import MegaMoELayer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        plan = make_plan(ep=1)
+        sel = select_backends(rocm_facts("gfx950"), plan.knobs, plan.math, ep_size=1, num_experts=E)
+        plan = dataclasses.replace(plan, backends=sel)
+        raw = [layer_weights(i, ep=1) for i in range(2)]
+        layers = [MegaMoELayer(plan, w, group=group, layer_id=i) for i, w in enumerate(raw)]
+        x, ids, tw = inputs()
+        outs = [layer(x, ids, tw) for layer in layers]
+        assert len(cached_runtime_keys()) == 1 and len(calls(fakes.aiter.CALL_LOG, "MegaMoEV2")) == 1
+        for out, w in zip(outs, raw):
+            assert rel_l2(out.float(), reference(w, x, ids, tw)) < 1e-2
+        assert layers[0](x[:0], ids[:0], tw[:0]).shape == (0, H)
+    finally:
+        dist.destroy_process_group()

@@ -9,13 +9,17 @@ import threading
 
 import pytest
 import torch
+from rocm_helpers import FakeDist, FakeGroup, rocm_facts
+from rocm_helpers import knobs as selection_knobs
 
 from megamoe_backend.experts import quantize_expert_weights
+from megamoe_backend.experts.base import ExpertMath
 from megamoe_backend.experts.weights import ExpertWeights
 from megamoe_backend.knobs import KnobError, Knobs
 from megamoe_backend.layer.megamoe_layer import MegaMoELayer
 from megamoe_backend.layer.reference import rel_l2
 from megamoe_backend.plan import build_plan
+from megamoe_backend.platform import select_backends
 from megamoe_backend.spec import MoESpec
 from megamoe_backend.transport import PeerInputError, TransportError
 from megamoe_backend.transport.layout import DispatchLayout
@@ -31,7 +35,7 @@ from megamoe_backend.transport.mori import (
 )
 
 H, I, E, K = 64, 32, 8, 2
-GROUP = object()  # stands in for the EP process group
+GROUP = FakeGroup((0, 1))  # stands in for the EP process group
 
 
 def make_plan(rank=0, ep=2, wire="bf16", combine="bf16", quant="a8w4", mtpr=16, experts=E):
@@ -40,11 +44,12 @@ def make_plan(rank=0, ep=2, wire="bf16", combine="bf16", quant="a8w4", mtpr=16, 
     return build_plan(spec, knobs, ep_rank=rank, ep_size=ep, backends=("torch", "mori"))
 
 
-def make_transport(fakes, plan, **kw):
+def make_transport(fakes, plan, group=None, **kw):
     kw.setdefault("gpus_per_node", 8)
-    kw.setdefault("register", fakes.mori.fake_register_process_group)
+    kw.setdefault("dist", FakeDist(rank=plan.ep_rank, log=fakes.mori.CALL_LOG))
     kw.setdefault("all_reduce_max", lambda s: s)
-    return MoriTransport(plan, GROUP, torch.device("cpu"), **kw)
+    group = group or (GROUP if plan.ep_size == 2 else FakeGroup(tuple(range(plan.ep_size))))
+    return MoriTransport(plan, group, torch.device("cpu"), **kw)
 
 
 # ---- pure mapping of the wire knobs --------------------------------------------------------
@@ -96,18 +101,27 @@ def test_kernel_type_and_gpu_per_node():
 
 # ---- shmem initialisation -----------------------------------------------------------------
 
-def test_shmem_init_registers_the_group_before_initialising_and_only_once(fakes):
+def test_shmem_init_broadcasts_the_id_then_initialises_once(fakes):
     log = fakes.mori.CALL_LOG
-    name = init_mori_shmem(GROUP, register=fakes.mori.fake_register_process_group, shmem=fakes.mori.shmem)
-    assert init_mori_shmem(GROUP, register=fakes.mori.fake_register_process_group, shmem=fakes.mori.shmem) == name
-    assert [c[0] for c in log] == ["_register_process_group", "shmem_torch_process_group_init"]
-    assert log[0][1:] == (name, GROUP) and log[1][1] == name
+    dist = FakeDist(rank=0, log=log)
+    assert init_mori_shmem(GROUP, 0, 2, shmem=fakes.mori.shmem, dist=dist) == "initialised"
+    assert init_mori_shmem(GROUP, 0, 2, shmem=fakes.mori.shmem, dist=dist) == "initialised"
+    assert [c[0] for c in log] == ["shmem_get_unique_id", "broadcast_object_list", "shmem_init_attr"]
+    assert log[1][1:] == ("bytes", 0, GROUP) and log[2][1:] == (fakes.mori.shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, 0, 2)
+    assert (fakes.mori.shmem.shmem_mype(), fakes.mori.shmem.shmem_npes()) == (0, 2)
+
+
+def test_shmem_init_on_a_non_root_rank_receives_the_id(fakes):
+    log = fakes.mori.CALL_LOG
+    init_mori_shmem(GROUP, 1, 2, shmem=fakes.mori.shmem, dist=FakeDist(rank=1, log=log))
+    assert [c[0] for c in log] == ["broadcast_object_list", "shmem_init_attr"]  # only the root mints an id
+    assert log[0][1] == "NoneType" and log[1][2:] == (1, 2)
 
 
 def test_shmem_init_on_a_second_group_is_an_error(fakes):
-    init_mori_shmem(GROUP, register=fakes.mori.fake_register_process_group, shmem=fakes.mori.shmem)
+    init_mori_shmem(GROUP, 0, 2, shmem=fakes.mori.shmem, dist=FakeDist())
     with pytest.raises(TransportError, match="another process group"):
-        init_mori_shmem(object(), register=fakes.mori.fake_register_process_group, shmem=fakes.mori.shmem)
+        init_mori_shmem(FakeGroup((0, 1)), 0, 2, shmem=fakes.mori.shmem, dist=FakeDist())
 
 
 # ---- the config and the calls mori receives -----------------------------------------------
@@ -122,7 +136,7 @@ def test_transport_builds_moris_config_field_by_field(fakes, caplog):
     assert (cfg.max_num_inp_token_per_rank, cfg.num_experts_per_rank, cfg.num_experts_per_token) == (16, 4, K)
     assert (cfg.kernel_type, cfg.gpu_per_node, cfg.quant_type) == (fakes.mori.ops.EpDispatchCombineKernelType.IntraNode, 2, "none")
     order = [c[0] for c in fakes.mori.CALL_LOG]
-    assert order == ["_register_process_group", "shmem_torch_process_group_init", "EpDispatchCombineOp"]
+    assert order == ["broadcast_object_list", "shmem_init_attr", "EpDispatchCombineOp"]  # rank 1: no id minted
     assert "dispatch=mori" in caplog.text and "wire=fp8" in caplog.text
 
 
@@ -242,3 +256,61 @@ def test_layer_over_mori_matches_the_single_process_layer(fakes, wire, quant):
     want = MegaMoELayer(ref_plan, weights)(torch.cat(xs), torch.cat(ids), torch.cat(tw))
     assert rel_l2(got.float(), want.float()) < 1e-2  # mori sums bf16 partials per rank
     assert torch.isfinite(got).all()
+
+
+# ---- upstream constraints (see test_upstream_constraints.py) --------------------------------
+
+def test_blockwise_combine_over_nodes_is_refused_at_start_up(fakes):
+    """mori's blockwise combine runs on IntraNode / IntraNodeLL / AsyncLL only (ROCm/mori 624002c8
+    dispatch_combine.py:1485-1506). Before: the transport was built with InterNodeV1 and the first
+    combine raised ValueError in mori; selection could pick that pair."""
+    plan = make_plan(ep=2, combine="fp8_blockwise_1x32")
+    with pytest.raises(KnobError, match=r"MEGA_COMBINE_WIRE=fp8_blockwise_1x32 .*\(kernel_type InterNodeV1\)"):
+        make_transport(fakes, plan, gpus_per_node=1)  # 2 nodes of 1 GPU
+    assert not [c for c in fakes.mori.CALL_LOG if c[0] == "shmem_init_attr"]  # refused before any start-up step
+    ops = fakes.mori.ops
+    cfg = ops.EpDispatchCombineConfig(data_type=torch.bfloat16, rank=0, world_size=1, hidden_dim=H, scale_dim=0,
+                                      scale_type_size=1, max_token_type_size=2, max_num_inp_token_per_rank=4,
+                                      num_experts_per_rank=E, num_experts_per_token=K, gpu_per_node=1,
+                                      kernel_type=ops.EpDispatchCombineKernelType.InterNodeV1, quant_type="fp8_blockwise")
+    op = ops.EpDispatchCombineOp(cfg)
+    op.FABRIC_GENERATION = "internode-check"
+    ids = torch.zeros(1, K, dtype=torch.int32)
+    op.dispatch(torch.zeros(1, H, dtype=torch.bfloat16), torch.ones(1, K), None, ids)
+    with pytest.raises(ValueError, match="fp8_blockwise combine currently only supports IntraNode/IntraNodeLL/AsyncLL"):
+        op.combine(torch.zeros(1, H, dtype=torch.bfloat16), None, ids)  # what the fake (and mori) would do
+
+
+def test_selection_keeps_the_blockwise_combine_off_internode_mori():
+    knobs = selection_knobs
+    a8w4, facts = ExpertMath("a8w4"), rocm_facts("gfx942")  # 8 GPUs per node
+    with pytest.raises(KnobError, match="over EP 16 > 8 GPUs per node.* use MEGA_COMBINE_WIRE=bf16"):
+        select_backends(facts, knobs(combine_wire="fp8_blockwise_1x32", transport="mori"), a8w4, ep_size=16, num_experts=256)
+    sel = select_backends(facts, knobs(combine_wire="fp8_blockwise_1x32"), a8w4, ep_size=16, num_experts=256)
+    assert sel.transport == "nccl" and any("InterNodeV1" in r for r in sel.reasons)
+    assert select_backends(facts, knobs(combine_wire="fp8_blockwise_1x32"), a8w4, ep_size=8, num_experts=256).transport == "mori"
+
+
+def test_gfx1250_a4w4_without_force_a8w4_runs_correctly_unfused_over_mori(fakes):
+    """aiter's fused gfx1250 path would sum a stale combine buffer for A4W4 on uint8 weights
+    (grouped_moe_gfx1250.py:991); selection runs mori + local experts instead. Before: it fused."""
+    sel = select_backends(rocm_facts("gfx1250", triton=False), selection_knobs(dispatch_wire="fp4"), ExpertMath("a4w4"),
+                          ep_size=2, num_experts=E)
+    assert (sel.fused, sel.provider, sel.transport) == (False, "torch", "mori")
+    ep, t_per_rank = 2, 4
+    weights = _weights("a4w4", seed=3)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(t_per_rank, H, generator=g).to(torch.bfloat16) for _ in range(ep)]
+    ids = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t_per_rank)]) for _ in range(ep)]
+    tw = [torch.rand(t_per_rank, K, generator=g) for _ in range(ep)]
+    fakes.mori.ops.EpDispatchCombineOp.FABRIC_GENERATION = "gfx1250-a4w4"
+
+    def rank(r):
+        spec = MoESpec(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K, quant="a4w4")
+        plan = build_plan(spec, Knobs(dispatch_wire="fp4", max_tokens_per_rank=16), ep_rank=r, ep_size=ep, backends=sel)
+        layer = MegaMoELayer(plan, _local(weights, r * E // ep, (r + 1) * E // ep), transport=make_transport(fakes, plan))
+        return layer(xs[r], ids[r], tw[r])
+
+    got = torch.cat(_run_ranks(rank, ep))
+    want = MegaMoELayer(make_plan(rank=0, ep=1, wire="fp4", quant="a4w4"), weights)(torch.cat(xs), torch.cat(ids), torch.cat(tw))
+    assert rel_l2(got.float(), want.float()) < 1e-2

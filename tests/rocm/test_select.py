@@ -67,14 +67,23 @@ def test_gfx1250_bf16_wire_keeps_aiters_default_flydsl_dispatch_unless_mori_aske
     assert sel.dispatch_kernel == "mori"
 
 
-def test_gfx1250_fp4_a_operand_when_force_unset():
-    sel = select_backends(rocm_facts("gfx1250"), knobs(dispatch_wire="fp4"), A4W4)
-    assert (sel.a_operand, sel.dispatch_wire, sel.dispatch_kernel) == ("fp4", "fp4", "mori")
+def gfx1250_a8w4(caps=None):
+    """gfx1250 with AITER_FORCE_A8W4=1, the only setting its fused runtime runs (A8W4)."""
+    return rocm_facts("gfx1250", caps=caps, force_a8w4="1")
+
+
+def test_gfx1250_a4w4_without_force_a8w4_runs_unfused_over_mori_and_names_the_knob():
+    # aiter's grouped kernel takes fp4 activations only with fp4x2 weights (grouped_moe_gfx1250.py:991);
+    # the fused combine would then sum a buffer nothing wrote (test_upstream_constraints.py shows it)
+    for wire in ("fp4", "bf16"):
+        sel = select_backends(rocm_facts("gfx1250"), knobs(dispatch_wire=wire), A4W4)
+        assert (sel.fused, sel.provider, sel.transport) == (False, "triton", "mori")
+        assert any("set AITER_FORCE_A8W4=1" in r for r in sel.reasons)
 
 
 def test_gfx1250_combine_wire_maps_to_combine_quant_mxfp8():
-    sel = select_backends(rocm_facts("gfx1250"), knobs(combine_wire="fp8_blockwise_1x32"), A4W4)
-    assert sel.combine_quant == "mxfp8"
+    sel = select_backends(gfx1250_a8w4(), knobs(combine_wire="fp8_blockwise_1x32", aiter_force_a8w4=True), A8W4)
+    assert sel.fused and sel.combine_quant == "mxfp8"
 
 
 def test_plan_uses_platform_selection_for_rocm():
@@ -130,7 +139,8 @@ def test_old_gfx1250_without_dispatch_wire_argument_cannot_fuse_a_quantised_wire
 
 
 def test_old_gfx1250_without_combine_quant_cannot_fuse_fp8_combine():
-    sel = select_backends(rocm_facts("gfx1250", caps=GFX1250_CAPS_OLD), knobs(combine_wire="fp8_blockwise_1x32"), A4W4)
+    k = knobs(combine_wire="fp8_blockwise_1x32", aiter_force_a8w4=True)
+    sel = select_backends(gfx1250_a8w4(GFX1250_CAPS_OLD), k, A8W4)
     assert not sel.fused and any("combine_quant" in r for r in sel.reasons)
 
 
@@ -174,8 +184,8 @@ def test_v2_fixed_slot_path_is_left_when_experts_per_rank_exceed_64():
 
 
 def test_gfx1250_mtpr_is_not_rounded():
-    sel = select_backends(rocm_facts("gfx1250"), knobs(max_tokens_per_rank=1000), A4W4)
-    assert sel.mtpr == 1000
+    sel = select_backends(gfx1250_a8w4(), knobs(max_tokens_per_rank=1000, aiter_force_a8w4=True), A8W4)
+    assert sel.fused and sel.mtpr == 1000
 
 
 # ---- bad input ----------------------------------------------------------------------------
@@ -248,12 +258,12 @@ def test_the_cuda_p2p_transports_on_rocm_are_an_error(transport):
 
 
 def test_gfx1250_world_size_limit_falls_back():
-    sel = select_backends(rocm_facts("gfx1250"), knobs(), A4W4, ep_size=128, num_experts=256)
+    sel = select_backends(gfx1250_a8w4(), knobs(aiter_force_a8w4=True), A8W4, ep_size=128, num_experts=256)
     assert not sel.fused and any("world_size <= 72" in r for r in sel.reasons)
 
 
 def test_gfx1250_old_caps_still_fuse_bf16():
-    sel = select_backends(rocm_facts("gfx1250", caps=GFX1250_CAPS_OLD), knobs(), A4W4)
+    sel = select_backends(gfx1250_a8w4(GFX1250_CAPS_OLD), knobs(aiter_force_a8w4=True), A8W4)
     assert sel.fused and sel.dispatch_kernel == "flydsl"
     assert GFX1250_CAPS_NEW.has_gfx1250
 

@@ -1,9 +1,18 @@
 """Building and sharing aiter's fused MegaMoE runtimes (MegaMoEV2 on gfx950, MegaMoEGfx1250 on gfx1250).
 
-One runtime serves every MoE layer of a model: its communication arena is sized by geometry, not
-weights. The cache key holds everything the runtime fixes at construction -- the dispatch wire
-and combine quant included, since they change the arena's layout -- so a layer never reuses a
-runtime built for another wire. Weights are per layer and travel with each forward call.
+One runtime serves every MoE layer of a model, as in all three upstream integrations (vLLM
+DeepseekV4AiterMegaMoEExperts, SGLang mega_moe_aiter.py, ATOM flydsl_mega_experts.py): its buffers
+are sized by geometry, not weights, and one MegaMoEV2 takes 0.24-2.3 GiB of mori's symmetric
+heap (heap.py), so one per layer exhausts it. The cache key holds everything the runtime fixes at
+construction -- the dispatch wire and combine quant included, since they change the arena's
+layout -- so a layer never reuses a runtime built for another wire. Weights are per layer and
+reach the runtime at each forward (as forward arguments, through ``set_weights``, or
+by ``bind_launch_attrs``).
+
+Both runtimes are built and run with ``torch.inference_mode(False)`` and ``no_grad`` (as ATOM and
+SGLang do): a runtime outlives the engine phase that builds it; built inside inference mode, its
+buffers are inference tensors, and its own in-place updates (MegaMoEGfx1250's
+``_total_recv.zero_()``, mega_moe.py:628) fail once a forward runs outside inference mode.
 
 Arguments are passed only when the installed class's signature has them (aiter's MegaMoE API
 moved between revisions), and everything aiter would otherwise read from the environment
@@ -13,22 +22,31 @@ cannot drift from the knobs MegaMoE validated. Not run on AMD hardware.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import logging
 from dataclasses import astuple, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
 
 from ...knobs import KnobError
 from ...platform.facts import AITER_GFX1250_MODULE, AITER_V2_MODULE
+from ...transport.mori import broadcast_from_group_root
+from .heap import MoriHeap, v2_shmem_bytes
 
 logger = logging.getLogger("megamoe")
 
-# MegaMoEV2 binds weights at construction in ROCm/aiter e4048607 and offers no public setter;
-# how this adapter gives each layer its own weights without touching private attributes:
+# How each layer's weights reach the one shared runtime, best first. MegaMoEGfx1250 takes them as
+# forward arguments. MegaMoEV2 (ROCm/aiter e4048607) binds them at construction and has no setter;
+# its launches read four attributes afresh each forward (mega_moe_v2.py:237 ``_s1_w1`` /
+# ``_s1_w1_scale``, 345 ``w2`` / ``w2_scale``), which every upstream integration rebinds per layer.
 BIND_FORWARD = "forward-args"  # forward(..., w1=, w1_scale=, w2=, w2_scale=)
 BIND_SETTER = "set_weights"  # public set_weights(w1, w1_scale, w2, w2_scale) before each forward
-BIND_PER_LAYER = "per-layer-instance"  # one runtime per layer (memory x layers): logged loudly
+BIND_ATTRS = "launch-attrs"  # the four attributes MegaMoEV2's launches read, checked then rebound
+# attribute -> our weight field; MegaMoEV2 stores w1 / w1_scale as uint8 views (mega_moe_v2.py:76-77)
+V2_LAUNCH_ATTRS = {"_s1_w1": "w1", "_s1_w1_scale": "w1_scale", "w2": "w2", "w2_scale": "w2_scale"}
 
 
 @dataclass(frozen=True)
@@ -49,19 +67,56 @@ class AiterRuntimeSpec:
     dispatch_wire: str
     combine_quant: str
     a_operand: str
-    layer_id: int | None = None  # set only in BIND_PER_LAYER mode
+    device: str = ""  # the device the runtime allocates on
 
     def key(self, group: Any) -> tuple:
         return astuple(self) + (id(group),)
 
+    def shmem_bytes(self) -> int:
+        """mori symmetric-heap bytes this runtime allocates (MegaMoEV2; MegaMoEGfx1250 uses a cco arena)."""
+        if self.runtime != "MegaMoEV2":
+            return 0
+        return v2_shmem_bytes(self.world_size, self.model_dim, self.experts // self.world_size, self.topk, self.mtpr)
 
+
+# Documented caches (one entry per runtime shape and EP group): the runtimes, the cco
+# communicators, and the heap each planned runtime will take (checked before any is built).
 _RUNTIMES: dict[tuple, Any] = {}
 _CCO: dict[int, Any] = {}
+_PLANNED_SHMEM: dict[tuple, int] = {}
 
 
 def clear_aiter_runtimes() -> None:
     _RUNTIMES.clear()
     _CCO.clear()
+    _PLANNED_SHMEM.clear()
+
+
+def plan_shmem(spec: AiterRuntimeSpec, group: Any, env: Mapping[str, str] | None = None) -> int:
+    """Reserve this runtime's share of mori's heap at start-up; an error now, not in the first forward.
+
+    Counts every distinct runtime planned in this process (normally one); returns the total.
+    mori's environment (``env``, default os.environ) is read only when the runtime uses the heap.
+    """
+    need = spec.shmem_bytes()
+    if not need:
+        return 0
+    heap = MoriHeap.from_env(env)
+    planned = dict(_PLANNED_SHMEM)
+    planned[spec.key(group)] = need
+    total = sum(planned.values())
+    what = f"{len(planned)} shared aiter MegaMoEV2 runtime(s) (EP {spec.world_size}, max_tok_per_rank {spec.mtpr})"
+    heap.check(total, what)
+    _PLANNED_SHMEM.update(planned)
+    return total
+
+
+@contextlib.contextmanager
+def normal_tensors() -> Iterator[None]:
+    """Ordinary (non-inference) tensors, no autograd: how the upstream integrations build and call
+    the runtimes (ATOM flydsl_mega_experts.py:134,224; SGLang mega_moe_aiter.py)."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def cached_runtime_keys() -> list[tuple]:
@@ -82,21 +137,38 @@ def v2_binding(cls) -> str:
         return BIND_FORWARD
     if callable(getattr(cls, "set_weights", None)):
         return BIND_SETTER
-    return BIND_PER_LAYER
+    return BIND_ATTRS
+
+
+def bind_launch_attrs(runtime: Any, weights: Any) -> None:
+    """Point MegaMoEV2's launch attributes at this layer's weights.
+
+    Refused, not guessed, when the installed class no longer holds those attributes with this
+    layer's shapes and dtypes: a renamed attribute would otherwise run every layer on the first
+    layer's weights without a word.
+    """
+    for attr, field_name in V2_LAUNCH_ATTRS.items():
+        new = getattr(weights, field_name)
+        old = getattr(runtime, attr, None)
+        if not isinstance(old, torch.Tensor) or old.shape != new.shape or old.dtype != new.dtype:
+            got = None if not isinstance(old, torch.Tensor) else (tuple(old.shape), old.dtype)
+            raise KnobError(
+                f"the installed aiter's MegaMoEV2 takes weights neither as forward arguments nor through set_weights, "
+                f"and its {attr!r} is {got}, not {field_name} {tuple(new.shape)} {new.dtype} as in ROCm/aiter "
+                "e4048607: one runtime cannot serve every layer; install an aiter whose MegaMoEV2 is listed in docs/rocm.md"
+            )
+    for attr, field_name in V2_LAUNCH_ATTRS.items():
+        setattr(runtime, attr, getattr(weights, field_name))
 
 
 def cco_communicator(group: Any, rank: int, world_size: int, per_rank_vmm: int, dist: Any = None, cco: Any = None):
-    """One mori cco Communicator per EP group: rank 0 mints the id, the group broadcasts it."""
+    """One mori cco Communicator per EP group: the group's first rank mints the id and broadcasts it."""
     hit = _CCO.get(id(group))
     if hit is not None:
         return hit
-    if dist is None:
-        import torch.distributed as dist
     cco = cco or importlib.import_module("mori.cco")
-    uid = cco.Communicator.get_unique_id() if rank == 0 else None
-    box = [uid]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    comm = cco.Communicator.init(world_size, rank, box[0], per_rank_vmm=per_rank_vmm)
+    uid = broadcast_from_group_root(cco.Communicator.get_unique_id() if rank == 0 else None, group, dist)
+    comm = cco.Communicator.init(world_size, rank, uid, per_rank_vmm=per_rank_vmm)
     comm.barrier()
     _CCO[id(group)] = comm
     return comm
@@ -109,10 +181,10 @@ def cco_per_rank_vmm(world_size: int, hidden: int, mtpr: int) -> int:
     return 2 * window + (1 << 28)
 
 
-def build_v2(spec: AiterRuntimeSpec, cls, first_weights, group: Any, init_shmem: Callable[[Any], Any]):
+def build_v2(spec: AiterRuntimeSpec, cls, first_weights, init_shmem: Callable[[], Any]):
     """MegaMoEV2(rank=, world_size=, model_dim=, inter_dim=, experts=, topk=, quant=, w1=, w1_scale=,
     w2=, w2_scale=, max_tok_per_rank=, swiglu_limit=); runs on mori shmem, so shmem comes first."""
-    init_shmem(group)
+    init_shmem()
     kwargs = dict(
         rank=spec.rank, world_size=spec.world_size, model_dim=spec.model_dim, inter_dim=spec.inter_dim,
         experts=spec.experts, topk=spec.topk, quant=spec.quant,
@@ -124,12 +196,13 @@ def build_v2(spec: AiterRuntimeSpec, cls, first_weights, group: Any, init_shmem:
         raise KnobError(f"the installed aiter's MegaMoEV2 has no swiglu_limit; this model needs {spec.swiglu_limit}")
     kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     try:
-        return cls(**kwargs)
+        with normal_tensors():
+            return cls(**kwargs)
     except ValueError as exc:
         raise KnobError(f"aiter MegaMoEV2 rejected the configuration ({exc}); see docs/rocm.md for what it accepts") from exc
 
 
-def build_gfx1250(spec: AiterRuntimeSpec, cls, group: Any, communicator: Any, aiter_enums: Any):
+def build_gfx1250(spec: AiterRuntimeSpec, cls, communicator: Any, aiter_enums: Any):
     """MegaMoEGfx1250(communicator=, rank=, ..., max_tokens_per_rank=, activation=Silu,
     gate_mode=INTERLEAVE, quant_type=per_1x32, swiglu_limit=, dispatch_backend=, [dispatch_wire=],
     [combine_quant=])."""
@@ -148,7 +221,8 @@ def build_gfx1250(spec: AiterRuntimeSpec, cls, group: Any, communicator: Any, ai
             raise KnobError(f"the installed aiter's MegaMoEGfx1250 has no {name} argument; {name}={value!r} cannot be honoured")
     if "dispatch_backend" not in accepted:
         raise KnobError("the installed aiter's MegaMoEGfx1250 has no dispatch_backend argument (needs ROCm/aiter ba59a37 or later)")
-    return cls(**kwargs)
+    with normal_tensors():
+        return cls(**kwargs)
 
 
 def get_runtime(spec: AiterRuntimeSpec, group: Any, factory: Callable[[], Any]) -> tuple[Any, bool]:

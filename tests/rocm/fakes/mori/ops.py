@@ -2,7 +2,9 @@
 
 Field order and defaults of the config, the quant_type names and their error, the dtype table,
 the int32 index dtype, the returned tuples and their shapes, and combine's "indices must be this
-rank's own routing" check are copied as facts from mori/ops/dispatch_combine.py (1.2.4).
+rank's own routing" check are copied as facts from mori/ops/dispatch_combine.py (1.2.4), and the
+blockwise combine's kernel-type check from ROCm/mori 624002c8 dispatch_combine.py:1485-1506
+(fp8_blockwise runs on IntraNode / IntraNodeLL / AsyncLL only, a ValueError at the first combine).
 Data movement: ranks of one world share a fabric; each collective call waits on a barrier,
 so multi-rank tests run one thread per rank.
 """
@@ -27,6 +29,7 @@ _DTYPE_SUFFIX = {
     torch.float4_e2m1fn_x2: "fp4",
 }
 _QUANT_TYPES = ("none", "fp8_direct_cast", "fp8_blockwise", "fp4_blockwise")
+_BLOCKWISE_KERNELS = {"fp8_blockwise": ("IntraNode", "IntraNodeLL", "AsyncLL"), "fp4_blockwise": ("IntraNode", "IntraNodeLL")}
 
 
 class EpDispatchCombineKernelType(enum.Enum):
@@ -184,6 +187,9 @@ class EpDispatchCombineOp:
             )
         if input.dtype not in _DTYPE_SUFFIX:
             raise KeyError(input.dtype)
+        quant = _normalize_quant_type(c.quant_type)
+        if quant in _BLOCKWISE_KERNELS and c.kernel_type.name not in _BLOCKWISE_KERNELS[quant]:
+            raise ValueError(f"{quant} combine currently only supports {'/'.join(_BLOCKWISE_KERNELS[quant])} combine")
         fab = self._fabric
         fab.slots[c.rank] = (self._combine_quant(input), list(self._recv_from))
         fab.barrier.wait()

@@ -5,13 +5,25 @@
 - ``MegaMoEGfx1250_22f2e2dc``: yhl-amd/aiter 22f2e2dc. Adds dispatch_wire (None ->
   $MEGA_DISPATCH_WIRE), stage1_fused, combine_quant (None -> $MEGA_COMBINE_QUANT) to __init__ and
   next_topk_ids / next_recv_token_bound / combine_quant to forward.
-``MegaMoEGfx1250`` names the first; tests rebind it. Checks are restated from those files.
+``MegaMoEGfx1250`` names the first; tests rebind it. Checks are restated from those files, and
+the ones that fail quietly upstream fail the same way here:
+- the combine output is one buffer (mega_moe.py:497-501) returned as a view and rewritten by the
+  next forward (745-750);
+- the fused combine reads what aiter's grouped gfx1250 kernel scattered; ``fused_moe`` calls that
+  kernel with A = fp8 when AITER_FORCE_A8W4 reads "1" on gfx1250, else fp4x2 (fused_moe.py:799-803),
+  and the kernel takes a4w4 only for ``w1.dtype == fp4x2`` and a8w4 for fp4x2 or uint8 weights
+  (grouped_moe_gfx1250.py:991-996). Otherwise fused_moe's generic path runs, ignores
+  stage2_scatter, and the combine returns the buffer as the last step left it (zeros at first);
+- the mori dispatch variant zeroes ``_total_recv`` in place each forward (mega_moe.py:628): built
+  inside torch.inference_mode, that is an inference tensor, and a later forward outside it fails.
+forward computes this rank's experts' share (fakes/aiter/_moe_math.py).
 """
 
 import os
 
 import torch
 from aiter import CALL_LOG, ActivationType, QuantType, dtypes
+from aiter._moe_math import local_moe
 from aiter.jit.utils.chip_info import get_gfx
 from aiter.ops.flydsl.moe_common import GateMode
 
@@ -42,10 +54,26 @@ class _Base:
         backend = dispatch_backend if dispatch_backend is not None else os.environ.get("MEGA_DISPATCH", "flydsl")
         if backend not in _DISPATCH_BACKENDS:
             raise ValueError(f"dispatch_backend must be one of {_DISPATCH_BACKENDS}, got {backend!r}")
-        self.experts_per_rank = experts // world_size
+        self.rank, self.experts_per_rank = rank, experts // world_size
         self.model_dim, self.inter_dim, self.topk, self.mtpr = model_dim, inter_dim, topk, max_tokens_per_rank
+        self.swiglu_limit = swiglu_limit
         self.forward_calls: list = []
+        self._total_recv = torch.zeros(1, dtype=torch.int32)
+        self._combine_output = torch.zeros(max_tokens_per_rank * model_dim, dtype=torch.int16)
         return backend
+
+    def _run(self, hidden_states, topk_weights, topk_ids, w1, w2, w1_scale, w2_scale, t):
+        """dispatch -> fused_moe -> combine, as far as the fake models them; returns the combine view."""
+        if self.config["dispatch_backend"] == "mori":
+            self._total_recv.zero_()
+        a_fp8 = os.environ.get("AITER_FORCE_A8W4", "0") in ("1")
+        grouped = (w1.dtype == dtypes.fp4x2) if not a_fp8 else w1.dtype in (dtypes.fp4x2, torch.uint8)
+        if grouped:
+            y = local_moe(hidden_states, topk_weights, topk_ids, w1, w1_scale, w2, w2_scale, rank=self.rank,
+                          experts_per_rank=self.experts_per_rank, swiglu_limit=self.swiglu_limit)
+            with torch.inference_mode():  # a kernel's write
+                self._combine_output[: t * self.model_dim].view(torch.bfloat16).copy_(y.to(torch.bfloat16).view(-1))
+        return self._combine_output[: t * self.model_dim].view(torch.bfloat16).view(t, self.model_dim)
 
     def _check_forward(self, hidden_states, topk_weights, topk_ids, w1, w2, w1_scale, w2_scale):
         if hidden_states.dtype != torch.bfloat16 or not hidden_states.is_contiguous():
@@ -92,7 +120,7 @@ class MegaMoEGfx1250_e4048607(_Base):
         t = self._check_forward(hidden_states, topk_weights, topk_ids, w1, w2, w1_scale, w2_scale)
         self.forward_calls.append(dict(x=hidden_states, wts=topk_weights, ids=topk_ids, w1=w1, w2=w2,
                                        w1_scale=w1_scale, w2_scale=w2_scale))
-        return torch.zeros(t, self.model_dim, dtype=torch.bfloat16)
+        return self._run(hidden_states, topk_weights, topk_ids, w1, w2, w1_scale, w2_scale, t)
 
     __call__ = forward
 
@@ -133,7 +161,7 @@ class MegaMoEGfx1250_22f2e2dc(_Base):
             raise ValueError(f"combine_quant={step!r} was not built at construction ({self.config['combine_quant']!r})")
         self.forward_calls.append(dict(x=hidden_states, wts=topk_weights, ids=topk_ids, w1=w1, w2=w2,
                                        w1_scale=w1_scale, w2_scale=w2_scale, combine_quant=step))
-        return torch.zeros(t, self.model_dim, dtype=torch.bfloat16)
+        return self._run(hidden_states, topk_weights, topk_ids, w1, w2, w1_scale, w2_scale, t)
 
     __call__ = forward
 
