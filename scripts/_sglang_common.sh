@@ -9,9 +9,11 @@
 #   EPLB=off|rN    EPLB with N redundant experts (+ EPLB_WINDOW, EPLB_INTERVAL, EPLB_THRESHOLD): scripts/_eplb.sh
 #   MTPR           -> MEGA_MAX_TOKENS_PER_RANK
 #   PORT=30000     server port (binds 127.0.0.1 unless HOST is set)
-#   CUDA_GRAPH     1: SGLang captures its decode CUDA graphs (MegaMoE's device forward is sync-free and
-#                  capturable at ep_size 1, and at N>1 over TRANSPORT=symm | ipc); 0: --disable-cuda-graph.
-#                  Default: 1 for N=1 or TRANSPORT=symm | ipc, else 0 (nccl / mori read row counts on the host)
+#   CUDA_GRAPH     1: SGLang captures its CUDA graphs (MegaMoE's device forward is sync-free and capturable
+#                  at ep_size 1 and over the peer transports symm | ipc, which MEGA_DISPATCH=auto picks on one
+#                  host); 0: --disable-cuda-graph. Default: 1, except N>1 with TRANSPORT=nccl | mori | flydsl
+#                  (their forward reads row counts on the host; with graphs on, the plugin refuses the start
+#                  naming --disable-cuda-graph)
 #   --dry-run      print the environment and command, run nothing
 # Extra arguments after the options go to `sglang serve` unchanged.
 
@@ -38,8 +40,8 @@ megamoe_serve() {
   [[ -n ${MTPR:-} ]] && envs+=("MEGA_MAX_TOKENS_PER_RANK=$MTPR")
   # SGLANG_PLUGINS is a whitelist of *all* general plugins: pass it on only when the operator set it
   [[ -n ${SGLANG_PLUGINS:-} ]] && envs+=("SGLANG_PLUGINS=$SGLANG_PLUGINS")
-  local capturable=0
-  [[ $n == 1 || ${TRANSPORT:-} == symm || ${TRANSPORT:-} == ipc ]] && capturable=1
+  local capturable=1
+  [[ $n != 1 && ${TRANSPORT:-} =~ ^(nccl|mori|flydsl)$ ]] && capturable=0
   local cuda_graph=${CUDA_GRAPH:-$capturable}
   case $cuda_graph in 0|1) ;; *)
     echo "error: CUDA_GRAPH=$cuda_graph must be 0 or 1" >&2; return 2;;

@@ -60,16 +60,12 @@ def main() -> None:
     def parse(argv):
         return lambda: {"parsed": fields(prepare_server_args(argv))}
 
-    def parse_resolve(argv, env=None, names=None):
+    def with_env(env, body):
         def run():
             old = {k: os.environ.get(k) for k in (env or {})}
             os.environ.update(env or {})
             try:
-                sa = prepare_server_args(argv)
-                parsed = fields(sa, *(names,) if names else ())
-                sa.resolve_once()
-                resolved = {k: v for k, v in sa.resolved_dict().items() if k in parsed}
-                return {"parsed": parsed, "resolved": resolved}
+                return body()
             finally:
                 for k, v in old.items():
                     if v is None:
@@ -77,6 +73,39 @@ def main() -> None:
                     else:
                         os.environ[k] = v
         return run
+
+    def parse_resolve(argv, env=None, names=None):
+        def body():
+            sa = prepare_server_args(argv)
+            parsed = fields(sa, *(names,) if names else ())
+            sa.resolve_once()
+            resolved = {k: v for k, v in sa.resolved_dict().items() if k in parsed}
+            return {"parsed": parsed, "resolved": resolved}
+        return with_env(env, body)
+
+    from sglang.srt.arg_groups.cuda_graph_hook import handle_cuda_graph_config
+    from sglang.srt.arg_groups.mega_moe_hook import validate_mega_moe_token_budget_for_model
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.arg_groups.parallel_hook import handle_data_parallelism
+    from sglang.srt.arg_groups.resolution_hooks import run_hook
+
+    def budget(argv, env=None):
+        """SGLang's resolution steps that size a forward (graph config, DP division of the chunked
+        prefill), then the budget step megamoe_ep overrides — each through SGLang's run_hook, as
+        the pipeline calls them (a full resolution needs an accelerator on this machine)."""
+        def body():
+            from megamoe_sglang.runtime import captures_graphs
+            from megamoe_sglang.token_budget import budget_from_server_args
+
+            sa = prepare_server_args(argv)
+            run_hook(handle_cuda_graph_config, sa)
+            run_hook(handle_data_parallelism, sa)
+            view = resolving_view(sa)
+            out = {"per_rank": budget_from_server_args(view).per_rank(),
+                   "captures_graphs": captures_graphs(view.cuda_graph_config)}
+            run_hook(validate_mega_moe_token_budget_for_model, sa)
+            return out
+        return with_env(env, body)
 
     dp8 = ["--tp", "8", "--attn-dp-size", "8", "--ep-size", "8"]
     res["dsv4_parse"] = attempt(parse(["--model-path", model8, *dp8, "--moe-a2a-backend", "megamoe_ep"]))
@@ -105,6 +134,21 @@ def main() -> None:
     res["eplb_not_dividing"] = attempt(parse_resolve(["--model-path", model8, "--tp", "4", "--attn-dp-size", "4",
                                                       "--ep-size", "4", "--moe-a2a-backend", "megamoe_ep",
                                                       "--enable-eplb", "--ep-num-redundant-experts", "2"]))
+    ep4 = ["--model-path", model8, "--tp", "4", "--ep-size", "4", "--moe-a2a-backend", "megamoe_ep"]
+    dp4 = [*ep4, "--attn-dp-size", "4", "--cuda-graph-max-bs-decode", "256", "--max-running-requests", "1024"]
+    res["budget_dp4"] = attempt(budget([*dp4, "--chunked-prefill-size", "16384"]))
+    res["budget_dp4_eager"] = attempt(budget([*dp4, "--chunked-prefill-size", "16384", "--disable-cuda-graph"]))
+    res["budget_dp4_small_mtpr"] = attempt(budget([*dp4, "--chunked-prefill-size", "16384"],
+                                                  {"MEGA_MAX_TOKENS_PER_RANK": "2048"}))
+    res["budget_spec"] = attempt(budget([*ep4, "--attn-dp-size", "4", "--chunked-prefill-size", "8192",
+                                         "--cuda-graph-max-bs-decode", "512", "--max-running-requests", "4096",
+                                         "--speculative-algorithm", "EAGLE", "--speculative-num-draft-tokens", "4"],
+                                        {"MEGA_MAX_TOKENS_PER_RANK": "2048"}))
+    res["budget_no_chunking"] = attempt(budget([*dp4, "--chunked-prefill-size", "-1"]))
+    res["budget_pure_tp"] = attempt(budget([*ep4, "--chunked-prefill-size", "16384"],
+                                           {"MEGA_MAX_TOKENS_PER_RANK": "2048"}))
+    res["budget_other_backend"] = attempt(budget(["--model-path", model8, "--tp", "4", "--chunked-prefill-size", "16384"],
+                                                 {"MEGA_MAX_TOKENS_PER_RANK": "16"}))
     if len(sys.argv) > 4:
         for name, argv in json.loads(open(sys.argv[4]).read()).items():
             res[f"script:{name}"] = attempt(lambda argv=argv: {"parsed": fields(prepare_server_args(argv), SCRIPT_FIELDS)})

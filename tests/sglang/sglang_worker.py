@@ -287,11 +287,95 @@ def eplb_scenario(rank: int, world: int, fmt: str = "bf16", redundant: int = 2) 
     return result
 
 
+def record_bounds() -> list[dict]:
+    """Make the plugin treat the layer as the device P2P forward (the one question: takes_token_bound)
+    and record the ``max_tokens_across_ranks`` each forward receives; the CPU layer (torch forward,
+    which refuses the argument) then runs without it. Numbers are unchanged."""
+    from megamoe_backend.layer import MegaMoELayer
+    from megamoe_backend.plan import token_bound
+
+    calls: list[dict] = []
+    inner = MegaMoELayer.forward
+    token_bound.takes_token_bound = lambda layer: True
+
+    def forward(self, x, topk_ids, topk_weights, output_scale=1.0, out=None, max_tokens_across_ranks=None):
+        calls.append({"tokens": int(x.shape[0]), "bound": max_tokens_across_ranks})
+        return inner(self, x, topk_ids, topk_weights, output_scale, out)
+
+    MegaMoELayer.forward = forward
+    return calls
+
+
+def bound_scenario(rank: int, world: int) -> dict:
+    """Issue 32's token bound through SGLang's own DP bookkeeping, 2 DP ranks with 3 and 17 tokens.
+
+    Eager: SGLang's scheduler sync (``MLPSyncBatchInfo.all_gather`` over the TP group's CPU group,
+    ``_update_gather_batch`` with ``require_mlp_tp_gather()`` as the scheduler calls it), then
+    ``set_dp_buffer_len_from_batch`` as ``ForwardBatch.prepare_mlp_sync_batch`` publishes the counts
+    (SUM_LEN padding; attention TP 1, so ceil-aligning changes nothing), then FusedMoE.forward.
+    Capture: the counts SGLang's graph runner publishes for a captured batch of 8
+    (base_runner: ``[num_tokens] * num_dp_ranks`` when ``require_mlp_tp_gather()``), then the
+    forward of that padded batch. Also: the runtime exists once the weights are loaded."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.dp_attention import DpPaddingMode, set_dp_buffer_len, set_dp_buffer_len_from_batch
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.managers.scheduler_components.dp_attn import MLPSyncBatchInfo, _update_gather_batch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.utils.common import require_mlp_tp_gather
+
+    layer = FusedMoE(num_experts=EXPERTS, top_k=TOPK, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=3,
+                     params_dtype=torch.bfloat16, reduce_results=False, quant_config=None,
+                     prefix="model.layers.3.mlp.experts")
+    load_like_sglang(layer, all_experts("bf16")[2])
+    built_at_load = getattr(layer, "_megamoe_ep", None) is not None
+    calls = record_bounds()
+    parallel = get_parallel()
+
+    def forward(tokens: int) -> None:
+        g = torch.Generator().manual_seed(40 + rank)
+        x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
+        w, ids = torch.softmax(torch.randn(tokens, EXPERTS, generator=g), -1).topk(TOPK, dim=-1)
+        layer.forward(x, StandardTopKOutput(w, ids.to(torch.int32), torch.zeros(tokens, EXPERTS)))
+
+    def scheduler_sync(tokens: int, gather: bool) -> list[int]:
+        info = MLPSyncBatchInfo(num_dp_ranks=parallel.num_dp_ranks, tp_size=parallel.attn_tp_size,
+                                cp_size=parallel.attn_cp_size, num_tokens=tokens, num_tokens_for_logprob=tokens,
+                                can_run_decode_cuda_graph=False, can_run_draft_cuda_graph=False,
+                                can_run_prefill_cuda_graph=False, is_extend_in_batch=True, local_can_run_tbo=False,
+                                local_forward_mode=ForwardMode.EXTEND.value)
+        info.all_gather(device="cpu", group=parallel.tp_group.cpu_group)
+        batch = SimpleNamespace()
+        _update_gather_batch(batch, info, gather)
+        return list(batch.global_num_tokens)
+
+    local = 3 + 14 * rank
+    gathered = scheduler_sync(local, require_mlp_tp_gather())
+    set_dp_buffer_len_from_batch(SimpleNamespace(
+        global_num_tokens_padded_cpu=None, global_num_tokens_cpu=gathered, global_dp_buffer_len=sum(gathered),
+        dp_padding_mode=DpPaddingMode.SUM_LEN, global_num_tokens_gpu=None))
+    forward(local)
+    graph_bs = 8
+    captured = [graph_bs] * parallel.num_dp_ranks if require_mlp_tp_gather() else [graph_bs]
+    set_dp_buffer_len(sum(captured), graph_bs, True, captured)
+    forward(graph_bs)
+    return {
+        "runtime_built_at_load": built_at_load,
+        "require_mlp_tp_gather": require_mlp_tp_gather(),
+        "gathered": gathered,
+        "unhooked_gathered": scheduler_sync(local, False),  # what the scheduler keeps for CUSTOMIZED without the hook
+        "calls": calls,
+    }
+
+
 SCENARIOS = {
     "forward_bf16": lambda r, w: forward_scenario(r, w, "bf16"),
     "forward_mxfp4": lambda r, w: forward_scenario(r, w, "mxfp4"),
     "eplb_bf16": eplb_scenario,
     "eplb_mxfp4": lambda r, w: eplb_scenario(r, w, "mxfp4"),
+    "bound": bound_scenario,
 }
 
 

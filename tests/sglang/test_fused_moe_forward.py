@@ -137,3 +137,17 @@ def test_eplb_redundant_experts_and_sglangs_rebalance_over_gloo(tmp_path, model_
     assert ranks[1]["moved_map"] == new and sorted(set(new)) == list(range(8))
     crossed = [p for p in range(10) if new[p] not in old[(p // 5) * 5:(p // 5 + 1) * 5]]
     assert crossed, (old, new)  # some expert came from the other rank
+
+
+def test_dp_ranks_pass_the_same_token_bound_eager_and_captured(tmp_path):
+    """2 DP ranks with 3 and 17 tokens (sglang_worker.bound_scenario): through SGLang's own DP sync,
+    both ranks' layers receive max_tokens_across_ranks=32 (17 rounded up to a power of two), not
+    4 and 32; for a captured batch of 8 on every rank, 8. The hook is what makes the counts global:
+    without it SGLang keeps each rank's own count for a CUSTOMIZED a2a backend."""
+    ranks = run_ranks(2, tmp_path, "bound")
+    for rank, r in enumerate(ranks):
+        assert r["runtime_built_at_load"]  # before SGLang sizes its KV cache, not at the first forward
+        assert r["require_mlp_tp_gather"] is True
+        assert r["gathered"] == [3, 17]
+        assert r["unhooked_gathered"] == [(3, 17)[rank]]
+        assert r["calls"] == [{"tokens": (3, 17)[rank], "bound": 32}, {"tokens": 8, "bound": 8}], r["calls"]

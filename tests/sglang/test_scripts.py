@@ -14,7 +14,7 @@ def test_dsv4_pro_dry_run_prints_expected_command():
     assert proc.stdout.splitlines() == [
         "env MEGA_DISPATCH_WIRE=bf16",
         "sglang serve --model-path /models/DeepSeek-V4-Pro --trust-remote-code --tp 8 --attn-dp-size 8 "
-        "--ep-size 8 --moe-a2a-backend megamoe_ep --disable-cuda-graph --host 127.0.0.1 --port 30000",
+        "--ep-size 8 --moe-a2a-backend megamoe_ep --host 127.0.0.1 --port 30000",
     ]
 
 
@@ -31,13 +31,17 @@ def test_r1_mxfp4_dry_run_maps_wire_and_knobs():
 
 
 @pytest.mark.parametrize("env, graphed", [({"N": "1"}, True), ({"N": "1", "CUDA_GRAPH": "0"}, False),
-                                           ({"N": "2"}, False), ({"N": "2", "CUDA_GRAPH": "1"}, True),
+                                           ({"N": "2"}, True), ({"N": "8", "TRANSPORT": "auto"}, True),
                                            ({"N": "2", "TRANSPORT": "symm"}, True), ({"N": "4", "TRANSPORT": "ipc"}, True),
                                            ({"N": "2", "TRANSPORT": "nccl"}, False),
+                                           ({"N": "2", "TRANSPORT": "mori"}, False),
+                                           ({"N": "1", "TRANSPORT": "nccl"}, True),
+                                           ({"N": "2", "TRANSPORT": "nccl", "CUDA_GRAPH": "1"}, True),
                                            ({"N": "2", "TRANSPORT": "ipc", "CUDA_GRAPH": "0"}, False)])
-def test_cuda_graphs_by_default_where_the_layer_is_capturable(env, graphed):
-    """ep_size 1 (N=1), and N>1 over TRANSPORT=symm | ipc, run MegaMoE's sync-free device forward:
-    SGLang's CUDA graphs stay on by default there."""
+def test_cuda_graphs_on_by_default(env, graphed):
+    """Graphs stay on unless the operator picked a transport whose forward cannot be captured at N>1
+    (nccl, mori, flydsl): MEGA_DISPATCH=auto picks a capturable peer transport on one host, and if
+    it cannot, the plugin refuses the start naming --disable-cuda-graph (never a crash in capture)."""
     proc = dry_run("serve_sglang_r1_mxfp4_ep.sh", {"MODEL": "/m", **env})
     assert proc.returncode == 0, proc.stderr
     assert ("--disable-cuda-graph" not in proc.stdout) == graphed
@@ -88,7 +92,7 @@ def test_printed_serve_commands_parse_in_sglang(checks, script_argv):
         r = checks[f"script:{name}"]
         assert r["ok"], r
         assert r["parsed"]["moe_a2a_backend"] == "megamoe_ep"
-    assert "--disable-cuda-graph" in script_argv["dsv4"]
+    assert "--disable-cuda-graph" not in script_argv["dsv4"]  # graphs on by default
     assert checks["script:r1"]["parsed"]["ep_size"] == 4 and checks["script:dsv4"]["parsed"]["tp_size"] == 8
     eplb = checks["script:r1_eplb"]["parsed"]
     assert {k: eplb[k] for k in ("enable_eplb", "ep_num_redundant_experts", "expert_distribution_recorder_buffer_size",

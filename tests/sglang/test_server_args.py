@@ -15,6 +15,7 @@ HOOK_TARGETS = {
     "sglang.srt.layers.moe.fused_moe_triton.layer.create_moe_dispatcher",
     "sglang.srt.layers.moe.utils.post_experts_output_is_complete",
     "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core",
+    "sglang.srt.utils.common.require_mlp_tp_gather",
 }
 
 
@@ -106,3 +107,34 @@ def test_without_the_plugin_sglang_refuses_megamoe_ep_by_name():
     proc = run_python(["-c", code], env={"SGLANG_PLUGINS": "some_other_plugin"})
     assert proc.returncode == 2
     assert "argument --moe-a2a-backend: invalid choice: 'megamoe_ep'" in proc.stderr
+
+
+def test_token_budget_passes_within_mtpr(checks):
+    """DP 4 (--chunked-prefill-size 16384 is 4096 per DP rank after SGLang's DP step), decode graphs
+    of 256, 1024 running requests (256 per DP rank): every forward fits MEGA_MAX_TOKENS_PER_RANK=8192."""
+    r = checks["budget_dp4"]
+    assert r["ok"], r
+    assert r["per_rank"] == {"--chunked-prefill-size": 4096, "--cuda-graph-max-bs-prefill": 0,
+                             "--cuda-graph-max-bs-decode x --speculative-num-draft-tokens": 256}
+    assert r["captures_graphs"] is True
+    assert checks["budget_dp4_eager"]["captures_graphs"] is False  # --disable-cuda-graph
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("budget_dp4_small_mtpr", "one forward can bring 4096 tokens to an EP rank (--chunked-prefill-size), more than "
+                              "MEGA_MAX_TOKENS_PER_RANK=2048. Raise MEGA_MAX_TOKENS_PER_RANK to at least 4096 or lower "
+                              "--chunked-prefill-size"),
+    ("budget_spec", "one forward can bring 4096 tokens to an EP rank (--max-running-requests / --attn-dp-size 4 x "
+                    "--speculative-num-draft-tokens), more than MEGA_MAX_TOKENS_PER_RANK=2048"),
+    ("budget_pure_tp", "one forward can bring 4096 tokens to an EP rank (--chunked-prefill-size over 4 attention-TP "
+                       "ranks), more than MEGA_MAX_TOKENS_PER_RANK=2048"),
+    ("budget_no_chunking", "needs chunked prefill (--chunked-prefill-size > 0, got -1)"),
+])
+def test_token_budget_over_mtpr_fails_resolution_naming_numbers_and_flags(checks, case, needle):
+    r = checks[case]
+    assert r["type"] == "MegaMoEConfigError", r
+    assert needle in r["message"], r["message"]
+
+
+def test_token_budget_leaves_other_backends_alone(checks):
+    assert checks["budget_other_backend"]["ok"], checks["budget_other_backend"]

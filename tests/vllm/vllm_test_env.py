@@ -38,16 +38,19 @@ class EngineResult:
 
 
 AMX_SITE = HERE / "amx_site"  # sitecustomize.py: AMX permission for every engine process (see there)
-CAPTURE_SITE = HERE / "capture_site"  # test-only vLLM plugin recording MegaMoE layer calls (see there)
+CAPTURE_SITE = HERE / "capture_site"  # test-only vLLM plugin recording layer calls / token bounds (see there)
 
 
-def engine_env(capture_dir: Path | None = None, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGA_", "MEGAMOE_TEST_CAPTURE"))}
+def engine_env(capture_dir: Path | None = None, bound_dir: Path | None = None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGA_", "MEGAMOE_TEST_"))}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", **extra)
     sites = [str(AMX_SITE)]
-    if capture_dir is not None:
+    if capture_dir is not None or bound_dir is not None:
         sites.append(str(CAPTURE_SITE))
+    if capture_dir is not None:
         env["MEGAMOE_TEST_CAPTURE_DIR"] = str(capture_dir)
+    if bound_dir is not None:
+        env["MEGAMOE_TEST_BOUND_DIR"] = str(bound_dir)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (*sites, env.get("PYTHONPATH", "")) if p)
     return env
 

@@ -6,8 +6,9 @@ whitelists it. :func:`register` uses SGLang's extension points where they exist:
 
 - runner registry: ``register_moe_runner_core("megamoe_ep", MegaMoERunnerCore)`` and
   ``add_moe_runner_backend_choices(["megamoe_ep"])`` (``--moe-runner-backend megamoe_ep`` alias);
-- resolution steps: ``register_resolution_hook("handle_mega_moe")`` (alias, knob and EP checks);
-- HookRegistry: five AROUND hooks for what has no extension point (see :mod:`.hooks`).
+- resolution steps: ``register_resolution_hook("handle_mega_moe")`` (alias, knob and EP checks) and
+  ``("validate_mega_moe_token_budget_for_model")`` (per-rank tokens vs MEGA_MAX_TOKENS_PER_RANK);
+- HookRegistry: AROUND hooks for what has no extension point (see :mod:`.hooks`).
 
 It does not touch SGLang's in-tree ``megamoe`` (DeepGEMM / FlyDSL): different name, and every
 hook passes through unless ``megamoe_ep`` is selected. Supported SGLang: ``SUPPORTED_SGLANG``; on
@@ -47,11 +48,14 @@ def register() -> None:
     from .hooks import HOOKS
     from .runner import MegaMoERunnerCore
     from .server_args import RESOLUTION_STEP, resolve_megamoe_ep
+    from .token_budget import RESOLUTION_STEP as BUDGET_STEP
+    from .token_budget import validate_megamoe_ep_token_budget
 
     register_moe_runner_core(BACKEND_NAME, MegaMoERunnerCore)
     if BACKEND_NAME not in MOE_RUNNER_BACKEND_CHOICES:
         add_moe_runner_backend_choices([BACKEND_NAME])
     register_resolution_hook(RESOLUTION_STEP)(resolve_megamoe_ep)
+    register_resolution_hook(BUDGET_STEP)(validate_megamoe_ep_token_budget)
     for target, kind, hook in HOOKS:
         HookRegistry.register(target, hook, HookType[kind])
     _registered = True

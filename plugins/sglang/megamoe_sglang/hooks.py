@@ -2,7 +2,7 @@
 
 SGLang 0.5.23 offers a runner registry (used: ``register_moe_runner_core``,
 ``add_moe_runner_backend_choices``) and overridable resolution steps (used: ``handle_mega_moe``),
-but the a2a backend is a closed enum with one ``CUSTOMIZED`` member and no registry. These six
+but the a2a backend is a closed enum with one ``CUSTOMIZED`` member and no registry. These seven
 hooks fill exactly that gap; every one is inert unless ``megamoe_ep`` is selected.
 """
 
@@ -85,6 +85,35 @@ def run_moe_core(original: Callable, layer: Any, dispatch_output: Any) -> Any:
     return runner.run(dispatch_output, quant_info)
 
 
+def mlp_tp_gather(original: Callable, *, moe_a2a_backend: Any = None) -> bool:
+    """AROUND ``require_mlp_tp_gather``: True for megamoe_ep under DP attention.
+
+    Its name is misleading (SGLang #30432): for an a2a backend it gathers no hidden states (the MoE
+    input stays DP-local) but turns on SGLang's DP-count bookkeeping — every rank sees every DP
+    rank's token count (``get_dp_global_num_tokens()``) and the decode graph runner pads all DP
+    ranks to the largest rank's bucket. MegaMoE needs both: the token bound it passes to the P2P
+    forward must be the same number on every EP rank (dp_bound.py), and so must the graph size
+    each rank replays. SGLang answers True the same way for its in-tree flashinfer / mori-EPv2 /
+    flashinfer_megamoe backends; for CUSTOMIZED it would return False.
+    """
+    if _names_megamoe_ep(moe_a2a_backend):
+        from sglang.srt.runtime_context import get_parallel
+
+        if get_parallel().attn_dp_enabled:
+            return True
+    return original(moe_a2a_backend=moe_a2a_backend)
+
+
+def _names_megamoe_ep(moe_a2a_backend: Any) -> bool:
+    """Whether the a2a backend asked about (None: this process's; a draft model may pass its own,
+    as a string or enum) is megamoe_ep."""
+    if moe_a2a_backend is None:
+        return is_selected()
+    if isinstance(moe_a2a_backend, str):
+        return moe_a2a_backend == BACKEND_NAME
+    return moe_a2a_backend.is_customized() and is_selected()
+
+
 # (target, hook type name, hook) in application order.
 HOOKS: tuple[tuple[str, str, Callable], ...] = (
     ("sglang.srt.server_args.ServerArgs.add_cli_args", "AROUND", add_a2a_choice),
@@ -93,4 +122,5 @@ HOOKS: tuple[tuple[str, str, Callable], ...] = (
     ("sglang.srt.layers.moe.fused_moe_triton.layer.create_moe_dispatcher", "AROUND", create_dispatcher),
     ("sglang.srt.layers.moe.utils.post_experts_output_is_complete", "AROUND", output_is_complete),
     ("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core", "AROUND", run_moe_core),
+    ("sglang.srt.utils.common.require_mlp_tp_gather", "AROUND", mlp_tp_gather),
 )

@@ -7,8 +7,12 @@ redirected (an instance attribute on the quant method, set at layer construction
 post-processing could reshuffle them for kernels that will never run (Quark MXFP4 preshuffles
 for aiter) and without holding the experts twice in memory.
 
-Runner and runtime: built at the layer's first forward (the EP group exists by then), kept on
-the FusedMoE object. The transport underneath is shared by layers of one shape (core's cache).
+Runner and runtime: built right after the conversion, while the model loads — SGLang's EP group
+and expert-location metadata exist by then (ModelRunner.initialize sets both before load_model) —
+so the runtime's MTPR-sized arena is allocated before SGLang measures free memory and sizes its
+KV cache, and a deployment the layer cannot serve (e.g. an uncapturable forward with CUDA graphs
+on) fails at start-up. Kept on the FusedMoE object; the transport underneath is shared by layers
+of one shape (core's cache).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def take_over_weights(layer: Any, quant_method: Any) -> None:
             param = getattr(layer, name, None)
             if isinstance(param, torch.nn.Parameter):
                 param.data = param.data.new_empty(0)  # MegaMoE holds its own (converted) copy
+        megamoe_runner_for(layer)  # runtime + arena now, before SGLang sizes its KV cache
 
     quant_method.process_weights_after_loading = convert_instead
 
@@ -70,7 +75,7 @@ def expose_for_eplb(layer: Any, runtime: Any) -> None:
     SGLang's EPLB moves ``get_moe_weights()`` — every parameter of the FusedMoE with one row per
     local expert, as ``param.data`` — with ``ExpertLocationUpdater`` (torch.distributed P2P into
     temp buffers, then in-place copies). That list is collected lazily (``LazyValue``) at the first
-    rebalance, which comes after the first forward, where this runs.
+    rebalance, which comes after the model loaded, where this runs.
     """
     scale = "_scale_inv" if getattr(layer, "w13_weight_scale_inv", None) is not None else "_scale"
     expose_expert_tensors(layer, runtime, {"w1": "w13_weight", "w2": "w2_weight",

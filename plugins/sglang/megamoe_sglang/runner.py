@@ -16,7 +16,9 @@ from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 from sglang.srt.layers.moe.utils import resolve_moe_runner_backend
 
 from megamoe_backend.layer import MegaMoELayer
+from megamoe_backend.plan import token_bound
 
+from .dp_bound import max_tokens_across_ranks
 from .selection import BACKEND_NAME
 
 
@@ -45,6 +47,8 @@ class MegaMoERunnerCore(DispatchMoeRunnerCore):
         # Same contract as SGLang's Triton runner: it scales the summed output itself, in fp32 before
         # the one rounding (MegaMoE's top-k sum applies output_scale there: no extra launch, no second rounding)
         scale = runner_config.routed_scaling_factor
-        out = quant_info.runtime.forward(x, topk.topk_ids, topk.topk_weights,
-                                         output_scale=1.0 if scale is None else float(scale))
+        runtime = quant_info.runtime
+        out = runtime.forward(x, topk.topk_ids, topk.topk_weights, output_scale=1.0 if scale is None else float(scale),
+                              **token_bound.bound_kwargs(runtime, lambda: max_tokens_across_ranks(runtime.plan.mtpr)))
         return StandardCombineInput(hidden_states=out.to(x.dtype))
+

@@ -1,7 +1,7 @@
 """One SGLang ``FusedMoE`` layer -> its MegaMoE runtime (plan + converted weights + transport).
 
-Built lazily, at the layer's first forward, because that is the first moment SGLang guarantees
-the weights are loaded (and, with EPLB, placed). Everything MegaMoE needs is read from SGLang's
+Built when SGLang's loader calls the layer's ``process_weights_after_loading`` (layer_runtime.py):
+the weights are loaded and, with EPLB, placed by then. Everything MegaMoE needs is read from SGLang's
 own objects: shapes from the layer's ``MoeRunnerConfig``, the format from its quant method, the EP
 rank/size from the layer, the process group from SGLang's MoE-EP group, the physical -> logical
 expert map from SGLang's EPLB metadata.
@@ -17,6 +17,7 @@ import torch
 from megamoe_backend.knobs import Knobs
 from megamoe_backend.layer import MegaMoELayer
 from megamoe_backend.plan import ExpertPlacement, PlacementError, build_plan, check_wire_matches_quant
+from megamoe_backend.plan.capture import CaptureFacts, require_capturable
 from megamoe_backend.spec import MoESpec
 
 from .selection import BACKEND_NAME, MegaMoEConfigError, check_ep_divides
@@ -160,6 +161,7 @@ def build_layer_runtime(
         )
     device = torch.device(device) if device is not None else weights.w1.device
     plan = build_plan(layer_spec(layer, fmt.quant), knobs, ep_rank, ep_size, placement, device_type=_device_kind(device))
+    require_capturable(CaptureFacts.of(plan, _device_kind(device)), sglang_captures_graphs(), "--disable-cuda-graph")
     return MegaMoELayer(plan, weights.to(device), group=group, device=device, layer_id=int(cfg.layer_id or 0))
 
 
@@ -167,6 +169,28 @@ def _device_kind(device: torch.device) -> str:
     if device.type == "cuda":
         return "rocm" if torch.version.hip else "cuda"
     return "cpu"
+
+
+def captures_graphs(cuda_graph_config: Any) -> bool:
+    """Whether SGLang captures CUDA graphs under this ``CudaGraphConfig``: any phase whose backend is
+    not ``disabled`` (--disable-cuda-graph disables both). None (not resolved: unit tests, a dummy
+    model) counts as capturing, SGLang's default."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
+
+    if cuda_graph_config is None:
+        return True
+    return any(getattr(cuda_graph_config, phase).backend != Backend.DISABLED for phase in Phase.ALL)
+
+
+def sglang_captures_graphs() -> bool:
+    """``captures_graphs`` of this process's published configuration."""
+    from sglang.srt.runtime_context import get_exec
+
+    try:
+        config = get_exec().graph.cuda_graph_config
+    except ValueError:  # not published (unit tests without a server)
+        config = None
+    return captures_graphs(config)
 
 
 def sglang_ep_group() -> Any:

@@ -25,9 +25,12 @@ from megamoe_backend.knobs import Knobs
 from megamoe_backend.layer import MegaMoELayer
 from megamoe_backend.layer.eplb import expose_expert_tensors
 from megamoe_backend.plan import ExpertPlacement, LayerPlan, PlacementError, build_plan
+from megamoe_backend.plan import token_bound
 from megamoe_backend.spec import MoESpec
 
 from . import op
+from .dp_bound import max_tokens_across_ranks
+from .engine_checks import MegaMoEConfigError, check_capturable
 from .weights import ExpertFormat, expert_format_of, expert_weights_from_params
 
 if TYPE_CHECKING:
@@ -35,10 +38,6 @@ if TYPE_CHECKING:
 
 # vLLM parameter names the conversion reads (the rest of inner's parameters are left alone).
 _EXPERT_PARAMS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
-
-
-class MegaMoEConfigError(ValueError):
-    """A vLLM deployment setting MegaMoE cannot serve; the message names the flag to change."""
 
 
 def check_deployment(moe_config: Any, knobs: Knobs | None = None) -> None:
@@ -189,6 +188,9 @@ class MegaMoEMethod:
         device_type = "cpu" if weights.w1.device.type == "cpu" else ("rocm" if torch.version.hip else "cuda")
         self.plan = build_plan(spec, self.knobs, ep_rank=mpc.ep_rank, ep_size=mpc.ep_size,
                                placement=placement, device_type=device_type)
+        from vllm.config import get_current_vllm_config
+
+        check_capturable(self.plan, device_type, get_current_vllm_config())  # before the arena is allocated
         group = None
         if mpc.ep_size > 1:
             ep_group = get_ep_group()
@@ -220,13 +222,20 @@ class MegaMoEMethod:
         """
         assert self.runtime is not None, "MegaMoE runtime used before process_weights_after_loading"
         tp_size, tp_rank = (1, 0) if self.sequence_parallel else _tp_position()
+        bound = self.bound_kwargs(x.shape[0], tp_size)
         if tp_size == 1:
-            return self.runtime.forward(x, topk_ids, topk_weights).to(x.dtype)
+            return self.runtime.forward(x, topk_ids, topk_weights, **bound).to(x.dtype)
         chunk = math.ceil(x.shape[0] / tp_size)
         lo, hi = min(tp_rank * chunk, x.shape[0]), min((tp_rank + 1) * chunk, x.shape[0])
         out = torch.zeros_like(x)
-        out[lo:hi] = self.runtime.forward(x[lo:hi], topk_ids[lo:hi], topk_weights[lo:hi]).to(x.dtype)
+        out[lo:hi] = self.runtime.forward(x[lo:hi], topk_ids[lo:hi], topk_weights[lo:hi], **bound).to(x.dtype)
         return out
+
+    def bound_kwargs(self, local_tokens: int, tp_split: int) -> dict[str, int]:
+        """``max_tokens_across_ranks=`` for the device P2P forward (dp_bound.py); the other forwards
+        refuse the argument. Python ints vLLM already holds: no device read."""
+        return token_bound.bound_kwargs(
+            self.runtime, lambda: max_tokens_across_ranks(local_tokens, tp_split, self.moe, self.plan.mtpr))
 
 
 # ExpertWeights field -> the RoutedExperts parameter that carries it for vLLM's EPLB

@@ -38,10 +38,14 @@ class MegaMoERoutedExperts(RoutedExperts):
         if not self._megamoe:
             super().__init__(layer_name, params_dtype, moe_config, *args, **kwargs)
             return
+        from vllm.config import get_current_vllm_config
+
+        from .engine_checks import check_no_microbatching
         from .method import check_deployment
 
         self._megamoe_knobs = process_knobs()  # a bad MEGA_* knob fails the engine start here
         check_deployment(moe_config, self._megamoe_knobs)
+        check_no_microbatching(get_current_vllm_config().parallel_config)
         # vLLM's own quant method must be built as for the default backend: it creates the
         # parameters and loaders we reuse, and its backend oracle does not know our name.
         moe_config.moe_backend = "auto"

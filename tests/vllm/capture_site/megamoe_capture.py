@@ -1,4 +1,4 @@
-"""Test-only vLLM general plugin: record every MegaMoE layer call of an engine to files.
+"""Test-only vLLM general plugin: record every MegaMoE layer call of an engine (or its token bound) to files.
 
 Why a plugin of its own (and not code in megamoe_vllm): the exact-oracle test must see what vLLM's
 MoE runner hands the plugin and what the plugin hands back, inside the real engine processes,
@@ -13,19 +13,32 @@ below it). Each call writes ``{pid}-{n:06d}.pt`` into ``$MEGAMOE_TEST_CAPTURE_DI
 engine core is stopped, not shut down cleanly, so nothing may wait for exit) holding the layer
 name, copies of the three inputs and of the returned tensor, and the plugin's quant scheme and
 dispatch wire, for ``layer_oracle.py`` to recompute with the core ``MegaMoELayer``.
+
+Token bound (``$MEGAMOE_TEST_BOUND_DIR``): on a CPU the layer runs the torch forward, which refuses
+``max_tokens_across_ranks`` (only the CUDA device P2P forward takes it), so the plugin passes none
+there. The recorder makes the plugin's one "does the layer take the bound" question
+(``token_bound.takes_token_bound``) answer yes and wraps ``MegaMoELayer.forward``: every call appends
+(EP rank, layer, tokens on this rank, the bound it received, whether vLLM's ``_dummy_run`` — warm-up,
+profiling, idle DP ranks, CUDA-graph capture — is on the stack) to ``{pid}.jsonl``, then runs the
+torch forward without the bound. Numbers are unchanged; only the bound's value is observed.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import sys
 from pathlib import Path
 
 ENV = "MEGAMOE_TEST_CAPTURE_DIR"
+BOUND_ENV = "MEGAMOE_TEST_BOUND_DIR"
 _counter = itertools.count()  # per-process call number, for the file names (the only state kept)
 
 
 def register() -> None:
+    if os.environ.get(BOUND_ENV):
+        _record_bounds(Path(os.environ[BOUND_ENV]))
     out_dir = os.environ.get(ENV)
     if not out_dir:
         return
@@ -56,3 +69,34 @@ def _save(out_dir: Path, record: dict) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(record, tmp)
     tmp.rename(path)  # a reader never sees half a file
+
+
+def _in_dummy_run() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "_dummy_run":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _record_bounds(out_dir: Path) -> None:
+    from megamoe_backend.layer import MegaMoELayer
+    from megamoe_backend.plan import token_bound
+
+    if getattr(MegaMoELayer.forward, "_megamoe_bound", False):
+        return  # idempotent
+    inner = MegaMoELayer.forward
+    token_bound.takes_token_bound = lambda layer: True
+    path = out_dir / f"{os.getpid()}.jsonl"
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def forward(self, x, topk_ids, topk_weights, output_scale=1.0, out=None, max_tokens_across_ranks=None):
+        record = {"ep_rank": self.plan.ep_rank, "layer": self.name, "tokens": int(x.shape[0]),
+                  "bound": max_tokens_across_ranks, "dummy_run": _in_dummy_run()}
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return inner(self, x, topk_ids, topk_weights, output_scale, out)
+
+    forward._megamoe_bound = True
+    MegaMoELayer.forward = forward

@@ -1,0 +1,65 @@
+"""Can a layer's forward be captured in a CUDA graph? Decided from the plan, before any graph exists.
+
+Why here and not at capture: the torch forward (ep_size > 1 over nccl / gloo / mori, the fused
+aiter runtime, the torch experts) reads row counts on the host and raises "cannot be captured"
+inside the engine's capture, after minutes of start-up and with a stack trace that names no flag.
+The engines know at start-up whether they will capture (vLLM without --enforce-eager, SGLang
+without --disable-cuda-graph); with this answer the plugins refuse the start instead, naming the
+flag. Pure: the facts are plain values, so CPU tests inject every platform.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..layer.megamoe_layer import P2P_TRANSPORTS
+
+
+class GraphCaptureError(ValueError):
+    """The engine will capture CUDA graphs and this layer's forward cannot be captured."""
+
+
+@dataclass(frozen=True)
+class CaptureFacts:
+    """What decides which forward a layer runs (``MegaMoELayer._device_path_applies``)."""
+
+    device_type: str  # "cpu" | "cuda" | "rocm"
+    provider: str  # experts provider: "triton" | "torch" | "aiter"
+    transport: str  # plan.backends.transport: "symm" | "ipc" | "nccl" | "gloo" | "mori"
+    ep_size: int
+    fused: bool = False  # aiter's fused runtime owns dispatch, experts and combine
+
+    @classmethod
+    def of(cls, plan: Any, device_type: str) -> "CaptureFacts":
+        b = plan.backends
+        return cls(device_type, b.provider, b.transport, plan.ep_size, bool(b.fused))
+
+
+def uncapturable_reason(facts: CaptureFacts) -> str | None:
+    """Why this layer's forward cannot be captured, or None when it can (the sync-free device
+    forward: Triton experts at ep_size 1 or over peer arenas) or when nothing is captured (CPU)."""
+    if facts.device_type == "cpu":
+        return None  # CUDA graphs only exist on GPUs; the CPU engines run the op eagerly
+    if facts.fused:
+        return "aiter's fused MegaMoE runtime exchanges row counts on the host"
+    if facts.provider != "triton":
+        return f"the {facts.provider} experts run the torch forward, which reads row counts on the host"
+    if facts.ep_size > 1 and facts.transport not in P2P_TRANSPORTS:
+        return (f"EP over MEGA_DISPATCH={facts.transport} (ep_size {facts.ep_size}) runs the torch forward, which "
+                "exchanges row counts on the host")
+    return None
+
+
+def require_capturable(facts: CaptureFacts, engine_captures: bool, eager_flag: str) -> None:
+    """Raise GraphCaptureError naming ``eager_flag`` when the engine will capture graphs and the
+    layer cannot be captured; nothing otherwise."""
+    reason = uncapturable_reason(facts)
+    if reason is None or not engine_captures:
+        return
+    where = " | ".join(P2P_TRANSPORTS)
+    raise GraphCaptureError(
+        f"[megamoe] {reason}, so the MoE layers cannot be captured in the CUDA graphs this engine is set to "
+        f"capture. Add {eager_flag} to run eagerly, or serve EP over the device P2P forward "
+        f"(MEGA_DISPATCH={where}, ranks of one host, Triton experts)."
+    )

@@ -1,0 +1,55 @@
+"""The token bound an engine passes to ``MegaMoELayer.forward(max_tokens_across_ranks=...)``.
+
+Why: the device P2P forward sizes its receive regions and expert grids by the most tokens any EP
+rank brings to the step. Without a bound that is MEGA_MAX_TOKENS_PER_RANK (8192), so a decode step
+of 8 tokens per rank pays for 8192 (issue 32: 9.4x at EP 8). The engines already hold the
+DP-synchronised batch sizes as Python ints (vLLM's ``DPMetadata``, SGLang's
+``get_dp_global_num_tokens()``); this module turns them into the one number every EP rank passes.
+
+Rules the layer states (``MegaMoELayer.forward``): tokens on this rank <= bound <=
+MEGA_MAX_TOKENS_PER_RANK, and the SAME on every EP rank. The bound is rounded up to a power of two
+so a handful of values (and tile configs) serve every step, as vLLM's DeepEP path does under CUDA
+graphs; it is computed from per-DP-rank counts every rank holds, never from this rank's own batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+
+def takes_token_bound(layer: Any) -> bool:
+    """Whether ``layer.forward`` accepts ``max_tokens_across_ranks`` (the device P2P forward).
+
+    The torch / fused forwards refuse the argument. The one place the plugins ask this, so a layer
+    property (e.g. ``layer.takes_token_bound``) can replace the test here alone.
+    """
+    return getattr(layer, "workspace", None) is not None and layer.plan.ep_size > 1
+
+
+def tokens_per_ep_rank(tokens_per_dp_rank: Iterable[int], split: int) -> int:
+    """The most tokens one EP rank sends when each DP rank's batch is split over ``split`` ranks
+    (TP / attention-TP slices; a slice of ``n`` tokens over ``split`` ranks is at most ceil(n / split))."""
+    if split < 1:
+        raise ValueError(f"split={split} must be >= 1")
+    return max((-(-int(n) // split) for n in tokens_per_dp_rank), default=0)
+
+
+def token_bound(max_tokens_per_rank: int, capacity: int) -> int:
+    """``max_tokens_per_rank`` rounded up to a power of two, capped at ``capacity`` (the layer's
+    MEGA_MAX_TOKENS_PER_RANK), at least 1 (a step where every rank is idle still runs the barriers)."""
+    if capacity < 1:
+        raise ValueError(f"capacity={capacity} must be >= 1")
+    n = max(int(max_tokens_per_rank), 1)
+    return min(1 << (n - 1).bit_length(), capacity)
+
+
+def bound_kwargs(layer: Any, bound: Callable[[], int | None]) -> dict[str, int]:
+    """``{"max_tokens_across_ranks": bound()}`` where ``layer`` takes the bound, else ``{}``.
+
+    ``bound`` is the engine's reader (Python ints it already holds; None: no bound known this step,
+    so MEGA_MAX_TOKENS_PER_RANK on every rank). It is called only for the device P2P forward.
+    """
+    if not takes_token_bound(layer):
+        return {}
+    n = bound()
+    return {} if n is None else {"max_tokens_across_ranks": n}
