@@ -35,6 +35,7 @@ from ..transport import PeerInputError, PeerTimeoutError, Transport, get_transpo
 from ..transport.cache import cached_transport_keys, get_workspace, transport_key
 from ..transport.layout import DispatchLayout
 from ..transport.registry import make_transport
+from .ep_transport import resolve_ep_transport
 
 P2P_TRANSPORTS = ("symm", "ipc")  # the device forward's transports at ep_size > 1 (peer arenas)
 
@@ -81,6 +82,8 @@ class MegaMoELayer:
         self.device = torch.device(device) if device is not None else weights.w1.device
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N", as tensors report it
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if transport is None and device_path is not False:  # MEGA_DISPATCH=auto on CUDA: ipc / symm / nccl, with the group
+            self.plan = plan = resolve_ep_transport(plan, group, self.device)
         self._owner, self._slot = plan.placement.tables(self.device)
         self.workspace = None  # the device forward's buffers (set below where it applies)
         if plan.backends.fused:

@@ -95,6 +95,11 @@ class PeerArena:
         size = torch.empty(0, dtype=dtype).element_size()
         return self.local[offset : offset + count * size].view(dtype)
 
+    def peer_bytes(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s arena as mapped in this process (uint8 [total]): the start-up handshake
+        (transport/handshake.py) writes through it; kernels use ``peer_offsets`` instead."""
+        return self._peers[rank]
+
 
 class IpcPeerArena(PeerArena):
     """CUDA IPC (or, on CPU, a shared-memory file) exchanged with ``dist.all_gather_object``."""
