@@ -16,6 +16,9 @@ COMBINE_WIRE_VALUES = ("bf16", "fp8_blockwise_1x32")
 # symm / ipc: the device P2P forward (layer/device/ep.py) over torch symmetric memory (GPUs of one
 # NVLink domain) or CUDA IPC (rank processes of one host, several may share a GPU)
 TRANSPORT_VALUES = ("auto", "nccl", "symm", "ipc", "mori", "flydsl")
+# what a peer timeout of the device P2P forward does (layer/device/watchdog.py): end the process
+# (exit, as torch's NCCL watchdog does with async error handling) or raise at the next eager forward
+ON_PEER_TIMEOUT_VALUES = ("exit", "raise")
 DEFAULT_MAX_TOKENS_PER_RANK = 8192
 DEFAULT_P2P_TIMEOUT_S = 30.0
 
@@ -26,6 +29,7 @@ KNOB_NAMES = (
     "MEGA_DISPATCH",
     "MEGA_MAX_TOKENS_PER_RANK",
     "MEGA_P2P_TIMEOUT_S",
+    "MEGA_ON_PEER_TIMEOUT",
     "AITER_FORCE_A8W4",
 )
 
@@ -88,12 +92,14 @@ class Knobs:
     max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
     aiter_force_a8w4: bool | None = None
     p2p_timeout_s: float = DEFAULT_P2P_TIMEOUT_S  # the device P2P forward's bound on every wait for a peer
+    on_peer_timeout: str = "exit"  # a peer that timed out: "exit" ends this process, "raise" raises at the next eager call
 
     def __post_init__(self) -> None:
         for field, allowed, knob in (
             ("dispatch_wire", DISPATCH_WIRE_VALUES, "MEGA_DISPATCH_WIRE"),
             ("combine_wire", COMBINE_WIRE_VALUES, "MEGA_COMBINE_WIRE"),
             ("transport", TRANSPORT_VALUES, "MEGA_DISPATCH"),
+            ("on_peer_timeout", ON_PEER_TIMEOUT_VALUES, "MEGA_ON_PEER_TIMEOUT"),
         ):
             if getattr(self, field) not in allowed:
                 raise KnobError(f"{knob}={getattr(self, field)!r} is not valid; allowed values: {' | '.join(allowed)}")
@@ -120,6 +126,7 @@ class Knobs:
             max_tokens_per_rank=_positive_int(env, "MEGA_MAX_TOKENS_PER_RANK", DEFAULT_MAX_TOKENS_PER_RANK),
             aiter_force_a8w4=_optional_bool(env, "AITER_FORCE_A8W4"),
             p2p_timeout_s=_positive_seconds(env, "MEGA_P2P_TIMEOUT_S", DEFAULT_P2P_TIMEOUT_S),
+            on_peer_timeout=_choice(env, "MEGA_ON_PEER_TIMEOUT", ON_PEER_TIMEOUT_VALUES, "exit"),
         )
 
     def to_dict(self) -> dict[str, object]:

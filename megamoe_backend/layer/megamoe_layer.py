@@ -27,6 +27,7 @@ from ..experts.registry import make_provider
 from ..plan import LayerPlan
 from ..plan.placement import PlacementError
 from ..transport import Transport
+from .ep_transport import resolve_ep_transport
 from .forwards import DeviceForward, FusedForward, LayerForward, P2PForward, TorchForward
 
 P2P_TRANSPORTS = ("symm", "ipc")  # the device forward's transports at ep_size > 1 (peer arenas)
@@ -76,6 +77,8 @@ class MegaMoELayer:
         self.device = torch.device(device) if device is not None else weights.w1.device
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N", as tensors report it
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if transport is None and device_path is not False:  # MEGA_DISPATCH=auto on CUDA: ipc / symm / nccl, with the group
+            self.plan = plan = resolve_ep_transport(plan, group, self.device)
         self.owner, self.slot = plan.placement.tables(self.device)
         self.provider: ExpertsProvider | None = None
         if plan.backends.fused:

@@ -13,6 +13,7 @@ from ..experts.base import ExpertMath
 from ..knobs import Knobs
 from ..platform import PlatformFacts, Selection, detect_facts
 from ..platform import select_backends as select_for_facts
+from ..platform.topology import EpTopology
 
 # The plan's name for the selection result (provider, transport, reasons, mtpr, fused runtime).
 BackendChoice = Selection
@@ -36,8 +37,14 @@ def select_backends(
     ep_size: int | None = None,
     num_experts: int | None = None,
     facts: PlatformFacts | None = None,
+    topology: EpTopology | None = None,
 ) -> Selection:
-    return select_for_facts(facts or facts_for(device_type), knobs, math, ep_size=ep_size, num_experts=num_experts)
+    """``facts`` replaces this machine's; ``topology`` (the EP group's, platform/topology.py) completes
+    MEGA_DISPATCH=auto on CUDA, which without it waits for the layer's EP group."""
+    facts = facts or facts_for(device_type)
+    if topology is not None:
+        facts = dataclasses.replace(facts, ep_topology=topology)
+    return select_for_facts(facts, knobs, math, ep_size=ep_size, num_experts=num_experts)
 
 
 def manual_choice(provider: str, transport: str, knobs: Knobs, reason: str = "chosen by the caller") -> Selection:

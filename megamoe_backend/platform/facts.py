@@ -3,6 +3,8 @@
 Why a frozen bag of facts: backend selection must be testable without the hardware. Everything
 that touches torch.cuda, importlib or os.environ happens in :func:`detect_facts`, whose every
 probe can be injected; selection (``select.py``) is a pure function of these facts and the knobs.
+The EP group's topology (one host? peer access?) needs the group, so it is gathered apart
+(``topology.py``) and injected as ``ep_topology``.
 
 None of this has been run on an AMD GPU; the ROCm probes follow torch's and aiter's published
 APIs (``torch.version.hip``, ``get_device_properties().gcnArchName``, ``inspect.signature``).
@@ -17,6 +19,8 @@ import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
+
+from .topology import EpTopology
 
 # Package key -> (importable top-level module, distribution names in preference order).
 PACKAGES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -77,6 +81,9 @@ class PlatformFacts:
     # Raw env strings read by aiter/mori themselves (not by our Knobs): their parsing differs.
     aiter_force_a8w4_raw: str | None = None
     mori_fp8_combine_scale_dim_raw: str | None = None
+    # Where the EP ranks run (host, GPU, peer access): gathered over the EP group at start-up
+    # (platform/topology.py); None where no group is at hand (planning, ``megamoe info``).
+    ep_topology: EpTopology | None = None
 
     def has(self, name: str) -> bool:
         info = self.packages.get(name)

@@ -1,5 +1,6 @@
-"""Backend selection from platform facts and knobs: CUDA -> triton + nccl/symm; ROCm with aiter and
-mori -> aiter's fused MegaMoE over mori; CPU -> torch + gloo.
+"""Backend selection from platform facts and knobs: CUDA -> triton + ipc / symm (every EP rank on one
+host with peer access) or nccl; ROCm with aiter and mori -> aiter's fused MegaMoE over mori; CPU ->
+torch + gloo.
 
 Why pure: it is the one place that decides what runs, so it must be testable on CPU CI with
 injected facts, and ``megamoe info`` must be able to print the same answer with its reasons.
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..knobs import KnobError
 from .facts import PlatformFacts
+from .topology import EpTopology
 from .rocm_rules import (
     GFX1250_COMBINE_QUANT,
     GFX1250_MAX_EXPERTS_PER_RANK,
@@ -47,6 +49,8 @@ class Selection:
     dispatch_kernel: str | None = None  # fused runtime's dispatch: "mori" | "flydsl"
     a_operand: str | None = None  # what the expert GEMM consumes, when the platform decides it
     combine_quant: str | None = None  # MegaMoEGfx1250's combine_quant argument
+    # MEGA_DISPATCH=auto on CUDA chose without the EP group's topology: the layer completes the choice
+    needs_ep_topology: bool = False
     reasons: tuple[str, ...] = field(default=())
 
     @property
@@ -100,12 +104,45 @@ def select_backends(facts: PlatformFacts, knobs, math, *, ep_size: int | None = 
         return Selection("torch", "gloo", reasons=("cpu: torch reference experts; all_to_all over gloo",), **base)
     if facts.device == "cuda":
         provider = _local_provider(facts)
-        # symm / ipc: the device P2P forward (peer buffers, capturable); auto stays nccl until the P2P
-        # forward has run on several GPUs (it has run with several ranks on one GPU: docs/ep-device.md)
-        transport = knobs.transport if knobs.transport in ("symm", "ipc") else "nccl"
-        reasons = (f"cuda: {provider} experts", f"transport {transport} (MEGA_DISPATCH={knobs.transport})")
-        return Selection(provider, transport, reasons=reasons, **base)
+        if knobs.transport == "auto":
+            transport, why, pending = cuda_auto_transport(provider, ep_size, facts.ep_topology)
+            reasons = (f"cuda: {provider} experts", f"transport {transport} (MEGA_DISPATCH=auto): {why}")
+            return Selection(provider, transport, needs_ep_topology=pending, reasons=reasons, **base)
+        # symm / ipc: the device P2P forward (peer arenas, capturable); nccl: the eager torch forward
+        reasons = (f"cuda: {provider} experts", f"transport {knobs.transport} (MEGA_DISPATCH={knobs.transport})")
+        return Selection(provider, knobs.transport, reasons=reasons, **base)
     return _select_rocm(facts, knobs, math, ep_size, experts_per_rank)
+
+
+def cuda_auto_transport(provider: str, ep_size: int | None, topology: EpTopology | None) -> tuple[str, str, bool]:
+    """(transport, why, still needs the EP topology) for MEGA_DISPATCH=auto on CUDA.
+
+    The capturable device P2P forward (ipc / symm) when it can serve: the Triton experts and every
+    EP rank able to write every other rank's arena (one host, CUDA peer access); symm where torch
+    offers symmetric memory and no two ranks share a GPU, else ipc. Otherwise nccl (eager). Without
+    the gathered topology the answer is nccl for now and the layer completes it with its EP group
+    (layer/ep_transport.py), which also runs the peer-arena handshake before trusting ipc / symm.
+    """
+    if ep_size == 1:
+        return "nccl", "ep_size 1: nothing is exchanged (the device forward runs on this GPU alone)", False
+    if provider != "triton":
+        return "nccl", "the device P2P forward needs the Triton experts (triton is not importable here)", False
+    if topology is None:
+        return "nccl", ("decided at start-up over the EP group: ipc / symm when every EP rank is on one host with "
+                        "CUDA peer access, else nccl"), True
+    if not topology.one_host:
+        hosts = ", ".join(h.split("/")[0] for h in topology.hosts)
+        return "nccl", (f"{topology.describe()} ({hosts}): the device P2P path needs every EP rank on one host; "
+                        "NCCL all_to_all, eager"), False
+    missing = topology.missing_peer_access()
+    if missing:
+        a, b = missing[0]
+        return "nccl", (f"ep_rank {a} cannot write ep_rank {b}'s GPU (no CUDA peer access, or CUDA_VISIBLE_DEVICES hides "
+                        f"it; {len(missing)} such pair(s)): NCCL all_to_all, eager"), False
+    if topology.symm_offered and not topology.shares_gpu:
+        return "symm", f"{topology.describe()}, every rank its own GPU, peer access: torch symmetric memory", False
+    why_not_symm = "ranks share a GPU" if topology.shares_gpu else "this torch has no symmetric memory"
+    return "ipc", f"{topology.describe()}, peer access: CUDA IPC arenas ({why_not_symm})", False
 
 
 def _select_rocm(facts, knobs, math, ep_size, experts_per_rank) -> Selection:

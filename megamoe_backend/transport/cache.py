@@ -5,7 +5,8 @@ size); every MoE layer of a model has the same shapes, so all layers share one t
 of allocating 60 copies. The key holds everything that changes the buffer layout, the wire
 included, so a layer with a different wire never reuses a buffer laid out for another. The
 device workspaces of the sync-free forward (layer/device/workspace.py) are cached beside the
-transports, under the same key, for the same reason.
+transports, under the same key, for the same reason. What MEGA_DISPATCH=auto resolved to for an
+EP group (a collective decision, layer/ep_transport.py) is kept here too, so 61 layers decide once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .base import Transport
 
 _TRANSPORTS: dict[tuple, Transport] = {}
 _WORKSPACES: dict[tuple, Any] = {}
+_EP_TRANSPORTS: dict[tuple, Any] = {}  # MEGA_DISPATCH=auto's decision per EP group (layer/ep_transport.py)
 
 
 def transport_key(layout_key: tuple, group: object, device: torch.device) -> tuple:
@@ -43,6 +45,14 @@ def get_workspace(layout_key: tuple, group: object, device: torch.device, factor
     return workspace, True
 
 
+def get_ep_transport(group: object, device: torch.device, factory: Callable[[], Any]) -> Any:
+    """What MEGA_DISPATCH=auto resolved to for this EP group: decided once (a collective), reused by every layer."""
+    key = (id(group), str(device))
+    if key not in _EP_TRANSPORTS:
+        _EP_TRANSPORTS[key] = factory()
+    return _EP_TRANSPORTS[key]
+
+
 def cached_transport_keys() -> list[tuple]:
     return list(_TRANSPORTS)
 
@@ -51,3 +61,4 @@ def clear_transport_cache() -> None:
     """Drop all cached transports and workspaces (process-group teardown, tests)."""
     _TRANSPORTS.clear()
     _WORKSPACES.clear()
+    _EP_TRANSPORTS.clear()

@@ -82,6 +82,7 @@ class PeerArena:
     """This rank's arena (``local``, uint8 [total]) and the byte offsets of every peer's arena."""
 
     name = "abstract"
+    needs_handshake = True  # peers in other processes: prove at start-up that each can write here (transport/handshake.py)
 
     def __init__(self, layout: ArenaLayout, rank: int, local: torch.Tensor, peers: list[torch.Tensor]) -> None:
         self.layout, self.rank, self.ep = layout, rank, layout.ep
@@ -99,6 +100,11 @@ class PeerArena:
         """``count`` elements of ``dtype`` of this rank's arena from byte ``offset``."""
         size = torch.empty(0, dtype=dtype).element_size()
         return self.local[offset : offset + count * size].view(dtype)
+
+    def peer_bytes(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s arena as mapped in this process (uint8 [total]): the start-up handshake
+        (transport/handshake.py) writes through it; kernels use ``peer_offsets`` instead."""
+        return self._peers[rank]
 
 
 class IpcPeerArena(PeerArena):
@@ -196,6 +202,7 @@ class EmulatedGroup:
 
 class EmulatedPeerArena(PeerArena):
     name = "emulated"
+    needs_handshake = False  # every rank's arena is a slice of one allocation of this process
 
     def __init__(self, layout: ArenaLayout, group: EmulatedGroup, device: torch.device) -> None:
         world = group.world

@@ -18,12 +18,13 @@ def test_all_values() -> None:
     k = Knobs.from_env({
         "MEGA_DISPATCH_WIRE": "FP4", "MEGA_COMBINE_WIRE": "fp8_blockwise_1x32", "MEGA_DISPATCH": "nccl",
         "MEGA_MAX_TOKENS_PER_RANK": "1024", "AITER_FORCE_A8W4": "1", "MEGA_WIRE": "fp4", "MEGA_P2P_TIMEOUT_S": "2.5",
+        "MEGA_ON_PEER_TIMEOUT": "Raise",
     })
-    assert (k.dispatch_wire, k.combine_wire, k.transport, k.max_tokens_per_rank, k.aiter_force_a8w4, k.p2p_timeout_s) == (
-        "fp4", "fp8_blockwise_1x32", "nccl", 1024, True, 2.5
-    )
+    assert (k.dispatch_wire, k.combine_wire, k.transport, k.max_tokens_per_rank, k.aiter_force_a8w4, k.p2p_timeout_s,
+            k.on_peer_timeout) == ("fp4", "fp8_blockwise_1x32", "nccl", 1024, True, 2.5, "raise")
     assert Knobs.from_env({"MEGA_DISPATCH": "IPC"}).transport == "ipc"
     assert Knobs.from_env({}).p2p_timeout_s == 30.0
+    assert Knobs.from_env({}).on_peer_timeout == "exit"  # a dead peer ends the process, as torch's NCCL watchdog does
 
 
 @pytest.mark.parametrize(
@@ -40,6 +41,7 @@ def test_all_values() -> None:
         ({"MEGA_P2P_TIMEOUT_S": "soon"}, "MEGA_P2P_TIMEOUT_S"),
         ({"MEGA_P2P_TIMEOUT_S": "0"}, "MEGA_P2P_TIMEOUT_S"),
         ({"MEGA_P2P_TIMEOUT_S": "inf"}, "MEGA_P2P_TIMEOUT_S"),
+        ({"MEGA_ON_PEER_TIMEOUT": "ignore"}, "MEGA_ON_PEER_TIMEOUT"),
     ],
 )
 def test_bad_values_name_the_knob(env, knob) -> None:

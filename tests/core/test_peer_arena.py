@@ -2,10 +2,14 @@
 
 The IPC arena's CPU form (a shared-memory file per rank, mapped by every rank) is what the
 interpreter tests run the P2P kernels on; here: its layout, that a write through a peer offset lands
-in that peer's arena (seen by the peer process), and the clear errors around MEGA_DISPATCH=ipc.
+in that peer's arena (seen by the peer process), the start-up handshake (transport/handshake.py:
+passes, or fails on every rank naming the rank that did not answer, within MEGA_P2P_TIMEOUT_S), the
+EP topology gathered over the group, and the clear errors around MEGA_DISPATCH=ipc.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -15,6 +19,14 @@ from megamoe_backend.layer import MegaMoELayer
 from megamoe_backend.parallel.spawn import spawn_ranks
 from megamoe_backend.plan import build_plan
 from megamoe_backend.spec import preset
+from megamoe_backend.transport.handshake import (
+    HandshakeError,
+    agree,
+    await_tokens,
+    handshake,
+    probe_peer_arenas,
+    token,
+)
 from megamoe_backend.transport.peer_arena import ALIGN, ArenaLayout, make_arena
 from megamoe_backend.workload import ProblemConfig, make_problem
 from megamoe_backend.workload.problem import local_weights
@@ -54,6 +66,50 @@ def test_ipc_arena_on_cpu_is_shared_between_rank_processes(world):
     for rank, r in enumerate(results):
         assert r["name"] == "ipc" and r["offsets"][rank] == 0
         assert r["seen"] == [10 + s for s in range(world)]  # every peer's write reached this rank's arena
+
+
+def _handshake_worker(rank, world, silent):
+    """Every rank builds its arena and shakes hands; rank ``silent`` never writes its token."""
+    import torch.distributed as dist
+
+    from megamoe_backend.platform.topology import gather_ep_topology
+
+    lay = ArenaLayout.build(world, 4, 2, 64, 64)
+    arena = make_arena("ipc", lay, dist.group.WORLD, torch.device("cpu"))
+    header = arena.local[lay.header : lay.header + 8 * world].view(torch.int64)
+    start = time.monotonic()
+    try:
+        if rank == silent:  # a rank whose writes never land: it takes part in the agreement only
+            agree(arena, await_tokens(arena, 1.0), dist.group.WORLD, 1.0)
+        else:
+            handshake(arena, dist.group.WORLD, 1.0)
+        error = None
+    except HandshakeError as exc:
+        error = str(exc)
+    topology = gather_ep_topology(dist.group.WORLD, torch.device("cpu"))
+    return {"error": error, "seconds": time.monotonic() - start, "header": header.tolist(),
+            "probe": probe_peer_arenas("ipc", dist.group.WORLD, torch.device("cpu"), 5.0) if silent is None else None,
+            "hosts": len(topology.hosts), "places": len(topology.ranks)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_handshake_passes_and_leaves_the_header_as_built(world):
+    results = spawn_ranks(world, _handshake_worker, None)
+    for r in results:
+        assert r["error"] is None and r["probe"] is None, r
+        assert r["header"] == [0] * world  # zeroed again: the arena serves from the state it was built in
+        assert r["seconds"] < 1.0  # every token was there: no wait for the deadline
+        assert (r["hosts"], r["places"]) == (1, world)  # gathered over the group: one host
+
+
+def test_a_rank_that_does_not_answer_fails_the_handshake_on_every_rank():
+    results = spawn_ranks(3, _handshake_worker, 2)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and "peer-arena handshake failed, ep_rank(s) [2] did not answer" in r["error"], r
+        assert "MEGA_P2P_TIMEOUT_S=1s" in r["error"] and "MEGA_DISPATCH=nccl" in r["error"]
+        assert "ep_rank 0 got no token from ep_rank [2]" in r["error"], r  # every rank reports what every rank saw
+        assert 1.0 <= r["seconds"] < 5.0, r  # bounded by MEGA_P2P_TIMEOUT_S (plus the agreement)
+    assert results[0]["header"][:2] == [token(0), token(1)]  # what did arrive, arrived
 
 
 def test_ipc_needs_the_device_forward():

@@ -12,7 +12,10 @@ IPC (torch symmetric memory refuses several ranks on one GPU). What is shown, pe
 - a peer that dies after start-up (before a forward, or mid-forward: after the dispatch barrier)
   ends the survivors' forward within MEGA_P2P_TIMEOUT_S, with an
   error naming the layer, the waiting rank and the dead one; the GPU context survives, later
-  forwards of that shape refuse at once.
+  forwards of that shape refuse at once (MEGA_ON_PEER_TIMEOUT=raise; the default ends the
+  process: tests/kernels/test_gpu_watchdog.py);
+- the peer-arena handshake passes on IPC arenas and fails on every rank naming a rank that never
+  writes its token; MEGA_DISPATCH=auto resolves to ipc (ranks share the GPU) after the handshake.
 Skips without CUDA. Timing with ranks time-slicing one GPU is a proxy: `megamoe bench layer --ep N`.
 """
 
@@ -64,12 +67,14 @@ def all_weights(device):
     return _WEIGHTS["w"]
 
 
-def ep_layer(rank, world, quant, wire, combine, weights, mtpr=MTPR, timeout_s=30.0, name=None):
+def ep_layer(rank, world, quant, wire, combine, weights, mtpr=MTPR, timeout_s=30.0, name=None, transport="ipc",
+             on_peer_timeout="exit"):
     import torch.distributed as dist
 
     from megamoe_backend.workload.problem import local_weights
 
-    knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, transport="ipc", p2p_timeout_s=timeout_s)
+    knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, transport=transport,
+                  p2p_timeout_s=timeout_s, on_peer_timeout=on_peer_timeout)
     plan = build_plan(SPEC, knobs, rank, world, quant=quant, device_type="cuda")
     fp4, bf16 = weights
     layer = MegaMoELayer(plan, local_weights(bf16 if quant == "bf16" else fp4, plan.placement, rank).to("cuda"),
@@ -153,7 +158,9 @@ def _worker(rank, world):
 def _dead_peer_worker(rank, world, phase):
     torch.cuda.set_device(0)
     weights = all_weights(torch.device("cuda"))
-    layer = ep_layer(rank, world, "a8w4", "fp8", "bf16", weights, timeout_s=DEAD_TIMEOUT_S, name="layer 7")
+    # MEGA_ON_PEER_TIMEOUT=raise: the raise at the next eager call (the default, exit, is test_gpu_watchdog.py's)
+    layer = ep_layer(rank, world, "a8w4", "fp8", "bf16", weights, timeout_s=DEAD_TIMEOUT_S, name="layer 7",
+                     on_peer_timeout="raise")
     x, ids, w = routing(T, seed=100 + rank)
     layer(x, ids, w, max_tokens_across_ranks=T)  # one good forward together
     torch.cuda.synchronize()
@@ -255,6 +262,62 @@ def test_a_dead_peer_ends_the_others_within_the_timeout(world, phase):
         assert r["context_ok"], r
     where = "dispatch (its token rows)" if phase == 0 else "combine (its expert rows)"
     assert all(f"for ep_rank {world - 1} at the {where} barrier" in r["error"] for r in results[:-1])
+
+
+def _handshake_worker(rank, world):
+    """The peer-arena handshake on CUDA IPC arenas, a rank that does not answer, and MEGA_DISPATCH=auto."""
+    torch.cuda.set_device(0)
+    import torch.distributed as dist
+
+    from megamoe_backend.platform.topology import gather_ep_topology
+    from megamoe_backend.transport.handshake import HandshakeError, agree, await_tokens, handshake
+    from megamoe_backend.transport.peer_arena import ArenaLayout, make_arena
+
+    group, device = dist.group.WORLD, torch.device("cuda", 0)
+    lay = ArenaLayout.build(world, 4, 2, 512, 512)
+    arena = make_arena("ipc", lay, group, device)
+    start = time.monotonic()
+    handshake(arena, group, 5.0)
+    res = {"pass_s": time.monotonic() - start, "header": arena.local[lay.header : lay.header + 8 * world].view(torch.int64).tolist()}
+    silent = make_arena("ipc", lay, group, device)
+    start = time.monotonic()
+    try:
+        if rank == world - 1:  # never writes its token: takes part in the agreement only
+            agree(silent, await_tokens(silent, 1.0), group, 1.0)
+        else:
+            handshake(silent, group, 1.0)
+        res["silent"] = None
+    except HandshakeError as exc:
+        res["silent"] = str(exc)
+    res["silent_s"] = time.monotonic() - start
+    topology = gather_ep_topology(group, device)
+    res["topology"] = (len(topology.hosts), topology.shares_gpu, topology.missing_peer_access())
+
+    weights = all_weights(device)
+    x, ids, w = routing(T, seed=100 + rank)
+    auto = ep_layer(rank, world, *GRAPH_CASE, weights, transport="auto", name="auto layer")
+    ipc = ep_layer(rank, world, *GRAPH_CASE, weights, name="ipc layer")
+    res["auto"] = (auto.plan.backends.transport, auto.plan.backends.reasons, auto.workspace is ipc.workspace)
+    out_auto = auto(x, ids, w, max_tokens_across_ranks=T)
+    out_ipc = ipc(x, ids, w, max_tokens_across_ranks=T)
+    torch.cuda.synchronize()
+    res["auto_equal"] = torch.equal(out_auto, out_ipc)
+    clear_transport_cache()
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_handshake_and_auto_pick_ipc_for_ranks_on_one_gpu(world):
+    results = spawn_ranks(world, _handshake_worker, backend="gloo", timeout_s=900, pg_timeout_s=300)
+    for rank, r in enumerate(results):
+        assert r["pass_s"] < 2.0 and r["header"] == [0] * world, r  # passed without waiting, header as built
+        assert r["silent"] is not None and f"ep_rank(s) [{world - 1}] did not answer" in r["silent"], r
+        assert 1.0 <= r["silent_s"] < 10.0, r
+        assert r["topology"] == (1, True, []), r  # one host, a shared GPU, nothing unreachable
+        transport, reasons, same_workspace = r["auto"]
+        assert transport == "ipc" and same_workspace, r  # auto lands on exactly the ipc path
+        assert any("ranks share a GPU" in why and "handshake passed" in why for why in reasons), reasons
+        assert r["auto_equal"], rank
 
 
 def _symm_worker(rank, world):

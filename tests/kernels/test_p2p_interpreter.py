@@ -275,7 +275,7 @@ def _dead_worker(rank, world):
     from megamoe_backend.workload.problem import local_weights
 
     problem = make_problem(ProblemConfig(SPEC, 3, world, seed=3))
-    knobs = Knobs(dispatch_wire="bf16", max_tokens_per_rank=4, transport="ipc", p2p_timeout_s=2.0)
+    knobs = Knobs(dispatch_wire="bf16", max_tokens_per_rank=4, transport="ipc", p2p_timeout_s=2.0, on_peer_timeout="raise")
     plan = build_plan(SPEC, knobs, rank, world, quant="bf16", backends=("triton", "ipc"))
     layer = MegaMoELayer(plan, local_weights(problem.expert_weights("bf16"), plan.placement, rank),
                          group=dist.group.WORLD, provider=TritonExperts(capacity=4 * K * world), device_path=True,

@@ -20,7 +20,8 @@ import torch
 pytest.importorskip("triton")
 
 
-INTERPRETER_MODULES = ("test_triton_interpreter.py", "test_device_forward_interpreter.py", "test_p2p_interpreter.py")
+INTERPRETER_MODULES = ("test_triton_interpreter.py", "test_device_forward_interpreter.py", "test_p2p_interpreter.py",
+                       "test_watchdog_interpreter.py")
 
 
 @pytest.mark.parametrize("module", INTERPRETER_MODULES)

@@ -36,6 +36,17 @@ class _Workspace:
         self.layer_names: dict[int, str] = {}
         self.broken: str | None = None  # P2P only: the message once a peer timed out (the group cannot go on)
 
+    def _make_status(self, plan: LayerPlan, rank: int = 0, timeout_s: float | None = None) -> InputStatus:
+        """The status word, naming this workspace's layers; on CUDA the process's watchdog polls it
+        (watchdog.py: graph replays run no eager check)."""
+        status = InputStatus(self.device, plan.placement.num_physical, rank=rank, timeout_s=timeout_s,
+                             layer_names=self.layer_names, on_peer_timeout=plan.knobs.on_peer_timeout)
+        if status.device.type == "cuda":
+            from .watchdog import watch
+
+            watch(status)
+        return status
+
     def register_layer(self, name: str) -> int:
         """A small id for the status word, so an error names the layer that saw the bad input."""
         index = len(self.layer_names)
@@ -54,7 +65,7 @@ class DeviceWorkspace(_Workspace):
         self.pair_slot = torch.full((pairs,), -1, dtype=torch.int64, device=self.device)
         self.pair_weight = torch.zeros(pairs, dtype=torch.float32, device=self.device)
         self.combine_rows = torch.empty(pairs, plan.combine.row_bytes(self.hidden), dtype=torch.uint8, device=self.device)
-        self.status = InputStatus(self.device, plan.placement.num_physical)
+        self.status = self._make_status(plan)
 
     @property
     def bytes(self) -> int:
@@ -76,6 +87,7 @@ class P2PWorkspace(_Workspace):
     """
 
     def __init__(self, plan: LayerPlan, group, device: torch.device, timeout_s: float) -> None:
+        from ...transport.handshake import handshake
         from ...transport.peer_arena import ArenaLayout, make_arena
         from .p2p import wait_budget
 
@@ -86,6 +98,8 @@ class P2PWorkspace(_Workspace):
         row_bytes = self.wire.row_bytes(self.hidden)
         self.layout = ArenaLayout.build(self.ep, self.mtpr, self.topk, row_bytes, plan.combine.row_bytes(self.hidden))
         self.arena = make_arena(plan.backends.transport, self.layout, group, self.device)
+        if self.arena.needs_handshake:  # every peer can write this arena, or every rank fails naming who cannot
+            handshake(self.arena, group, timeout_s)
         lay, pairs = self.layout, self.ep * self.mtpr * self.topk
         self.recv_rows = self.arena.view(lay.recv_rows, self.ep * self.mtpr * row_bytes, torch.uint8).view(-1, row_bytes)
         self.recv_slot = self.arena.view(lay.recv_slot, pairs, torch.int64)
@@ -98,7 +112,7 @@ class P2PWorkspace(_Workspace):
         self.epochs = torch.zeros(2, dtype=torch.int64, device=self.device)
         self.timeout_s = timeout_s
         self.budget = wait_budget(timeout_s, self.device)
-        self.status = InputStatus(self.device, plan.placement.num_physical, rank=plan.ep_rank, timeout_s=timeout_s)
+        self.status = self._make_status(plan, rank=plan.ep_rank, timeout_s=timeout_s)
 
     @property
     def bytes(self) -> int:
