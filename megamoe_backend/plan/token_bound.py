@@ -23,6 +23,9 @@ def takes_token_bound(layer: Any) -> bool:
     The torch / fused forwards refuse the argument. The one place the plugins ask this, so a layer
     property (e.g. ``layer.takes_token_bound``) can replace the test here alone.
     """
+    declared = getattr(layer, "takes_token_bound", None)  # MegaMoELayer: its forward path says
+    if isinstance(declared, bool):
+        return declared
     return getattr(layer, "workspace", None) is not None and layer.plan.ep_size > 1
 
 
