@@ -60,7 +60,7 @@ def _record(status_ptr, code, layer_id, value, row):
         tl.store(status_ptr + 3, zero + row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens", "rows_per_src"])  # 1 token / 1 row must not become a constexpr
 def _dispatch_kernel(
     x_ptr, stride_x, ids_ptr, w_ptr, owner_ptr, slot_ptr, num_physical, n_tokens, rows_per_src, ep, me,
     arena_u8, arena_i16, arena_i64, arena_f32, peer_off_ptr,
