@@ -10,6 +10,7 @@ while the host enqueues it, so CUDA events around each rank's launches see no ho
   experts_us       that rank's experts half alone (layout, A rescale, GEMM1, A2 rescale, GEMM2 into
                    the sources' combine regions)
   rank_us_by_rank  every rank's
+  steps_us         the slowest rank's µs per step (dispatch, barrier signals / waits, experts, top-k sum)
   step_graph_us    the whole emulated step (all ranks, in turn) replayed from ONE CUDA graph / N: also
                    shows the step is capturable
   nvlink_model_us  a MODEL, not a measurement: the slowest rank's dispatch + combine bytes to other
@@ -39,6 +40,7 @@ NVLINK_BYTES_PER_S = 450e9  # H200 NVLink 4: 900 GB/s bidirectional per GPU, 450
 BARRIER_LATENCY_US = 3.0  # assumed: one system-scope flag store + poll across NVLink, both directions
 ZIPF_S = 1.0
 TIMED_STEPS = 5
+STEPS = ("dispatch", "signal 0", "wait 0", "experts", "signal 1", "wait 1", "top-k sum")  # P2PForward.steps, split barriers
 ROUTINGS = ("uniform", "zipf", "uneven")
 
 
@@ -56,6 +58,7 @@ class EmulatedCase:
     experts_us: float = float("nan")
     rank_us_by_rank: list = field(default_factory=list)
     experts_us_by_rank: list = field(default_factory=list)
+    steps_us: dict = field(default_factory=dict)  # the slowest rank's µs per step (STEPS)
     step_graph_us: float = float("nan")
     nvlink_model_us: float = float("nan")
     naive_torch_us: float = float("nan")
@@ -133,7 +136,7 @@ def naive_rank_layer(xs, local_ids, weights, rows, wd, limit):
 
 
 def timed_steps(emu, inputs, bound, n: int = TIMED_STEPS):
-    """Per-rank (whole, experts) µs of ``n`` steps (median), the GPU held busy while each is enqueued."""
+    """Per-rank (whole µs, per-step µs) of ``n`` forwards (medians), the GPU held busy while each is enqueued."""
     from ..parallel.emulated_ep import RankTimer
 
     emu.forward(inputs, bound)  # warm: compiles, allocator
@@ -142,7 +145,7 @@ def timed_steps(emu, inputs, bound, n: int = TIMED_STEPS):
     emu.forward(inputs, bound)
     enqueue_s = time.perf_counter() - t0  # host time to enqueue one step (the GPU kept up: upper bound)
     torch.cuda.synchronize()
-    whole, experts = [], []
+    whole, steps = [], []
     for _ in range(n):
         timer = RankTimer(emu.ep)
         torch.cuda._sleep(int(max(2e6, enqueue_s * 2.5 * 1.9e9)))  # ~1.9 GHz: cycles that outlast the enqueue
@@ -150,9 +153,10 @@ def timed_steps(emu, inputs, bound, n: int = TIMED_STEPS):
         torch.cuda.synchronize()
         spans = [[b.elapsed_time(e) * 1e3 for b, e in s] for s in timer.spans]
         whole.append([sum(s) for s in spans])
-        experts.append([s[3] for s in spans])  # steps: dispatch, signal 0, wait 0, experts, signal 1, wait 1, top-k sum
-    med = lambda rows: [statistics.median(v) for v in zip(*rows)]  # noqa: E731
-    return med(whole), med(experts)
+        steps.append(spans)
+    per_rank = [statistics.median(v) for v in zip(*whole)]
+    per_step = [[statistics.median(run[r][i] for run in steps) for i in range(len(STEPS))] for r in range(emu.ep)]
+    return per_rank, per_step
 
 
 def step_graph_us(emu, inputs, bound) -> float:
@@ -209,9 +213,11 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
                         try:
                             bound = max(toks) if bounded else None
                             bound = max(bound, 1) if bounded else None
-                            c.rank_us_by_rank, c.experts_us_by_rank = timed_steps(emu, routes, bound)
+                            c.rank_us_by_rank, per_step = timed_steps(emu, routes, bound)
+                            c.experts_us_by_rank = [s[STEPS.index("experts")] for s in per_step]
                             slowest = max(range(ep), key=lambda r: c.rank_us_by_rank[r])
                             c.rank_us, c.experts_us = c.rank_us_by_rank[slowest], c.experts_us_by_rank[slowest]
+                            c.steps_us = dict(zip(STEPS, per_step[slowest]))
                             c.step_graph_us = step_graph_us(emu, routes, bound)
                             c.nvlink_model_us = nvlink_model_us(routes, ep, experts, ws0.layout.row_bytes,
                                                                 ws0.layout.comb_bytes, topk)

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from megamoe_backend.transport import PeerInputError
 from aiter_helpers import GROUP, E, H, I, K, calls, fused, inputs, layer_weights, make_plan, on_arch, reference
 from rocm_helpers import GFX1250_CAPS_OLD, knobs, rocm_facts
 
@@ -258,5 +260,14 @@ def test_megamoe_layer_runs_the_shared_fused_runtime_over_a_real_process_group(f
         for out, w in zip(outs, raw):
             assert rel_l2(out.float(), reference(w, x, ids, tw)) < 1e-2
         assert layers[0](x[:0], ids[:0], tw[:0]).shape == (0, H)
+        # bad input on this rank: it still enters the collective (as an idle rank), then raises by name
+        runtime = layers[0].fused.runtime(None)
+        before = len(runtime.forward_calls)
+        bad = ids.clone()
+        bad[1, 0] = 10**6
+        with pytest.raises(PeerInputError, match=r"topk_ids hold values in .*idle rank"):
+            layers[0](x, bad, tw)
+        sent = runtime.forward_calls[before:]
+        assert len(sent) == 1 and sent[0]["x"].shape == (1, H) and not sent[0]["wts"].any()
     finally:
         dist.destroy_process_group()

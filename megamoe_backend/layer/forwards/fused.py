@@ -26,6 +26,12 @@ class FusedForward(LayerForward):
         refuse_capture(self)
         status, message = host_input_status(self, x, topk_ids, topk_weights)
         if status:
-            raise PeerInputError(f"[megamoe] {message}")
+            # take part in the collective as an idle rank (one zero-weight token), so the peers waiting in
+            # aiter's kernel finish their step, then refuse this rank's input by name
+            plan = self.plan
+            self.fused(torch.zeros(0, plan.hidden, dtype=torch.bfloat16, device=self.device),
+                       torch.zeros(0, plan.topk, dtype=torch.int64, device=self.device),
+                       torch.zeros(0, plan.topk, dtype=torch.float32, device=self.device), self.fused_weights)
+            raise PeerInputError(f"[megamoe] {message}; this rank took part as an idle rank, no peer waits on it")
         y = self.fused(x, topk_ids, topk_weights, self.fused_weights)
         return y if output_scale == 1.0 else (y.float() * output_scale).to(torch.bfloat16)
