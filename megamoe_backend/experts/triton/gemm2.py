@@ -135,26 +135,32 @@ def _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, se
         tl.static_assert(OUT_FMT == "fp8", "OUT_FMT must be f32, bf16 or fp8")
         tl.static_assert(BN % 32 == 0, "the fp8 combine wire quantises 1x32 blocks of the tile's columns")
         rows: tl.constexpr = acc.shape[1]
-        # each row's byte offset once, in the pairs' own layout (not per stored element)
-        ro = _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST, 0)
+        # a destination's row offsets (a load, a division) once, in the pairs' own layout; the plain pair
+        # index (DEST 0, one multiply) is cheaper recomputed in each half's layout (ep_size 1: measured)
+        ro = _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST, 0) if DEST else pair
         if rows >= 32:  # even / odd token columns apart (in-thread pairs of the MMA layout): half the transpose at a time
             ev, od = tl.split(tl.reshape(out, [BN, rows // 2, 2]))
             pe, po = tl.split(tl.reshape(pair, [rows // 2, 2]))
             re, rod = tl.split(tl.reshape(ro, [rows // 2, 2]))
-            _store_fp8_rows(ev, pe, re, pid_n, out_ptr, N, BN, HW_CVT)
-            _store_fp8_rows(od, po, rod, pid_n, out_ptr, N, BN, HW_CVT)
+            _store_fp8_rows(ev, pe, re, pid_n, out_ptr, stride_om, N, BN, HW_CVT, DEST)
+            _store_fp8_rows(od, po, rod, pid_n, out_ptr, stride_om, N, BN, HW_CVT, DEST)
         else:
-            _store_fp8_rows(out, pair, ro, pid_n, out_ptr, N, BN, HW_CVT)
+            _store_fp8_rows(out, pair, ro, pid_n, out_ptr, stride_om, N, BN, HW_CVT, DEST)
 
 
 @triton.jit
-def _store_fp8_rows(out, pair, row_offset, pid_n, out_ptr, N, BN: tl.constexpr, HW_CVT: tl.constexpr):
-    """out [BN, rows] (route-weighted) -> fp8_blockwise_1x32 wire rows at ``row_offset`` (bytes, _row_offsets)."""
+def _store_fp8_rows(out, pair, row_offset, pid_n, out_ptr, stride_om, N, BN: tl.constexpr, HW_CVT: tl.constexpr,
+                    DEST: tl.constexpr):
+    """out [BN, rows] (route-weighted) -> fp8_blockwise_1x32 wire rows at ``row_offset`` (bytes, _row_offsets),
+    or with DEST 0 at the pairs' indices."""
     rows: tl.constexpr = out.shape[1]
     n = pid_n * BN + tl.arange(0, BN)
     valid = pair >= 0
     payload, scales = quantize_blocks(tl.reshape(tl.trans(out), [rows * (BN // 32), 32]), "fp8", HW_CVT)
-    ro = row_offset[:, None]
+    if DEST:
+        ro = row_offset[:, None]
+    else:
+        ro = pair.to(tl.int64)[:, None] * stride_om
     tl.store(out_ptr + ro + n[None, :], tl.reshape(payload, [rows, BN]), mask=valid[:, None] & (n < N)[None, :])
     sc = pid_n * (BN // 32) + tl.arange(0, BN // 32)
     tl.store(out_ptr + ro + N + sc[None, :], tl.reshape(scales, [rows, BN // 32]),
