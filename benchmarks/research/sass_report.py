@@ -38,11 +38,12 @@ HIDDEN, INTER = 7168, 3072  # DSV4-Pro: GEMM1 is [2 x INTER, HIDDEN], GEMM2 [HID
 
 
 def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", tile_pass: str = "full", out_fmt: str = "bf16",
-                 dest: bool = False):
+                 dest: int = 0, persist: bool = False):
     """triton.compile of gemm1_swiglu_kernel / gemm2_weighted_kernel with the frag or split decoder
     (both read bf16 A gathered by gather.py) or frag8 (e4m3 A), as the provider launches them (DSV4-Pro
     K: 7168 for GEMM1, 3072 for GEMM2; divisibility 16 hints). out_fmt: what GEMM2 stores ("f32", or
-    the combine wire "bf16" (the layer's default) / "fp8")."""
+    the combine wire "bf16" (the layer's default) / "fp8"); dest: GEMM2's DEST mode (0 pair order, 1 a
+    table, 2 a base per segment); persist: the persistent launch over live tiles (experts/live.py)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -57,45 +58,50 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
     rows = {"wrs_ptr": "*fp32", "ars_ptr": "*fp32"}
     if which == "gemm1":
         fn, k = gemm1_swiglu_kernel, HIDDEN
-        ptrs = {"tile_expert_ptr": "*i32", "sorted_row_ptr": "*i32", "a_ptr": a_ty,
+        ptrs = {"tile_expert_ptr": "*i32", "sorted_row_ptr": "*i32", "live_tiles_ptr": "*i32", "a_ptr": a_ty,
                 "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "o_ptr": o_ty, "os_ptr": "*u8", **rows}
         const = dict(W_FMT="mxfp4", A_FMT=a_fmt, PLAIN=False, HAS_LIMIT=True, DECODE=decoder, USE_ASM=True,
                      BN=cfg.block_n1, BM=cfg.block_m, BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m,
                      F32_DOT=False, BK2=reduction_block(INTER, cfg.block_k), TAIL_M=cfg.tail_m, PASS=tile_pass,
-                     TAIL_RIDE=cfg.tail_ride, W_FULL=whole_weight_tiles(2 * INTER, cfg.block_n1))
+                     TAIL_RIDE=cfg.tail_ride, W_FULL=whole_weight_tiles(2 * INTER, cfg.block_n1), PERSIST=persist)
         sig = {n: ("constexpr" if n in const else "fp32" if n == "limit" else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "I"}
     else:
         fn, k = gemm2_weighted_kernel, INTER
         out_ty = {"f32": "*fp32", "bf16": "*bf16", "fp8": "*u8"}[out_fmt]
-        ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "route_w_ptr": "*fp32", "a_ptr": a_ty,
+        ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "live_tiles_ptr": "*i32", "route_w_ptr": "*fp32", "a_ptr": a_ty,
                 "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": out_ty, "dest_ptr": "*i64", **rows}
         const = dict(W_FMT="mxfp4", A_FMT="fp8" if decoder == "frag8" else "bf16", DECODE=decoder, USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
                      BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False, TAIL_M=cfg.tail_m, PASS=tile_pass,
                      TAIL_RIDE=cfg.tail_ride, OUT_FMT=out_fmt, W_FULL=whole_weight_tiles(HIDDEN, cfg.block_n2),
-                     DEST=dest)
+                     DEST=int(dest), PERSIST=persist)
         sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "N"}
     names = fn.arg_names
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible or n.startswith("stride")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()}, attrs=attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    cap = cfg.launch_registers(tile_pass)  # the provider's launch cap (Triton's maxnreg)
+    cap = cfg.launch_registers(tile_pass, persist)  # the provider's launch cap (Triton's maxnreg)
     if cap:
         options["maxnreg"] = cap
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _k_loop(sass: str) -> list[str]:
-    """Instructions of the longest backward-branch loop (the K loop)."""
+    """Instructions of the longest innermost backward-branch loop (the K loop; a persistent launch's tile
+    loop encloses it and is not counted)."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^\s*\.(L_x_\d+):", l))}
-    best: list[str] = []
+    loops = []
     for i, l in enumerate(lines):
         m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", l)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
-            body = [x for x in lines[labels[m.group(1)]: i + 1] if re.match(r"\s*/\*[0-9a-f]+\*/", x)]
-            best = max(best, body, key=len)
+            loops.append((labels[m.group(1)], i))
+    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    best: list[str] = []
+    for a, b in inner:
+        body = [x for x in lines[a: b + 1] if re.match(r"\s*/\*[0-9a-f]+\*/", x)]
+        best = max(best, body, key=len)
     return best
 
 
@@ -156,10 +162,12 @@ def full_wgmma_waits(loop: list[str]) -> int:
     return sum("DEPBAR.LE gsb0, 0x0" in x for x in loop)
 
 
-def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_fmt: str = "bf16") -> dict:
+def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_fmt: str = "bf16", persist: bool = False) -> dict:
     """tile_pass: the launch compiled ("full"; "ride" = full tiles carrying a tail rider, TileConfig.tail_ride);
-    out_fmt: GEMM2's output (compile_gemm)."""
-    sass, info = machine_code(compile_gemm(which, cfg, decoder, tile_pass=tile_pass, out_fmt=out_fmt))
+    out_fmt: GEMM2's output (compile_gemm); persist: the EP forward's persistent launch over live tiles
+    (GEMM2 writing through a destination per segment, DEST 2), as the P2P forward runs it without a bound."""
+    sass, info = machine_code(compile_gemm(which, cfg, decoder, tile_pass=tile_pass, out_fmt=out_fmt,
+                                           dest=2 if persist and which == "gemm2" else 0, persist=persist))
     loop = _k_loop(sass)
     ops = collections.Counter()
     for line in loop:
@@ -176,6 +184,7 @@ def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_
         "kernel": which,
         "decoder": decoder,
         "pass": tile_pass,
+        "persist": persist,
         "out": out_fmt if which == "gemm2" else "",
         "config": [cfg.block_m, cfg.block_n1 if which == "gemm1" else cfg.block_n2, cfg.block_k, cfg.num_warps, cfg.num_stages],
         "registers": registers_used(info),
@@ -203,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     tables = (("frag", FRAG_BUCKETS), ("frag8", FRAG8_BUCKETS), ("split", BUCKETS))  # split: row-major MXFP4 the frag layout refuses
     rows = [report(which, cfg, decoder, p) for decoder, table in tables for _, cfg in table
             for p in tile_passes(cfg, decoder) for which in ("gemm1", "gemm2")]  # every launch of the provider
+    # ... and the persistent launches of the EP forward without a bound (frag8: MX activations)
+    rows += [report(which, cfg, "frag8", p, persist=True) for _, cfg in FRAG8_BUCKETS for p in tile_passes(cfg, "frag8")
+             for which in ("gemm1", "gemm2")]
     for r in rows:
         print(json.dumps(r), flush=True)
     if args.json:

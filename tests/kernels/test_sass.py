@@ -31,11 +31,17 @@ def sass_rows(tmp_path_factory):
 def test_every_bucket_compiles_both_gemms(sass_rows):
     from megamoe_backend.experts.triton.config import BUCKETS, FRAG8_BUCKETS, FRAG_BUCKETS
 
-    launches = [p for t in (FRAG_BUCKETS, FRAG8_BUCKETS, BUCKETS) for _, c in t
-                for p in ("full",) + (("short",) if c.tail_m else ()) + (("ride",) if c.tail_ride else ())]
-    assert len(sass_rows) == 2 * len(launches)
-    assert sum(r["pass"] == "ride" for r in sass_rows) == 2 * launches.count("ride") > 0  # the prefill riders
-    assert sum(r["pass"] == "short" for r in sass_rows) == 2 * launches.count("short") > 0  # mid / prefill short tiles
+    def passes(c):
+        return ("full",) + (("short",) if c.tail_m else ()) + (("ride",) if c.tail_ride else ())
+
+    launches = [p for t in (FRAG_BUCKETS, FRAG8_BUCKETS, BUCKETS) for _, c in t for p in passes(c)]
+    plain = [r for r in sass_rows if not r["persist"]]
+    assert len(plain) == 2 * len(launches)
+    assert sum(r["pass"] == "ride" for r in plain) == 2 * launches.count("ride") > 0  # the prefill riders
+    assert sum(r["pass"] == "short" for r in plain) == 2 * launches.count("short") > 0  # mid / prefill short tiles
+    # the EP forward's persistent launches over live tiles (no bound passed): every frag8 pass, both GEMMs
+    persistent = [r for r in sass_rows if r["persist"]]
+    assert len(persistent) == 2 * sum(len(passes(c)) for _, c in FRAG8_BUCKETS) and {r["decoder"] for r in persistent} == {"frag8"}
     for row in sass_rows:
         assert row["loop_hgmma"] > 0, row  # the K loop really runs on wgmma (not an mma.sync fallback)
     assert {r["decoder"] for r in sass_rows} == {"frag", "frag8", "split"}
@@ -71,8 +77,8 @@ def test_short_tile_launches_fit_their_register_cap(sass_rows):
     assert shorts
     for row in shorts:
         assert row["spill_bytes"] == 0, row
-    capped = [r for r in shorts if r["decoder"] == "frag8" and r["config"][0] == mid.block_m]
-    assert len(capped) == 2 and all(r["registers"] <= mid.tail_max_registers for r in capped), capped
+    capped = [r for r in shorts if r["decoder"] == "frag8" and r["config"][0] == mid.block_m and not r["persist"]]
+    assert len(capped) == 2 and all(r["registers"] <= mid.tail_max_registers for r in capped), capped  # persistent: uncapped
 
 
 def test_decode_loop_stays_lean(sass_rows):

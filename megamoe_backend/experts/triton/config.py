@@ -44,10 +44,15 @@ class TileConfig:
             if r and (r % 8 or not 24 <= r <= 255):
                 raise ValueError(f"TileConfig.{name}={r} must be 0 (compiler's choice) or a multiple of 8 in [24, 255]")
 
-    def launch_registers(self, tile_pass: str) -> int:
+    def launch_registers(self, tile_pass: str, persistent: bool = False) -> int:
         """ptxas register cap of one launch (0: the compiler's choice). The short-tile launch holds a
         smaller accumulator than the full one, so it gets its own cap: a cap sized for the full tile
-        (3 CTAs per SM) leaves the short one a few registers above the 4-CTA line."""
+        (3 CTAs per SM) leaves the short one a few registers above the 4-CTA line. A persistent launch
+        (the EP forward without a bound) runs a fixed grid whatever the pass (provider.persistent_grid) and its
+        tile loop needs registers of its own: capped it spilled (frag8 mid short pass: 1056 bytes at 128,
+        136 at 168; tests/kernels/test_sass.py), so it runs uncapped."""
+        if persistent:
+            return 0
         if tile_pass == "short" and self.tail_max_registers:
             return self.tail_max_registers
         return self.max_registers

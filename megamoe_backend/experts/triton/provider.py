@@ -288,7 +288,7 @@ class TritonExperts(ExpertsProvider):
                     hidden, inter, float(limit) if limit is not None else 0.0,
                     W_FMT=weights.fmt, A_FMT=a_fmt, PLAIN=weights.gate_up_layout == "plain", HAS_LIMIT=limit is not None,
                     BN=cfg.block_n1, BK=bk1, BK2=bk2, PASS=tile_pass, W_FULL=whole_weight_tiles(2 * inter, cfg.block_n1),
-                    **common, **_register_cap(cfg, tile_pass),
+                    **common, **_register_cap(cfg, tile_pass, persist),
                 )
             a2_rs = pairs.weight  # frag8 only
             if mode == "frag8":
@@ -317,7 +317,7 @@ class TritonExperts(ExpertsProvider):
                     inter, hidden,
                     W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, OUT_FMT=out_fmt,
                     W_FULL=whole_weight_tiles(hidden, cfg.block_n2), DEST=dest_mode, **common,
-                    **_register_cap(cfg, tile_pass),
+                    **_register_cap(cfg, tile_pass, persist),
                 )
         return out
 
@@ -452,9 +452,9 @@ def whole_weight_tiles(n: int, block_n: int) -> bool:
     return n % block_n == 0
 
 
-def _register_cap(cfg: TileConfig, tile_pass: str) -> dict:
+def _register_cap(cfg: TileConfig, tile_pass: str, persistent: bool = False) -> dict:
     """Launch option for one tile pass's ptxas register cap (TileConfig.launch_registers), or none."""
-    r = cfg.launch_registers(tile_pass)
+    r = cfg.launch_registers(tile_pass, persistent)
     return {"maxnreg": r} if r else {}
 
 
