@@ -237,6 +237,8 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
                                 if share[1].numel():
                                     naive, _ = graph_or_eager(lambda: naive_rank_layer(*share, bf16_rank0, spec.swiglu_limit))  # noqa: B023
                                     c.naive_torch_us, _ = time_fn(naive, use_graph=False)
+                            elif cases and cases[-1].tokens == tokens and cases[-1].bounded:
+                                c.naive_torch_us = cases[-1].naive_torch_us  # same routes; the baseline knows no bound
                         except Exception as exc:  # noqa: BLE001 - one failing case must not sink the sweep
                             c.error = f"{type(exc).__name__}: {str(exc)[:400]}"
                             torch.cuda.synchronize()
