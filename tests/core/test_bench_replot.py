@@ -1,5 +1,5 @@
 """`megamoe bench layer --replot JSON` redraws the committed GPU figures on a machine without a GPU,
-for the ep_size-1 bench and the --ep N bench (their JSONs differ: the replot picks the plot by them)."""
+for the ep_size-1 bench, the --ep N bench and --emulate (their JSONs differ: the replot picks the plot by them)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from megamoe_backend.bench.bench_layer import main
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
-@pytest.mark.parametrize("name", ["h200_layer.json", "h200_layer_ep2.json", "h200_layer_ep4.json"])
+@pytest.mark.parametrize("name", ["h200_layer.json", "h200_layer_ep2.json", "h200_layer_ep4.json", "h200_layer_ep_emulated.json"])
 def test_replot_draws_the_committed_results(name, tmp_path):
     out = tmp_path / "figure.png"
     assert main(["--replot", str(RESULTS / name), "--plot", str(out)]) == 0
