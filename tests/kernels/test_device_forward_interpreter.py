@@ -25,20 +25,11 @@ from megamoe_backend.layer.device.route import route_pairs, route_pairs_torch  #
 from megamoe_backend.layer.device.status import BAD_EXPERT_ID, NONFINITE_ROW, InputStatus  # noqa: E402
 from megamoe_backend.layer.device.topk_sum import topk_sum, topk_sum_torch  # noqa: E402
 from megamoe_backend.plan import build_plan  # noqa: E402
-from megamoe_backend.spec import preset  # noqa: E402
 from megamoe_backend.transport import PeerInputError, clear_transport_cache  # noqa: E402
 from megamoe_backend.workload import ProblemConfig, make_problem  # noqa: E402
 
-SPEC = preset("dsv4-pro").scaled(hidden_size=128, moe_intermediate_size=128, n_routed_experts=8)
-K = SPEC.num_experts_per_tok
-GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28}
+from small_layer import GATES, K, SPEC, fresh_transport_cache  # noqa: E402, F401 (the fixture is autouse)
 
-
-@pytest.fixture(autouse=True)
-def _fresh_cache():
-    clear_transport_cache()
-    yield
-    clear_transport_cache()
 
 
 # ------------------------------------------------------------------------------------ kernels

@@ -29,22 +29,13 @@ from megamoe_backend.knobs import Knobs  # noqa: E402
 from megamoe_backend.layer import MegaMoELayer, fp32_reference_moe, rel_l2  # noqa: E402
 from megamoe_backend.parallel.emulated_ep import EmulatedEP  # noqa: E402
 from megamoe_backend.plan import build_plan  # noqa: E402
-from megamoe_backend.spec import preset  # noqa: E402
 from megamoe_backend.transport import clear_transport_cache  # noqa: E402
 from megamoe_backend.workload import ProblemConfig, make_problem  # noqa: E402
 from megamoe_backend.workload.problem import local_weights  # noqa: E402
 
-SPEC = preset("dsv4-pro").scaled(hidden_size=128, moe_intermediate_size=128, n_routed_experts=8)
-K = SPEC.num_experts_per_tok
+from small_layer import GATES, K, SPEC, fresh_transport_cache  # noqa: E402, F401 (the fixture is autouse)
+
 H = SPEC.hidden_size
-GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_cache():
-    clear_transport_cache()
-    yield
-    clear_transport_cache()
 
 
 def _region(seg_rows, counts, e, g, k=K):

@@ -1,4 +1,4 @@
-"""Runs the interpreter modules (test_triton_interpreter.py, test_device_forward_interpreter.py) in a
+"""Runs the interpreter modules (INTERPRETER_MODULES) in a
 fresh process when this process cannot interpret Triton.
 
 Why: Triton decides interpreted vs compiled when a function is decorated, its own standard library
@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 
 INTERPRETER_MODULES = ("test_triton_interpreter.py", "test_device_forward_interpreter.py", "test_p2p_interpreter.py",
-                       "test_watchdog_interpreter.py")
+                       "test_watchdog_interpreter.py", "test_live_interpreter.py")
 
 
 @pytest.mark.parametrize("module", INTERPRETER_MODULES)
