@@ -25,12 +25,12 @@ import torch
 from ..experts import ExpertsProvider, ExpertWeights
 from ..experts.registry import make_provider
 from ..plan import LayerPlan
+from ..plan.capture import P2P_TRANSPORTS, CaptureFacts, runs_device_forward
 from ..plan.placement import PlacementError
 from ..transport import Transport
 from .ep_transport import resolve_ep_transport
 from .forwards import DeviceForward, FusedForward, LayerForward, P2PForward, TorchForward
 
-P2P_TRANSPORTS = ("symm", "ipc")  # the device forward's transports at ep_size > 1 (peer arenas)
 
 logger = logging.getLogger("megamoe")
 if not logger.handlers:  # the startup line must reach engine logs even when nobody configured logging
@@ -103,8 +103,9 @@ class MegaMoELayer:
         """The sync-free forward runs on CUDA with the Triton experts, at ep_size 1 or over peer
         arenas (MEGA_DISPATCH=symm | ipc), unless a transport was injected (the caller asked for
         the torch forward's exchange)."""
-        return (transport is None and self.device.type == "cuda" and getattr(self.provider, "name", "") == "triton"
-                and (self.plan.ep_size == 1 or self.plan.backends.transport in P2P_TRANSPORTS))
+        plan = self.plan
+        facts = CaptureFacts(self.device.type, getattr(self.provider, "name", ""), plan.backends.transport, plan.ep_size)
+        return transport is None and runs_device_forward(facts)
 
     @property
     def transport_name(self) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..layer.megamoe_layer import P2P_TRANSPORTS
+P2P_TRANSPORTS = ("symm", "ipc")  # the device forward's transports at ep_size > 1 (peer arenas)
 
 
 class GraphCaptureError(ValueError):
@@ -22,7 +22,7 @@ class GraphCaptureError(ValueError):
 
 @dataclass(frozen=True)
 class CaptureFacts:
-    """What decides which forward a layer runs (``MegaMoELayer._device_path_applies``)."""
+    """What decides which forward a layer runs (``runs_device_forward``, which MegaMoELayer asks too)."""
 
     device_type: str  # "cpu" | "cuda" | "rocm"
     provider: str  # experts provider: "triton" | "torch" | "aiter"
@@ -36,19 +36,25 @@ class CaptureFacts:
         return cls(device_type, b.provider, b.transport, plan.ep_size, bool(b.fused))
 
 
+def runs_device_forward(facts: CaptureFacts) -> bool:
+    """The layer takes the sync-free device forward: a GPU, the Triton experts (not aiter's fused
+    runtime), at ep_size 1 or over peer arenas (MEGA_DISPATCH=symm | ipc). The one rule: the layer
+    picks its forward by it, and the engines' start-up check below is its negation off the CPU."""
+    return (facts.device_type != "cpu" and not facts.fused and facts.provider == "triton"
+            and (facts.ep_size == 1 or facts.transport in P2P_TRANSPORTS))
+
+
 def uncapturable_reason(facts: CaptureFacts) -> str | None:
     """Why this layer's forward cannot be captured, or None when it can (the sync-free device
     forward: Triton experts at ep_size 1 or over peer arenas) or when nothing is captured (CPU)."""
-    if facts.device_type == "cpu":
-        return None  # CUDA graphs only exist on GPUs; the CPU engines run the op eagerly
+    if facts.device_type == "cpu" or runs_device_forward(facts):
+        return None  # CPU: CUDA graphs only exist on GPUs, the CPU engines run the op eagerly
     if facts.fused:
         return "aiter's fused MegaMoE runtime exchanges row counts on the host"
     if facts.provider != "triton":
         return f"the {facts.provider} experts run the torch forward, which reads row counts on the host"
-    if facts.ep_size > 1 and facts.transport not in P2P_TRANSPORTS:
-        return (f"EP over MEGA_DISPATCH={facts.transport} (ep_size {facts.ep_size}) runs the torch forward, which "
-                "exchanges row counts on the host")
-    return None
+    return (f"EP over MEGA_DISPATCH={facts.transport} (ep_size {facts.ep_size}) runs the torch forward, which "
+            "exchanges row counts on the host")
 
 
 def require_capturable(facts: CaptureFacts, engine_captures: bool, eager_flag: str) -> None:

@@ -196,10 +196,7 @@ class TritonExperts(ExpertsProvider):
             candidates = tile_candidates(self.config, p // live.segments, n_exp, mode, live.config_pairs)
         else:
             candidates = ((self.config or default_config(p, n_exp, mode), ALL_COUNTS),)
-        for cfg, _ in candidates:
-            if out_fmt == "fp8" and cfg.block_n2 < MX_BLOCK:
-                raise ValueError(f"the fp8_blockwise_1x32 combine wire is quantised per 1x32 block of a GEMM2 tile: "
-                                 f"TileConfig.block_n2={cfg.block_n2} must be >= {MX_BLOCK}")
+        _check_candidates(candidates, mode, out_fmt, hidden, inter)
         use_asm = device.type == "cuda" and not interpreting()
         a_data, a_scale = _operand(x, a_fmt, mode == "dot_scaled")
         n_recv = a_data.shape[0]  # A is prepared once per received row; GEMM1 reads it through layout.sorted_row
@@ -209,19 +206,13 @@ class TritonExperts(ExpertsProvider):
             # checked where it costs no device synchronisation (as layout.py does for slots); the layer builds rows itself
             raise ValueError(f"pairs.row out of range [0, {n_recv}) of the received rows: "
                              f"min {int(pairs.row.min())}, max {int(pairs.row.max())}")
-        bk1, bk2 = (reduction_block(hidden, candidates[0][0].block_k), reduction_block(inter, candidates[0][0].block_k))
-        if mode in ("frag", "frag8") and (bk1 < 64 or bk2 < 64):
-            raise ValueError(f"decoder={mode!r} needs block_k >= 64 dividing hidden={hidden} and intermediate={inter}")
+        bk1 = reduction_block(hidden, candidates[0][0].block_k)  # the split layout of A (one block_k: _check_candidates)
         # with a bound (one config, grids sized by it) one program per tile as at ep_size 1; without one the
         # region is the capacity, so the GEMMs run persistent grids over the live tiles the layout counted
         persist = live is not None and live.config_pairs is None
         cap = persistent_grid(device) if live is not None else None
         a_rs = w1_rs = w2_rs = pairs.weight  # row scales: frag8 only (the kernels ignore them otherwise)
         if mode == "frag8":
-            for cfg, _ in candidates:
-                if cfg.block_k < FP8_K:
-                    raise ValueError(f"decoder='frag8' steps K by {FP8_K} (its weights' K chunk, fragments.fp8_k_order): "
-                                     f"TileConfig.block_k={cfg.block_k} must be >= {FP8_K}")
             _require_mx_activations(math)
             # A once per received row (GEMM1 reads it through layout.sorted_row): not a copy per pair
             a8 = torch.empty(n_recv, hidden, dtype=torch.uint8, device=device)
@@ -246,8 +237,6 @@ class TritonExperts(ExpertsProvider):
                 HW_CVT=use_asm, num_warps=8,
             )
             a_data = a_scale = a_split
-        if mode == "split" and len({cfg.block_k for cfg, _ in candidates}) > 1:
-            raise ValueError("decoder='split' lays A out per block_k: the tile config candidates must share block_k")
         w1s = weights.w1_scale if weights.fmt == "mxfp4" else weights.w1
         w2s = weights.w2_scale if weights.fmt == "mxfp4" else weights.w2
         dest_mode, dest_ptr, seg_pairs, seg_row_bytes = _dest_args(dest, pairs)
@@ -369,6 +358,21 @@ def _check_live(live: LiveRows, x, pairs: int, device: torch.device) -> None:
     if live.segments * live.seg_rows != n_recv or n_recv == 0 or pairs % n_recv:
         raise ValueError(f"live: {live.segments} segments x {live.seg_rows} rows must be the {n_recv} received rows, "
                          f"each with the same number of pairs ({pairs} pairs)")
+
+
+def _check_candidates(candidates, mode: str, out_fmt: str, hidden: int, inter: int) -> None:
+    """What every tile config of a forward must allow, checked before any launch."""
+    for cfg, _ in candidates:
+        if out_fmt == "fp8" and cfg.block_n2 < MX_BLOCK:
+            raise ValueError(f"the fp8_blockwise_1x32 combine wire is quantised per 1x32 block of a GEMM2 tile: "
+                             f"TileConfig.block_n2={cfg.block_n2} must be >= {MX_BLOCK}")
+        if mode in ("frag", "frag8") and min(reduction_block(hidden, cfg.block_k), reduction_block(inter, cfg.block_k)) < 64:
+            raise ValueError(f"decoder={mode!r} needs block_k >= 64 dividing hidden={hidden} and intermediate={inter}")
+        if mode == "frag8" and cfg.block_k < FP8_K:
+            raise ValueError(f"decoder='frag8' steps K by {FP8_K} (its weights' K chunk, fragments.fp8_k_order): "
+                             f"TileConfig.block_k={cfg.block_k} must be >= {FP8_K}")
+    if mode == "split" and len({cfg.block_k for cfg, _ in candidates}) > 1:
+        raise ValueError("decoder='split' lays A out per block_k: the tile config candidates must share block_k")
 
 
 ALL_COUNTS = (-1, 2**31 - 1)  # (lo, hi]: a layout that serves every live pair count

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from ...plan import LayerPlan
 from ...transport import PeerInputError
 
 
-class LayerForward:
+class LayerForward(ABC):
     """A way to run one layer's routed experts (forwards/__init__.py). ``name``: what moves the rows,
     as the startup line says it; ``workspace``: the device buffers where the path has them."""
 
@@ -18,9 +20,10 @@ class LayerForward:
     def __init__(self, plan: LayerPlan, device: torch.device, layer_name: str) -> None:
         self.plan, self.device, self.layer_name = plan, device, layer_name
 
+    @abstractmethod
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, output_scale: float,
                  out: torch.Tensor | None, max_tokens_across_ranks: int | None) -> torch.Tensor:
-        raise NotImplementedError
+        """MegaMoELayer.forward's contract, on this path."""
 
     def raise_if_bad_input(self) -> None:
         """Raise what the device checks recorded (paths with a status word); else nothing to do."""
