@@ -115,6 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", action="store_true", help="also time alternative tile configs / decoders / outputs (a8w4)")
     parser.add_argument("--combine-wire", default="bf16", choices=list(OUTPUTS),
                         help="what a forward returns: the layer's combine wire rows (forward_wire) or fp32 rows (forward)")
+    parser.add_argument("--gemm", default=None, choices=["auto", "triton", "cuda"],
+                        help="who runs the frag8 GEMMs of the main configs (default: MEGA_EXPERTS_GEMM, else auto)")
     parser.add_argument("--no-baseline", action="store_true", help="skip torch._grouped_mm")
     parser.add_argument("--check-pairs", type=int, default=256, help="pairs sampled for the relL2 checks")
     parser.add_argument("--seed", type=int, default=0)
@@ -546,7 +548,7 @@ def run(args: argparse.Namespace) -> int:
                     configs += [(d, None, wire_out) for d in ("frag", "frag8") if d != default_mode]
                     configs += [("split", None, wire_out), ("dot_scaled", None, wire_out)]
                 for i, (decoder, cfg, out_fmt) in enumerate(configs):
-                    prov = TritonExperts(capacity=p, decoder=decoder, config=cfg)
+                    prov = TritonExperts(capacity=p, decoder=decoder, config=cfg, gemm=args.gemm if i == 0 else "triton")
                     if wfmt == "bf16":
                         weights = bf16
                     elif decoder == args.decoder:
@@ -558,6 +560,8 @@ def run(args: argparse.Namespace) -> int:
                     c = Case(n_exp, tokens, p, scheme, "triton", mode, describe(used), out=out_fmt,
                              active_experts=active)
                     run_case(c, forward_call(prov, a, pairs, weights, math, out_fmt), checker(math, out_fmt))
+                    if prov.last_gemm == "cuda":  # the sm_90a CUDA GEMMs ran (experts/cuda), not the Triton tiles
+                        c.provider, c.config = "triton+cuda", "cuda_sm90 BM128 BN256 BK128 s4"
                     fill_metrics(c, hidden, inter, wfmt, a_fmt, meta["ceilings"])
                     (cases if i == 0 else variants).append(c)
                     print_case(c)

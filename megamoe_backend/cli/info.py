@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..experts.cuda.gemms import describe_choice
 from ..knobs import KnobError, Knobs
 from ..plan import ExpertPlacement, build_plan, facts_for, initial_redundant_map
 from ..spec import ConfigError, MoESpec, describe_scheme, expert_quant_scheme, preset
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         "device": device,
         "platform": platform,
         "experts_provider": plan.backends.provider,
+        "experts_gemm": describe_choice(knobs.experts_gemm, plan.backends.provider, device),
         "transport": plan.backends.transport,
         "selection_reasons": list(plan.backends.reasons),
         "local_experts": plan.num_local_experts,
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     table.add_row("knobs", ", ".join(f"{k}={v}" for k, v in knobs.to_dict().items()))
     table.add_row("experts (EPLB)", f"{plan.placement.describe()} local/rank={plan.num_local_experts}")
     table.add_row("device / provider / transport", f"{device} / {plan.backends.provider} / {plan.backends.transport}")
+    table.add_row("expert GEMMs", info["experts_gemm"])
     table.add_row("platform", "\n".join(platform))
     table.add_row("selection", plan.backends.describe())
     table.add_row("why", "\n".join(plan.backends.reasons))

@@ -19,6 +19,9 @@ TRANSPORT_VALUES = ("auto", "nccl", "symm", "ipc", "mori", "flydsl")
 # what a peer timeout of the device P2P forward does (layer/device/watchdog.py): end the process
 # (exit, as torch's NCCL watchdog does with async error handling) or raise at the next eager forward
 ON_PEER_TIMEOUT_VALUES = ("exit", "raise")
+# who runs the frag8 expert GEMMs on an sm_90 GPU (experts/triton/provider.py GEMMS): the Triton kernels,
+# the sm_90a CUDA kernels (experts/cuda, built with nvcc at first use), or auto (the measured faster)
+EXPERTS_GEMM_VALUES = ("auto", "triton", "cuda")
 DEFAULT_MAX_TOKENS_PER_RANK = 8192
 DEFAULT_P2P_TIMEOUT_S = 30.0
 
@@ -30,6 +33,7 @@ KNOB_NAMES = (
     "MEGA_MAX_TOKENS_PER_RANK",
     "MEGA_P2P_TIMEOUT_S",
     "MEGA_ON_PEER_TIMEOUT",
+    "MEGA_EXPERTS_GEMM",
     "AITER_FORCE_A8W4",
 )
 
@@ -93,6 +97,7 @@ class Knobs:
     aiter_force_a8w4: bool | None = None
     p2p_timeout_s: float = DEFAULT_P2P_TIMEOUT_S  # the device P2P forward's bound on every wait for a peer
     on_peer_timeout: str = "exit"  # a peer that timed out: "exit" ends this process, "raise" raises at the next eager call
+    experts_gemm: str = "auto"  # frag8 expert GEMMs: "triton", "cuda" (sm_90a, nvcc JIT) or "auto"
 
     def __post_init__(self) -> None:
         for field, allowed, knob in (
@@ -100,6 +105,7 @@ class Knobs:
             ("combine_wire", COMBINE_WIRE_VALUES, "MEGA_COMBINE_WIRE"),
             ("transport", TRANSPORT_VALUES, "MEGA_DISPATCH"),
             ("on_peer_timeout", ON_PEER_TIMEOUT_VALUES, "MEGA_ON_PEER_TIMEOUT"),
+            ("experts_gemm", EXPERTS_GEMM_VALUES, "MEGA_EXPERTS_GEMM"),
         ):
             if getattr(self, field) not in allowed:
                 raise KnobError(f"{knob}={getattr(self, field)!r} is not valid; allowed values: {' | '.join(allowed)}")
@@ -127,6 +133,7 @@ class Knobs:
             aiter_force_a8w4=_optional_bool(env, "AITER_FORCE_A8W4"),
             p2p_timeout_s=_positive_seconds(env, "MEGA_P2P_TIMEOUT_S", DEFAULT_P2P_TIMEOUT_S),
             on_peer_timeout=_choice(env, "MEGA_ON_PEER_TIMEOUT", ON_PEER_TIMEOUT_VALUES, "exit"),
+            experts_gemm=_choice(env, "MEGA_EXPERTS_GEMM", EXPERTS_GEMM_VALUES, "auto"),
         )
 
     def to_dict(self) -> dict[str, object]:

@@ -11,6 +11,8 @@ so it can be CUDA-graph captured for a fixed pair count.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -30,6 +32,19 @@ STORAGE_OF = {d: FRAGMENT_STORAGE[k] for d, k in FRAG_KIND.items()}  # ... and t
 # docs/triton.md); weights that went through prepare_weights() are in fragment order and use "frag8"
 # (MX activations) or "frag".
 GPU_DEFAULT_DECODER = "split"
+# Who runs the frag8 GEMMs (MEGA_EXPERTS_GEMM / TritonExperts(gemm=...)): "triton" the Triton kernels;
+# "cuda" the sm_90a CUDA kernels (experts/cuda: JIT-built with nvcc at first use; an error where they
+# cannot run); "auto" the CUDA kernels on an sm_90 GPU where they build, in the buckets where they were
+# measured faster (CUDA_AUTO_MIN_ROWS rows per local expert and up), else Triton; where they cannot
+# build or load, one log line and Triton.
+GEMMS = ("auto", "triton", "cuda")
+# No bucket yet: on the H200 the CUDA kernels are correct (bit for bit the Triton GEMMs at DSV4-Pro
+# shapes) but slower in every bucket measured (docs/triton.md, "The sm_90a CUDA GEMMs"), so auto keeps
+# Triton and never builds them; MEGA_EXPERTS_GEMM=cuda opts in.
+CUDA_AUTO_MIN_ROWS = float("inf")
+# The tile config of a forward on the CUDA GEMMs: only block_m (128-row layout tiles, no short tiles)
+# and the K step reach the kernels; the weight tile is theirs (256 rows).
+CUDA_CONFIG = TileConfig(block_m=128, block_n1=256, block_n2=256, block_k=128, num_warps=4, num_stages=4)
 
 
 class TritonExperts(ExpertsProvider):
@@ -49,9 +64,18 @@ class TritonExperts(ExpertsProvider):
 
     name = "triton"
 
-    def __init__(self, capacity: int | None = None, decoder: str = "auto", config: TileConfig | None = None) -> None:
+    def __init__(self, capacity: int | None = None, decoder: str = "auto", config: TileConfig | None = None,
+                 gemm: str | None = None) -> None:
         if decoder not in DECODERS:
             raise ValueError(f"decoder={decoder!r}; expected one of {DECODERS}")
+        if gemm is None:  # the knob, validated as knobs.Knobs reads it (the layer's provider is built without one)
+            from ...knobs.env import EXPERTS_GEMM_VALUES, _choice
+
+            gemm = _choice(os.environ, "MEGA_EXPERTS_GEMM", EXPERTS_GEMM_VALUES, "auto")
+        if gemm not in GEMMS:
+            raise ValueError(f"MEGA_EXPERTS_GEMM / gemm={gemm!r}; expected one of {GEMMS}")
+        self.gemm = gemm
+        self.last_gemm: str | None = None
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity={capacity} must be >= 0")
         self.capacity = capacity
@@ -191,7 +215,11 @@ class TritonExperts(ExpertsProvider):
             return out
 
         mode = self.resolve_decoder(weights.fmt, weights.storage)
-        if live is not None:
+        cuda = self._cuda_gemms(mode, device, hidden, inter, p, n_exp, live)
+        self.last_gemm = "triton" if cuda is None else "cuda"  # what the last forward ran (benchmarks label it)
+        if cuda is not None:
+            candidates = ((CUDA_CONFIG, ALL_COUNTS),)
+        elif live is not None:
             _check_live(live, x, p, device)
             candidates = tile_candidates(self.config, p // live.segments, n_exp, mode, live.config_pairs)
         else:
@@ -266,7 +294,9 @@ class TritonExperts(ExpertsProvider):
                           num_stages=cfg.num_stages)
 
             n1 = triton.cdiv(2 * inter, cfg.block_n1)
-            passes = tile_passes(cfg, mode)
+            passes = () if cuda is not None else tile_passes(cfg, mode)
+            if cuda is not None:
+                cuda.gemm1(layout, a_data, a_rs, weights.w1, w1s, w1_rs, a2, a2_scale, hidden, inter, a_fmt, limit)
             for tile_pass in passes:
                 gemm1_swiglu_kernel[(_grid(layout.num_tiles * n1, gemm_cap),)](
                     layout.tile_expert, layout.sorted_row, layout.num_tiles, live_tiles,
@@ -296,6 +326,10 @@ class TritonExperts(ExpertsProvider):
                 a2_data, a2_s = _operand(MXTensor(a2, a2_scale, a_fmt) if a_fmt != "bf16" else a2, a_fmt, mode == "dot_scaled")
                 a2_fmt = a_fmt
             n2 = triton.cdiv(hidden, cfg.block_n2)
+            if cuda is not None:
+                cuda.gemm2(layout, a2_data, a2_rs, weights.w2, w2s, w2_rs, pairs.weight, out,
+                           out.stride(0) if dest is None else 0, dest_mode, dest_ptr, seg_pairs, seg_row_bytes, hidden, inter,
+                           out_fmt)
             for tile_pass in passes:
                 gemm2_weighted_kernel[(_grid(layout.num_tiles * n2, gemm_cap),)](
                     layout.tile_expert, layout.sorted_pair, pairs.weight, layout.num_tiles, live_tiles,
@@ -309,6 +343,40 @@ class TritonExperts(ExpertsProvider):
                     **_register_cap(cfg, tile_pass, persist),
                 )
         return out
+
+
+    def _cuda_gemms(self, mode: str, device: torch.device, hidden: int, inter: int, pairs: int, num_experts: int,
+                    live: LiveRows | None):
+        """The sm_90a CUDA GEMMs (experts/cuda) for this forward, or None for the Triton ones.
+
+        They serve frag8 weights on an sm_90 GPU, shapes in whole 256-row weight tiles, and every forward
+        but the persistent one (live rows without a bound: its grids walk a count on the device, which
+        only the Triton launches do). gemm="cuda" raises where they cannot run; "auto" falls back."""
+        if self.gemm == "triton" or mode != "frag8":
+            return None
+        if device.type != "cuda" or interpreting():
+            if self.gemm == "cuda":
+                raise ValueError("MEGA_EXPERTS_GEMM=cuda: the sm_90a CUDA expert GEMMs need a CUDA device, not "
+                                 f"{'the Triton interpreter' if interpreting() else device}")
+            return None
+        from ..cuda.gemms import Sm90Frag8Gemms, shapes_supported
+
+        why = None
+        if not shapes_supported(hidden, inter):
+            why = f"hidden={hidden} / intermediate={inter} are not whole 256-row weight tiles and 128-wide K steps"
+        elif live is not None and live.config_pairs is None:
+            why = "a forward over live rows without a token bound runs persistent Triton grids"
+        elif self.gemm == "auto" and (self.config is not None or
+                                      (live.config_pairs if live is not None else pairs) / max(1, num_experts) < CUDA_AUTO_MIN_ROWS):
+            return None  # an explicit Triton tile config, or a bucket where Triton was measured faster: no build
+        else:
+            got = Sm90Frag8Gemms.for_device(device)
+            if not isinstance(got, str):
+                return got
+            why = got
+        if self.gemm == "cuda":
+            raise ValueError(f"MEGA_EXPERTS_GEMM=cuda: the sm_90a CUDA expert GEMMs cannot run this forward: {why}")
+        return None
 
 
 def _result_buffer(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
