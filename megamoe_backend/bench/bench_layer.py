@@ -277,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
     meta["ceilings"] = {"hbm_tbs": HBM_TBS, "bf16_tflops": BF16_TFLOPS, "fp8_tflops": FP8_TFLOPS,
                         **measure_ceilings(device)}
     meta["floor"] = FLOOR_META
+    meta["experts_gemm"] = Knobs.from_env().experts_gemm  # MEGA_EXPERTS_GEMM: who ran the frag8 expert GEMMs
     spec = preset("dsv4-pro")
     fp4_all, bf16_all = make_weights(max(args.experts), spec.hidden_size, spec.moe_intermediate_size, device, args.seed)
     cases: list[LayerCase] = []

@@ -156,5 +156,5 @@ def describe_choice(choice: str, provider: str, device: str) -> str:
     elif not nvcc:
         why = "no nvcc (set MEGA_NVCC or CUDA_HOME)"
     if why:
-        return f"sm_90a CUDA requested but unavailable here ({why}): frag8 forwards raise"
+        return f"Triton: sm_90a CUDA requested but unavailable here ({why}; logged once at the first forward)"
     return f"sm_90a CUDA (MEGA_EXPERTS_GEMM=cuda; built at first use by {nvcc}, cached in {jit.cache_dir()})"

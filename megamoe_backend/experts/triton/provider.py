@@ -11,6 +11,7 @@ so it can be CUDA-graph captured for a fixed pair count.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -42,6 +43,8 @@ GEMMS = ("auto", "triton", "cuda")
 # shapes) but slower in every bucket measured (docs/triton.md, "The sm_90a CUDA GEMMs"), so auto keeps
 # Triton and never builds them; MEGA_EXPERTS_GEMM=cuda opts in.
 CUDA_AUTO_MIN_ROWS = float("inf")
+_CUDA_FALLBACKS_LOGGED: set[str] = set()  # documented cache: reasons already logged (one line each per process)
+log = logging.getLogger(__name__)
 # The tile config of a forward on the CUDA GEMMs: only block_m (128-row layout tiles, no short tiles)
 # and the K step reach the kernels; the weight tile is theirs (256 rows).
 CUDA_CONFIG = TileConfig(block_m=128, block_n1=256, block_n2=256, block_k=128, num_warps=4, num_stages=4)
@@ -351,31 +354,28 @@ class TritonExperts(ExpertsProvider):
 
         They serve frag8 weights on an sm_90 GPU, shapes in whole 256-row weight tiles, and every forward
         but the persistent one (live rows without a bound: its grids walk a count on the device, which
-        only the Triton launches do). gemm="cuda" raises where they cannot run; "auto" falls back."""
+        only the Triton launches do). Where gemm="cuda" asks for them and they cannot run, the Triton
+        GEMMs run instead, with one log line per reason (a build failure is logged by gemms.py)."""
         if self.gemm == "triton" or mode != "frag8":
             return None
-        if device.type != "cuda" or interpreting():
-            if self.gemm == "cuda":
-                raise ValueError("MEGA_EXPERTS_GEMM=cuda: the sm_90a CUDA expert GEMMs need a CUDA device, not "
-                                 f"{'the Triton interpreter' if interpreting() else device}")
-            return None
+        rows = (live.config_pairs if live is not None and live.config_pairs is not None else pairs) / max(1, num_experts)
+        if self.gemm == "auto" and (self.config is not None or rows < CUDA_AUTO_MIN_ROWS):
+            return None  # an explicit Triton tile config, or a bucket where Triton was measured faster: no build
         from ..cuda.gemms import Sm90Frag8Gemms, shapes_supported
 
-        why = None
-        if not shapes_supported(hidden, inter):
-            why = f"hidden={hidden} / intermediate={inter} are not whole 256-row weight tiles and 128-wide K steps"
+        if device.type != "cuda" or interpreting():
+            why = "under the Triton interpreter" if interpreting() else f"without a CUDA device ({device})"
+        elif not shapes_supported(hidden, inter):
+            why = f"at hidden={hidden} / intermediate={inter} (not whole 256-row weight tiles and 128-wide K steps)"
         elif live is not None and live.config_pairs is None:
-            why = "a forward over live rows without a token bound runs persistent Triton grids"
-        elif self.gemm == "auto" and (self.config is not None or
-                                      (live.config_pairs if live is not None else pairs) / max(1, num_experts) < CUDA_AUTO_MIN_ROWS):
-            return None  # an explicit Triton tile config, or a bucket where Triton was measured faster: no build
+            why = "for live rows without a token bound (that forward runs persistent Triton grids)"
         else:
-            got = Sm90Frag8Gemms.for_device(device)
-            if not isinstance(got, str):
-                return got
-            why = got
-        if self.gemm == "cuda":
-            raise ValueError(f"MEGA_EXPERTS_GEMM=cuda: the sm_90a CUDA expert GEMMs cannot run this forward: {why}")
+            got = Sm90Frag8Gemms.for_device(device)  # logs once per device why it cannot load
+            return None if isinstance(got, str) else got
+        if why not in _CUDA_FALLBACKS_LOGGED:
+            _CUDA_FALLBACKS_LOGGED.add(why)
+            log.warning("megamoe: MEGA_EXPERTS_GEMM=%s: the sm_90a CUDA expert GEMMs cannot run %s; the Triton GEMMs do",
+                        self.gemm, why)
         return None
 
 
