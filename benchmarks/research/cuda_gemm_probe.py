@@ -18,6 +18,7 @@ import statistics
 
 import torch
 
+from megamoe_backend.bench.bench_experts import capture_graph
 from megamoe_backend.experts.cuda.gemms import Sm90Frag8Gemms
 from megamoe_backend.experts.triton.layout import build_layout
 
@@ -38,14 +39,8 @@ def fragments(e, n, k, gen, device):
 
 
 def timed(fn, replays=10, rounds=5):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    """Median over rounds of µs per replay of fn's CUDA graph, ``replays`` back to back per round."""
+    g = capture_graph(fn)
     out = []
     for _ in range(rounds):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
