@@ -250,7 +250,9 @@ __device__ __forceinline__ void produce(const Params& p, uint8_t* smem, uint64_t
   const int j = t & 7;
   for (int ks = 0; ks < nk; ++ks) {
     const int s = ks % STAGES;
+#ifndef MM_NO_FULL_WAIT  // (the probe's consumers run ahead: the producer then overwrites stages freely)
     if (ks >= STAGES) mbar_wait(&empty[s], ((ks / STAGES) - 1) & 1);
+#endif
     uint8_t* stage = smem + s * STAGE_BYTES;
     for (int m = t >> 3; m < nrun; m += PRODUCERS / 8) {
       const int r = a_row[m];
@@ -289,7 +291,9 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint64_t
       for (int r = 0; r < 4; ++r) a[b][sl][r] = 0u;
   for (int ks = 0; ks < nk; ++ks) {
     const int s = ks % STAGES;
+#ifndef MM_NO_FULL_WAIT  // research probe: the loop without waiting for its data (stale stages; timing only)
     mbar_wait(&full[s], (ks / STAGES) & 1);
+#endif
 #ifndef MM_NO_PROXY_FENCE
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async wrote it, the wgmma reads it
 #endif
