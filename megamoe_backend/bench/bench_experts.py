@@ -561,7 +561,10 @@ def run(args: argparse.Namespace) -> int:
                              active_experts=active)
                     run_case(c, forward_call(prov, a, pairs, weights, math, out_fmt), checker(math, out_fmt))
                     if prov.last_gemm == "cuda":  # the sm_90a CUDA GEMMs ran (experts/cuda), not the Triton tiles
-                        c.provider, c.config = "triton+cuda", "cuda_sm90 BM128 BN256 BK128 s4"
+                        from ..experts.cuda import gemms as cg
+
+                        c.provider = "triton+cuda"
+                        c.config = f"cuda_sm90 BM{cg.BLOCK_M} BN{cg.BLOCK_N} BK{cg.BLOCK_K} s{cg.STAGES}"
                     fill_metrics(c, hidden, inter, wfmt, a_fmt, meta["ceilings"])
                     (cases if i == 0 else variants).append(c)
                     print_case(c)

@@ -86,6 +86,12 @@ def _optional_bool(env: Mapping[str, str], name: str) -> bool | None:
     raise KnobError(f"{name}={raw!r} is not valid; allowed values: 1 | 0 (or true | false)")
 
 
+def experts_gemm_from_env(env: Mapping[str, str] | None = None) -> str:
+    """MEGA_EXPERTS_GEMM, validated: who runs the frag8 expert GEMMs (read by Knobs and by the Triton provider,
+    which the layer builds without the knobs)."""
+    return _choice(os.environ if env is None else env, "MEGA_EXPERTS_GEMM", EXPERTS_GEMM_VALUES, "auto")
+
+
 @dataclass(frozen=True)
 class Knobs:
     """The operator's choices. Defaults: bf16 wires, automatic transport, 8192 tokens per rank."""
@@ -133,7 +139,7 @@ class Knobs:
             aiter_force_a8w4=_optional_bool(env, "AITER_FORCE_A8W4"),
             p2p_timeout_s=_positive_seconds(env, "MEGA_P2P_TIMEOUT_S", DEFAULT_P2P_TIMEOUT_S),
             on_peer_timeout=_choice(env, "MEGA_ON_PEER_TIMEOUT", ON_PEER_TIMEOUT_VALUES, "exit"),
-            experts_gemm=_choice(env, "MEGA_EXPERTS_GEMM", EXPERTS_GEMM_VALUES, "auto"),
+            experts_gemm=experts_gemm_from_env(env),
         )
 
     def to_dict(self) -> dict[str, object]:

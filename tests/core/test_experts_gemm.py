@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from megamoe_backend.experts.cuda import jit
@@ -38,7 +36,7 @@ def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
         jit.build(nvcc=str(tmp_path / "no-such-nvcc"))
 
 
-@pytest.mark.skipif(jit.nvcc_path() is None or shutil.which("bash") is None, reason="needs nvcc")
+@pytest.mark.skipif(jit.nvcc_path() is None, reason="no nvcc on this machine: the sm_90a build is checked where one is")
 def test_builds_for_sm90a_without_spills_and_caches(tmp_path, monkeypatch):
     """nvcc needs no GPU to build sm_90a code: the kernels compile, ptxas reports no spill (the producer
     spilled at 40 / 56 registers before its addresses were hoisted), and the second build is the cache's."""

@@ -12,7 +12,6 @@ so it can be CUDA-graph captured for a fixed pair count.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import triton
@@ -71,10 +70,10 @@ class TritonExperts(ExpertsProvider):
                  gemm: str | None = None) -> None:
         if decoder not in DECODERS:
             raise ValueError(f"decoder={decoder!r}; expected one of {DECODERS}")
-        if gemm is None:  # the knob, validated as knobs.Knobs reads it (the layer's provider is built without one)
-            from ...knobs.env import EXPERTS_GEMM_VALUES, _choice
+        if gemm is None:  # the knob (the layer builds its provider without the Knobs)
+            from ...knobs.env import experts_gemm_from_env
 
-            gemm = _choice(os.environ, "MEGA_EXPERTS_GEMM", EXPERTS_GEMM_VALUES, "auto")
+            gemm = experts_gemm_from_env()
         if gemm not in GEMMS:
             raise ValueError(f"MEGA_EXPERTS_GEMM / gemm={gemm!r}; expected one of {GEMMS}")
         self.gemm = gemm
