@@ -5,7 +5,8 @@ What is shown, DSV4-Pro hidden / intermediate, 16 experts over EP 2 and 4, uneve
 - every (quant, dispatch wire, combine wire): bit-identical to the ep_size-1 device forward on the
   same tokens, with the bound passed and without it (regions sized by MEGA_MAX_TOKENS_PER_RANK, the
   tile config picked on the device), and within the accuracy gates vs fp32;
-- eager emulated steps issue no host synchronisation (``set_sync_debug_mode("error")``);
+- eager emulated steps issue no host synchronisation (``set_sync_debug_mode("error")``) and, once
+  one forward has run, allocate nothing but their outputs (CUDA allocator statistics);
 - the whole emulated step (every rank, in turn) captured in ONE CUDA graph and replayed with new
   tokens and routing equals eager bit for bit;
 - a bad expert id is raised on its rank only.
@@ -92,12 +93,18 @@ def test_emulated_ep_equals_ep1_bound_or_not(world, case, weights):
     emu.forward(inputs, bound)  # compiles
     emu.forward(inputs)
     torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
     torch.cuda.set_sync_debug_mode("error")
     try:
-        bounded = torch.cat(emu.forward(inputs, bound))
-        unbounded = torch.cat(emu.forward(inputs))
+        bounded_outs = emu.forward(inputs, bound)
+        unbounded_outs = emu.forward(inputs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    # no allocation per call: the two forwards allocate their outputs only (the experts' intermediates
+    # live in the workspace's scratch, reserved at capacity by the first forward: experts/scratch.py)
+    allocated = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    assert allocated <= 2 * world, allocated
+    bounded, unbounded = torch.cat(bounded_outs), torch.cat(unbounded_outs)
     emu.raise_if_bad_input()
     want, fp32 = ep1(case, weights, inputs)
     assert torch.equal(bounded.view(torch.int16), want.view(torch.int16)), case

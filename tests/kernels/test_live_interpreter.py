@@ -193,3 +193,61 @@ def test_emulated_ep_reports_a_bad_id_on_its_rank_only():
     again = torch.cat(emu.forward(inputs))  # the group goes on, correct
     ep1, _ = _ep1(problem, "bf16", "bf16", "bf16", keep, mtpr * world)
     assert torch.equal(again.view(torch.int16), ep1.view(torch.int16))
+
+
+# ------------------------------------------------------------------------------ no allocation per call
+ALLOCATORS = ("empty", "empty_like", "zeros", "zeros_like", "full", "full_like", "ones", "ones_like", "arange")
+
+
+def _count_allocations(monkeypatch) -> list[str]:
+    """Record every torch allocator call made from the experts and the device layer's modules (the
+    layer's returned output, forwards/base.py, is the caller's tensor, not a buffer)."""
+    import sys
+
+    seen: list[str] = []
+    for name in ALLOCATORS:
+        real = getattr(torch, name)
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith(("megamoe_backend.experts", "megamoe_backend.layer.device")):
+                seen.append(f"{caller}.{_name}")
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, counting)
+    return seen
+
+
+@pytest.mark.parametrize("wire", ["fp8", "bf16"])  # bf16: the receiver quantises the live rows into the scratch
+def test_a_forward_allocates_nothing_once_one_has_run(monkeypatch, wire):
+    """Hot-path rule: the experts' intermediates come from the workspace's ExpertsScratch, reserved at
+    capacity by the first forward; later forwards (bound or not, other batch sizes) allocate nothing."""
+    world, mtpr = 2, 8
+    problem, emu, inputs, keep = _emulated(world, "a8w4", wire, "fp8_blockwise_1x32", (5, 3), mtpr)
+    first = torch.cat(emu.forward(inputs))
+    scratches = {id(layer.path.workspace.scratch): layer.path.workspace.scratch for layer in emu.layers}
+    made = {k: s.allocations for k, s in scratches.items()}
+    assert all(made.values()) and all(s.bytes > 0 for s in scratches.values())
+    seen = _count_allocations(monkeypatch)
+    again = torch.cat(emu.forward(inputs, max_tokens_across_ranks=5))
+    smaller = emu.forward([(x[:1], ids[:1], w[:1]) for x, ids, w in inputs])
+    assert seen == [] and {k: s.allocations for k, s in scratches.items()} == made
+    assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+    assert all(o.shape[0] == 1 for o in smaller)
+    monkeypatch.undo()
+    ep1, _ = _ep1(problem, "a8w4", wire, "fp8_blockwise_1x32", keep, mtpr * world)
+    assert torch.equal(first.view(torch.int16), ep1.view(torch.int16))
+
+
+def test_the_ep1_device_forward_allocates_nothing_once_one_has_run(monkeypatch):
+    problem = make_problem(ProblemConfig(SPEC, 6, 1, seed=4))
+    plan = build_plan(SPEC, Knobs(dispatch_wire="fp8", combine_wire="bf16", max_tokens_per_rank=8), quant="a8w4")
+    layer = MegaMoELayer(plan, problem.expert_weights("a8w4"), provider=TritonExperts(capacity=8 * K), device_path=True)
+    first = layer(problem.x, problem.topk_ids, problem.topk_weights)
+    scratch = layer.path.workspace.scratch
+    made = scratch.allocations
+    seen = _count_allocations(monkeypatch)
+    again = layer(problem.x, problem.topk_ids, problem.topk_weights)
+    layer(problem.x[:2], problem.topk_ids[:2], problem.topk_weights[:2])
+    assert seen == [] and scratch.allocations == made > 0
+    assert torch.equal(first.view(torch.int16), again.view(torch.int16))

@@ -43,10 +43,10 @@ H = SPEC.hidden_size
 GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28}
 
 
-def two_rank_arenas(fmt: str, mtpr: int = 8, combine: str = "bf16") -> list[PeerArena]:
+def two_rank_arenas(fmt: str, mtpr: int = 8, combine: str = "bf16", hidden: int = H) -> list[PeerArena]:
     """Two ranks' arenas as two halves of one tensor (one process: the kernels only see offsets)."""
-    row_bytes = dispatch_wire(fmt).row_bytes(H)
-    lay = ArenaLayout.build(2, mtpr, K, row_bytes, combine_wire(combine).row_bytes(H))
+    row_bytes = dispatch_wire(fmt).row_bytes(hidden)
+    lay = ArenaLayout.build(2, mtpr, K, row_bytes, combine_wire(combine).row_bytes(hidden))
     whole = torch.zeros(2 * lay.total, dtype=torch.uint8)
     halves = [whole[: lay.total], whole[lay.total :]]
     return [PeerArena(lay, r, halves[r], halves) for r in range(2)]
@@ -56,7 +56,7 @@ def reference_dispatch(x, ids, weights, owner, slot, fmt, rows_per_src, arenas):
     """What the dispatch of rank ``me`` must leave in every arena (torch, from the formats module)."""
     t = x.shape[0]
     if fmt == "bf16":
-        rows = x.to(torch.bfloat16).view(torch.uint8).view(t, 2 * H)
+        rows = x.to(torch.bfloat16).view(torch.uint8).view(t, 2 * x.shape[1])
     else:
         q = quantize_mx(x.float(), fmt)
         rows = torch.cat([q.data, q.scales], dim=1)
@@ -76,23 +76,24 @@ def reference_dispatch(x, ids, weights, owner, slot, fmt, rows_per_src, arenas):
     return expect, lay
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
-def test_dispatch_kernel_writes_rows_entries_and_tables(fmt):
+# hidden 640: 20 blocks of 32, three pieces of a row per token (the last one partial)
+@pytest.mark.parametrize("fmt,hidden", [("bf16", H), ("fp8", H), ("fp4", H), ("bf16", 640), ("fp8", 640), ("fp4", 640)])
+def test_dispatch_kernel_writes_rows_entries_and_tables(fmt, hidden):
     g = torch.Generator().manual_seed(5)
     t, rows_per_src = 5, 8
-    x = torch.randn(t, H, generator=g).to(torch.bfloat16)
+    x = torch.randn(t, hidden, generator=g).to(torch.bfloat16)
     ids = torch.randint(-1, 8, (t, K), generator=g)
     weights = torch.rand(t, K, generator=g)
     owner = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     slot = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
-    arenas = two_rank_arenas(fmt)
+    arenas = two_rank_arenas(fmt, hidden=hidden)
     for arena in arenas:  # stale entries of an earlier, larger batch: rewritten for t < T, left (and never read) past it
         arena.view(arena.layout.recv_slot, 2 * 8 * K, torch.int64).fill_(3)
         arena.view(arena.layout.recv_weight, 2 * 8 * K, torch.float32).fill_(3.0)
     me = 1
     pair_live = torch.full((8 * K,), 77, dtype=torch.int64)
     status = InputStatus(torch.device("cpu"), 8)
-    p2p.dispatch(x, ids, weights, owner, slot, rows_per_src, arenas[me], fmt, H, pair_live, status.word, 0)
+    p2p.dispatch(x, ids, weights, owner, slot, rows_per_src, arenas[me], fmt, hidden, pair_live, status.word, 0)
     assert status.word.tolist() == [0, 0, 0, 0]
     expect, lay = reference_dispatch(x, ids, weights, owner, slot, fmt, rows_per_src, arenas)
     for r, arena in enumerate(arenas):
@@ -128,21 +129,22 @@ def test_an_idle_rank_dispatches_its_header_only():
     assert status.word.tolist() == [0, 0, 0, 0]
 
 
-def test_dispatch_reports_the_first_bad_id_and_a_nan_row():
+@pytest.mark.parametrize("hidden,nan_col", [(H, 17), (640, 600)])  # 600: the last piece of a 640-wide row
+def test_dispatch_reports_the_first_bad_id_and_a_nan_row(hidden, nan_col):
     t = 4
-    x = torch.randn(t, H)
-    x[2, 17] = float("nan")
+    x = torch.randn(t, hidden)
+    x[2, nan_col] = float("nan")
     ids = torch.zeros(t, K, dtype=torch.int64)
     ids[1, 3] = 8
-    arenas = two_rank_arenas("fp8")
+    arenas = two_rank_arenas("fp8", hidden=hidden)
     owner, slot = torch.tensor([0] * 4 + [1] * 4), torch.tensor([0, 1, 2, 3] * 2)
     status = InputStatus(torch.device("cpu"), 8)
     args = (torch.full((8 * K,), -1), status.word)
-    p2p.dispatch(x, ids, torch.rand(t, K), owner, slot, 8, arenas[0], "fp8", H, *args, 4)
+    p2p.dispatch(x, ids, torch.rand(t, K), owner, slot, 8, arenas[0], "fp8", hidden, *args, 4)
     assert status.word.tolist() == [BAD_EXPERT_ID, 4, 8, 1]  # token 1's program runs before token 2's here
     status.word.zero_()
     ids[1, 3] = 0
-    p2p.dispatch(x, ids, torch.rand(t, K), owner, slot, 8, arenas[0], "fp8", H, *args, 4)
+    p2p.dispatch(x, ids, torch.rand(t, K), owner, slot, 8, arenas[0], "fp8", hidden, *args, 4)
     assert status.word.tolist()[0] == NONFINITE_INPUT and status.word.tolist()[3] == 2
     with pytest.raises(ValueError, match="hidden_states row 2 holds NaN/Inf"):
         status.host.copy_(status.word)

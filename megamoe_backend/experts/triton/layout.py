@@ -38,9 +38,20 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return max(1, min(num_pairs, -(-num_pairs // block_m) + num_experts))
 
 
+LAYOUT_BLOCK_MS = (16, 32, 64, 128)  # the tile heights of the config tables (config.py)
+
+
+def capacity_reserve(capacity: int, num_experts: int, block_m: int = 0) -> tuple[int, int, int]:
+    """(pairs, tiles, rows) a layout of at most ``capacity`` pairs can need at any tile height of the
+    config tables (or ``block_m``): what experts/scratch.py reserves, so no later forward outgrows it."""
+    heights = LAYOUT_BLOCK_MS + ((block_m,) if block_m else ())
+    return (capacity, max(max_tiles(capacity, num_experts, b) for b in heights),
+            max(max_tiles(capacity, num_experts, b) * b for b in heights))
+
+
 def build_layout(
     slot: torch.Tensor, num_experts: int, block_m: int, capacity: int | None = None, row: torch.Tensor | None = None,
-    live=None, active: tuple[int, int] = (-1, 2**31 - 1), all_tiles: bool = True,
+    live=None, active: tuple[int, int] = (-1, 2**31 - 1), all_tiles: bool = True, scratch=None,
 ) -> ExpertLayout:
     """Sort pairs by local expert, padding each expert's rows to a multiple of ``block_m``.
 
@@ -59,6 +70,9 @@ def build_layout(
     rest of the region is stale); ``layout.live_tiles`` then holds the routed tile count on the
     device, 0 when the live pair count falls outside ``active`` = (lo, hi] (another tile config runs);
     ``all_tiles`` False leaves the tiles past live_tiles unwritten (persistent GEMMs never read them).
+
+    ``scratch`` (experts/scratch.py, Triton build only): the layout's buffers come from it, reserved
+    for ``capacity`` pairs (else this call's), so a forward allocates nothing once it has run.
     """
     if slot.dim() != 1:
         raise ValueError(f"pairs.slot must be 1-D [P], got shape {tuple(slot.shape)}")
@@ -79,8 +93,9 @@ def build_layout(
         from .layout_kernels import build_layout_triton
 
         n_tiles = max_tiles(p, num_experts, block_m)
+        reserve = capacity_reserve(capacity if capacity is not None else p, num_experts, block_m)
         tile_expert, sorted_pair, sorted_row, live_tiles = build_layout_triton(slot, row, num_experts, block_m, n_tiles,
-                                                                               live, active, all_tiles)
+                                                                               live, active, all_tiles, scratch, reserve)
         return ExpertLayout(block_m=block_m, num_tiles=n_tiles, tile_expert=tile_expert, sorted_pair=sorted_pair,
                             sorted_row=sorted_row, live_tiles=live_tiles)
     if live is not None:

@@ -156,7 +156,7 @@ def _scatter(slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr, 
 
 def build_layout_triton(
     slot: torch.Tensor, row: torch.Tensor, num_experts: int, block_m: int, num_tiles: int, live=None,
-    active: tuple[int, int] = (-1, 2**31 - 1), all_tiles: bool = True,
+    active: tuple[int, int] = (-1, 2**31 - 1), all_tiles: bool = True, scratch=None, reserve: tuple[int, int, int] = (0, 0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tile_expert [num_tiles], sorted_pair, sorted_row [num_tiles * block_m]) int32, as build_layout_torch,
     and live_tiles (int32 [1]: the tiles the GEMMs walk).
@@ -165,19 +165,29 @@ def build_layout_triton(
     past live_tiles are left unwritten (every consumer stops at live_tiles). ``active`` (lo, hi]: the
     live pair counts this layout's tile config serves; outside it live_tiles is 0 (another runs).
     ``all_tiles`` False: tile_expert is written up to live_tiles only (for persistent GEMMs, which stop
-    there), else for all num_tiles (-1 past the routed ones: one program per tile may be launched)."""
+    there), else for all num_tiles (-1 past the routed ones: one program per tile may be launched).
+
+    ``scratch`` (experts/scratch.py): the buffers come from it, ``reserve`` = (pairs, tiles, rows) at
+    capacity, so they are allocated once; None: fresh tensors."""
+    from ..scratch import scratch_empty
+
     p = slot.shape[0]
     dev = slot.device
     e_pad = triton.next_power_of_2(num_experts + 1)  # + a spare bin for the masked tail of a chunk
     nc = max(1, triton.cdiv(p, CHUNK))
-    hist = torch.empty(nc, e_pad, dtype=torch.int32, device=dev)
-    base = torch.empty(nc, e_pad, dtype=torch.int32, device=dev)
-    first_row = torch.empty(e_pad, dtype=torch.int32, device=dev)
-    tile_end = torch.empty(e_pad, dtype=torch.int32, device=dev)
-    tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=dev)
-    sorted_pair = torch.empty(num_tiles * block_m, dtype=torch.int32, device=dev)
-    sorted_row = torch.empty_like(sorted_pair)
-    live_tiles = torch.empty(1, dtype=torch.int32, device=dev)
+    cap_chunks = max(1, triton.cdiv(reserve[0], CHUNK))
+    i32 = torch.int32
+
+    def buf(name, shape, cap=0):
+        return scratch_empty(scratch, "layout." + name, shape, i32, dev, cap)
+
+    hist = buf("hist", (nc, e_pad), cap_chunks * e_pad)
+    base = buf("base", (nc, e_pad), cap_chunks * e_pad)
+    first_row, tile_end = buf("first_row", (e_pad,)), buf("tile_end", (e_pad,))
+    tile_expert = buf("tile_expert", (num_tiles,), reserve[1])
+    sorted_pair = buf("sorted_pair", (num_tiles * block_m,), reserve[2])
+    sorted_row = buf("sorted_row", (num_tiles * block_m,), reserve[2])
+    live_tiles = buf("live_tiles", (1,))
     slot, row = slot.contiguous(), row.contiguous()
     rows = num_tiles * block_m
     if live is None:

@@ -12,6 +12,7 @@ so it can be CUDA-graph captured for a fixed pair count.
 from __future__ import annotations
 
 import logging
+from math import prod as math_prod
 
 import torch
 import triton
@@ -21,6 +22,7 @@ from ...formats.wire import WireFormat
 from ..base import Activations, ExpertMath, ExpertPairs, ExpertsProvider
 from ..fragments import FP8_K
 from ..live import LiveRows, SegmentDest
+from ..scratch import ExpertsScratch, scratch_empty
 from ..weights import FRAGMENT_STORAGE, ExpertWeights
 from . import triton_available
 from .config import TileConfig, _table, default_config, interpreting, reduction_block
@@ -157,6 +159,7 @@ class TritonExperts(ExpertsProvider):
     def forward_wire(
         self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, wire: WireFormat,
         *, out: torch.Tensor | None = None, dest: torch.Tensor | SegmentDest | None = None, live: LiveRows | None = None,
+        scratch: ExpertsScratch | None = None,
     ) -> torch.Tensor:
         """See ExpertsProvider.forward_wire: GEMM2's epilogue writes the combine wire row itself (bf16, or
         fp8 + E8M0 per 1x32 via the same block quantiser as quant.py), so the fp32 rows are never
@@ -170,7 +173,10 @@ class TritonExperts(ExpertsProvider):
 
         ``live`` (experts/live.py): only the rows at the head of each segment are live this forward
         (a count on the device); every kernel then runs a fixed grid that walks the live work only,
-        and the tile config follows ``live.config_pairs`` (else it is picked on the device)."""
+        and the tile config follows ``live.config_pairs`` (else it is picked on the device).
+
+        ``scratch`` (experts/scratch.py): the intermediates live there, reserved for ``capacity`` pairs,
+        so a forward allocates nothing once one has run (the layer's forwards pass their workspace's)."""
         if wire.mx not in (None, "fp8"):
             raise ValueError(f"combine wire {wire.name!r}: the Triton GEMM2 epilogue writes bf16 or fp8_blockwise_1x32 rows")
         if dest is None:
@@ -179,14 +185,14 @@ class TritonExperts(ExpertsProvider):
         else:
             _check_dest(dest, out, len(pairs), pairs.weight.device)
         if wire.mx is None:
-            self._run(a, pairs, weights, math, out.view(torch.bfloat16), "bf16", dest, live)
+            self._run(a, pairs, weights, math, out.view(torch.bfloat16), "bf16", dest, live, scratch)
         else:
-            self._run(a, pairs, weights, math, out, "fp8", dest, live)
+            self._run(a, pairs, weights, math, out, "fp8", dest, live, scratch)
         return out
 
     def _run(
         self, a: Activations, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, out: torch.Tensor, out_fmt: str,
-        dest: torch.Tensor | SegmentDest | None = None, live: LiveRows | None = None,
+        dest: torch.Tensor | SegmentDest | None = None, live: LiveRows | None = None, scratch: ExpertsScratch | None = None,
     ) -> torch.Tensor:
         """The forward proper; ``out`` is the checked [P, ...] result buffer GEMM2 writes in ``out_fmt``
         ("f32", or the combine wire: "bf16" / "fp8"; gemm2.py), or with ``dest`` the base its byte
@@ -196,7 +202,7 @@ class TritonExperts(ExpertsProvider):
         from .gather import gather_split_kernel, rowscale_e4m3_kernel, rowscale_piece
         from .gemm1 import gemm1_swiglu_kernel
         from .gemm2 import gemm2_weighted_kernel
-        from .layout import build_layout
+        from .layout import build_layout, capacity_reserve
         from .quant import quantize_rows
 
         hidden, inter, n_exp = weights.hidden, weights.intermediate, weights.num_experts
@@ -211,8 +217,21 @@ class TritonExperts(ExpertsProvider):
             )
         a_fmt = math.a_format or "bf16"
         x = _received_rows(a, math, hidden, device)
-        if a_fmt != "bf16" and not isinstance(x, MXTensor):
-            x = quantize_rows(x, a_fmt, name="received rows")  # bf16 wire: the receiver quantises
+        n_recv = x.data.shape[0] if isinstance(x, MXTensor) else x.shape[0]
+        # sizes at capacity (experts/scratch.py reserves them once): pairs, and received rows (pairs per row fixed)
+        p_cap = max(p, self.capacity or 0)
+        recv_cap = max(n_recv, p_cap // max(1, p // max(1, n_recv)))
+
+        def buf(name, shape, dtype, rows_cap):
+            return scratch_empty(scratch, name, shape, dtype, device, rows_cap * math_prod(shape[1:]))
+
+        if live is not None and p:
+            _check_live(live, x, p, device)
+        if a_fmt != "bf16" and not isinstance(x, MXTensor):  # bf16 wire: the receiver quantises (the live rows)
+            qdata = buf("a_mx", (n_recv, hidden if a_fmt == "fp8" else hidden // 2), torch.uint8, recv_cap)
+            qscale = buf("a_mx_scale", (n_recv, hidden // MX_BLOCK), torch.uint8, recv_cap)
+            x = quantize_rows(x, a_fmt, name="received rows", out=(qdata, qscale), live=live,
+                              programs=None if live is None else persistent_grid(device))
         if p == 0:
             return out
 
@@ -222,14 +241,12 @@ class TritonExperts(ExpertsProvider):
         if cuda is not None:
             candidates = ((CUDA_CONFIG, ALL_COUNTS),)
         elif live is not None:
-            _check_live(live, x, p, device)
             candidates = tile_candidates(self.config, p // live.segments, n_exp, mode, live.config_pairs)
         else:
             candidates = ((self.config or default_config(p, n_exp, mode), ALL_COUNTS),)
         _check_candidates(candidates, mode, out_fmt, hidden, inter)
         use_asm = device.type == "cuda" and not interpreting()
-        a_data, a_scale = _operand(x, a_fmt, mode == "dot_scaled")
-        n_recv = a_data.shape[0]  # A is prepared once per received row; GEMM1 reads it through layout.sorted_row
+        a_data, a_scale = _operand(x, a_fmt, mode == "dot_scaled")  # A once per received row: GEMM1 reads layout.sorted_row
         if n_recv == 0:
             raise ValueError(f"{p} routed pairs but no received rows: pairs.row must index the received rows")
         if pairs.row.device.type == "cpu" and (int(pairs.row.min()) < 0 or int(pairs.row.max()) >= n_recv):
@@ -245,8 +262,8 @@ class TritonExperts(ExpertsProvider):
         if mode == "frag8":
             _require_mx_activations(math)
             # A once per received row (GEMM1 reads it through layout.sorted_row): not a copy per pair
-            a8 = torch.empty(n_recv, hidden, dtype=torch.uint8, device=device)
-            a_rs = torch.empty(n_recv, dtype=torch.float32, device=device)
+            a8 = buf("a8", (n_recv, hidden), torch.uint8, recv_cap)
+            a_rs = buf("a_rs", (n_recv,), torch.float32, recv_cap)
             # 2 warps per row: fastest of 1 / 2 / 4 / 8 at 8192 tokens, within noise of them at 1024 (benchmarks/research/rowscale_ab.py)
             rowscale_e4m3_kernel[(_grid(n_recv, cap),)](
                 pairs.row, a_data, a_data.stride(0), a_scale, a_scale.stride(0),
@@ -260,7 +277,7 @@ class TritonExperts(ExpertsProvider):
         elif mode in ("split", "frag") and (mode == "split" or a_fmt != "bf16"):  # bf16 rows in natural order are frag's A
             # one program per received row (not walking LiveRows: the default decoders at DeepSeek shapes are frag8 for MX
             # activations and none for bf16 rows; stale rows are converted and never read)
-            a_split = torch.empty(n_recv, hidden, dtype=torch.bfloat16, device=device)
+            a_split = buf("a_split", (n_recv, hidden), torch.bfloat16, recv_cap)
             gather_split_kernel[(n_recv, 1)](  # one program per received row, all of K
                 a_data, a_data.stride(0), a_scale, a_scale.stride(0), a_split, a_split.stride(0), hidden,
                 A_FMT=a_fmt, BK=bk1, NB=triton.next_power_of_2(hidden // bk1), SPLIT=mode == "split",
@@ -277,19 +294,16 @@ class TritonExperts(ExpertsProvider):
             else:
                 bk1, bk2 = reduction_block(hidden, cfg.block_k), reduction_block(inter, cfg.block_k)
             layout = build_layout(pairs.slot, n_exp, cfg.block_m, self.capacity, row=pairs.row, live=live, active=active,
-                                  all_tiles=not persist)
+                                  all_tiles=not persist, scratch=scratch)
             gemm_cap = persistent_grid(device, cfg) if persist else None
             rows = layout.num_rows
-            if mode == "frag8":
-                # GEMM1 writes A2 in the A format (MX per 32, as the reference); rowscale_e4m3 then re-scales it
-                a2 = torch.empty(rows, inter if a_fmt == "fp8" else inter // 2, dtype=torch.uint8, device=device)
-                a2_scale = torch.empty(rows, inter // MX_BLOCK, dtype=torch.uint8, device=device)
-            elif mode in ("split", "frag") or a_fmt == "bf16":
-                a2 = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
+            rows_cap = capacity_reserve(p_cap, n_exp, cfg.block_m)[2]  # every candidate's A2 in the same buffers
+            if mode in ("split", "frag") or (mode != "frag8" and a_fmt == "bf16"):
+                a2 = buf("a2", (rows, inter), torch.bfloat16, rows_cap)
                 a2_scale = a2
-            else:
-                a2 = torch.empty(rows, inter if a_fmt == "fp8" else inter // 2, dtype=torch.uint8, device=device)
-                a2_scale = torch.empty(rows, inter // MX_BLOCK, dtype=torch.uint8, device=device)
+            else:  # frag8: GEMM1 writes A2 in the A format (MX per 32, as the reference); rowscale_e4m3 then re-scales it
+                a2 = buf("a2", (rows, inter if a_fmt == "fp8" else inter // 2), torch.uint8, rows_cap)
+                a2_scale = buf("a2_scale", (rows, inter // MX_BLOCK), torch.uint8, rows_cap)
             live_tiles = layout.live_tiles if layout.live_tiles is not None else pairs.weight
             common = dict(DECODE=mode, USE_ASM=use_asm, BM=cfg.block_m, GROUP_M=cfg.group_m, F32_DOT=interpreting(),
                           TAIL_M=cfg.tail_m, TAIL_RIDE=cfg.tail_ride, PERSIST=persist, num_warps=cfg.num_warps,
@@ -313,8 +327,8 @@ class TritonExperts(ExpertsProvider):
                 )
             a2_rs = pairs.weight  # frag8 only
             if mode == "frag8":
-                a2e = a2 if a_fmt == "fp8" else torch.empty(rows, inter, dtype=torch.uint8, device=device)  # fp8: in place
-                a2_rs = torch.empty(rows, dtype=torch.float32, device=device)
+                a2e = a2 if a_fmt == "fp8" else buf("a2e", (rows, inter), torch.uint8, rows_cap)  # fp8: in place
+                a2_rs = buf("a2_rs", (rows,), torch.float32, rows_cap)
                 rowscale_e4m3_kernel[(_grid(rows, cap),)](
                     layout.sorted_pair, a2, a2.stride(0), a2_scale, a2_scale.stride(0), a2e, a2e.stride(0), a2_rs,
                     inter, A_FMT=a_fmt, SORTED=True, NB=triton.next_power_of_2(inter // MX_BLOCK), PK=rowscale_piece(inter),

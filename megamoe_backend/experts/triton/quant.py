@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ...formats import MX_BLOCK, MXTensor
 from .config import interpreting
+from .layout_kernels import live_pairs_total, live_to_index
 from .mxjit import (
     FP4_MANT_LIMIT,
     FP4_MAX_EXP,
@@ -60,9 +61,27 @@ def quantize_blocks(x, FMT: tl.constexpr, HW_CVT: tl.constexpr = False):
 def _quantize_rows_kernel(
     x_ptr, stride_x, data_ptr, stride_data, scale_ptr, stride_scale, K, status_ptr, status_code, layer_id,
     FMT: tl.constexpr, BLOCKS: tl.constexpr, HW_CVT: tl.constexpr, STATUS: tl.constexpr,
+    live_ptr=None, n_seg=1, seg_rows=0, PERSIST: tl.constexpr = False, N_SEG: tl.constexpr = 1,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    """One program per (row, piece of BLOCKS x 32 columns); PERSIST (the live rows of a fixed region,
+    experts/live.py LiveRows): a fixed grid strides over the (live row, piece) pairs only."""
+    if not PERSIST:
+        _quantize_piece(tl.program_id(0).to(tl.int64), tl.program_id(1), x_ptr, stride_x, data_ptr, stride_data,
+                        scale_ptr, stride_scale, K, status_ptr, status_code, layer_id, FMT, BLOCKS, HW_CVT, STATUS)
+    else:
+        pieces = tl.cdiv(K // 32, BLOCKS)
+        c, total = live_pairs_total(live_ptr, n_seg, seg_rows, 1, N_SEG)
+        for u in range(tl.program_id(0), total * pieces, tl.num_programs(0)):
+            row = tl.sum(live_to_index(u // pieces + tl.zeros([1], tl.int32), c, seg_rows, N_SEG), 0)
+            _quantize_piece(row, u % pieces, x_ptr, stride_x, data_ptr, stride_data, scale_ptr, stride_scale, K,
+                            status_ptr, status_code, layer_id, FMT, BLOCKS, HW_CVT, STATUS)
+
+
+@triton.jit
+def _quantize_piece(row, piece, x_ptr, stride_x, data_ptr, stride_data, scale_ptr, stride_scale, K, status_ptr,
+                    status_code, layer_id, FMT: tl.constexpr, BLOCKS: tl.constexpr, HW_CVT: tl.constexpr,
+                    STATUS: tl.constexpr):
+    blk = piece * BLOCKS + tl.arange(0, BLOCKS)
     col = tl.arange(0, 32)
     nblk = K // 32
     bmask = blk < nblk
@@ -96,27 +115,40 @@ def _check_rows(x: torch.Tensor, fmt: str, name: str) -> None:
         raise ValueError(f"{name}: rows must be contiguous along K (stride(1) == 1), got strides {x.stride()}")
 
 
-def _launch(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch.Tensor, status: tuple | None = None) -> None:
+def _launch(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch.Tensor, status: tuple | None = None,
+            live=None, programs: int | None = None) -> None:
     """``status``: (int64 status word, code, layer id) to record the first row holding NaN / Inf
-    (layer/device/status.py); None: no report (the NaN scale alone marks such blocks)."""
+    (layer/device/status.py); None: no report (the NaN scale alone marks such blocks). ``live``
+    (LiveRows over the rows of ``x``): only those rows, by a fixed grid of ``programs``."""
     n, k = x.shape
     if n == 0:
         return
     word, code, layer = status if status is not None else (scales, 0, 0)
-    grid = (n, triton.cdiv(k // MX_BLOCK, BLOCKS_PER_PROGRAM))
+    pieces = triton.cdiv(k // MX_BLOCK, BLOCKS_PER_PROGRAM)
+    walk = {} if live is None else dict(live_ptr=live.counts, n_seg=live.segments, seg_rows=live.seg_rows, PERSIST=True,
+                                        N_SEG=triton.next_power_of_2(live.segments))
+    grid = (n, pieces) if live is None else (max(1, min(n * pieces, programs or n * pieces)),)
     _quantize_rows_kernel[grid](
         x, x.stride(0), data, data.stride(0), scales, scales.stride(0), k, word, code, layer,
-        FMT=fmt, BLOCKS=BLOCKS_PER_PROGRAM, HW_CVT=x.is_cuda and not interpreting(), STATUS=status is not None,
+        FMT=fmt, BLOCKS=BLOCKS_PER_PROGRAM, HW_CVT=x.is_cuda and not interpreting(), STATUS=status is not None, **walk,
     )
 
 
-def quantize_rows(x: torch.Tensor, fmt: str, name: str = "x") -> MXTensor:
-    """[N, K] -> MXTensor(data [N, K] or [N, K // 2], scales [N, K // 32]); equals formats.quantize_mx."""
+def quantize_rows(x: torch.Tensor, fmt: str, name: str = "x", out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  live=None, programs: int | None = None) -> MXTensor:
+    """[N, K] -> MXTensor(data [N, K] or [N, K // 2], scales [N, K // 32]); equals formats.quantize_mx.
+
+    ``out``: the (data, scales) buffers to write (e.g. experts/scratch.py's), else fresh ones.
+    ``live`` (experts/live.py LiveRows over the N rows): quantise the live rows only, by a fixed
+    grid of ``programs`` (a region sized by capacity costs its live rows); the others stay as they were."""
     _check_rows(x, fmt, name)
     n, k = x.shape
-    data = torch.empty(n, k if fmt == "fp8" else k // 2, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(n, k // MX_BLOCK, dtype=torch.uint8, device=x.device)
-    _launch(x, fmt, data, scales)
+    if out is None:
+        data = torch.empty(n, k if fmt == "fp8" else k // 2, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(n, k // MX_BLOCK, dtype=torch.uint8, device=x.device)
+    else:
+        data, scales = out
+    _launch(x, fmt, data, scales, live=live, programs=programs)
     return MXTensor(data=data, scales=scales, fmt=fmt)
 
 

@@ -13,6 +13,8 @@ transport/cache.py), one after the other on the stream, so 61 layers cost one se
   pair_weight  fp32  [MTPR * k]               its route weight (0 where slot is -1)
   combine_rows uint8 [MTPR * k, combine row]  what GEMM2's epilogue writes, one row per pair
   status       InputStatus                    data checks reported without a host sync
+  scratch      ExpertsScratch                 the experts' intermediates (experts/scratch.py), sized
+                                              at capacity by the first forward, then reused
 
 ``P2PWorkspace`` is the same for ep_size > 1 (layer/device/p2p.py): the token rows travel into the
 owners' arenas (transport/peer_arena.py), the combine rows come back into this rank's.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ...experts.scratch import ExpertsScratch
 from ...formats import dispatch_wire
 from ...plan import LayerPlan
 from .status import InputStatus
@@ -35,6 +38,8 @@ class _Workspace:
         self.mtpr, self.topk, self.hidden = plan.mtpr, plan.topk, plan.hidden
         self.layer_names: dict[int, str] = {}
         self.broken: str | None = None  # P2P only: the message once a peer timed out (the group cannot go on)
+        # the experts' intermediates (layout, A re-scaled, A2), allocated at capacity by the first forward
+        self.scratch = ExpertsScratch(self.device)
 
     def _make_status(self, plan: LayerPlan, rank: int = 0, timeout_s: float | None = None) -> InputStatus:
         """The status word, naming this workspace's layers; on CUDA the process's watchdog polls it
@@ -70,7 +75,7 @@ class DeviceWorkspace(_Workspace):
     @property
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in
-                   (self.token_rows, self.pair_row, self.pair_slot, self.pair_weight, self.combine_rows))
+                   (self.token_rows, self.pair_row, self.pair_slot, self.pair_weight, self.combine_rows)) + self.scratch.bytes
 
 
 class P2PWorkspace(_Workspace):
@@ -116,4 +121,5 @@ class P2PWorkspace(_Workspace):
 
     @property
     def bytes(self) -> int:
-        return self.layout.total + sum(t.numel() * t.element_size() for t in (self.pair_row, self.pair_live))
+        return (self.layout.total + sum(t.numel() * t.element_size() for t in (self.pair_row, self.pair_live))
+                + self.scratch.bytes)

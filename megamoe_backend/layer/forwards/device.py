@@ -88,7 +88,8 @@ class DeviceForward(WorkspaceForward):
                                     status=(ws.status.word, NONFINITE_INPUT, self.status_index))
             rows_a = dispatch_wire(a_fmt).view(rows, hidden)
         pairs = ExpertPairs(row=ws.pair_row[:n], slot=pair_slot, weight=pair_weight)
-        wire_rows = self.provider.forward_wire(rows_a, pairs, self.weights, plan.math, plan.combine, out=ws.combine_rows[:n])
+        wire_rows = self.provider.forward_wire(rows_a, pairs, self.weights, plan.math, plan.combine, out=ws.combine_rows[:n],
+                                             scratch=ws.scratch)
         topk_sum(wire_rows, pair_slot, out, plan.combine.mx, hidden, k, ws.status.word, self.status_index, output_scale)
         ws.status.publish()
         return out

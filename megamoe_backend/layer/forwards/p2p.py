@@ -83,7 +83,8 @@ class P2PForward(WorkspaceForward):
         # GEMM2 writes each received pair's row into its source rank's combine region
         dest = SegmentDest(ws.combine_base, rows * k, ws.layout.comb_bytes)
         self.provider.forward_wire(ws.wire.view(ws.recv_rows[:n_recv], hidden), pairs, self.weights, plan.math, plan.combine,
-                                   out=ws.arena.local, dest=dest, live=live)
+                                   out=ws.arena.local, dest=dest, live=live,
+                                   scratch=ws.scratch)
         yield "experts"
         yield from self._barrier(1, rows, split_barriers)
         if t:

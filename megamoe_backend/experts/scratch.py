@@ -1,0 +1,58 @@
+"""The experts' intermediate buffers, sized once and shared by the layers of one shape.
+
+Why: a forward of the Triton experts writes a dozen intermediates (the A operand re-scaled per
+received row, the expert layout, GEMM1's A2 and its row scales). Allocated per call they cost
+allocator work in every layer of every step, and under CUDA-graph capture each one is memory of the
+graph's pool. The device workspaces (layer/device/workspace.py) own one ``ExpertsScratch`` each, so
+the 61 layers of one shape reuse one set: a layer's forward finishes on the stream before the next
+layer's starts, and nothing here outlives a forward.
+
+``take`` hands out a view of a named buffer; the provider asks with ``reserve`` = the size at its
+capacity (MEGA_MAX_TOKENS_PER_RANK x top-k x ep_size pairs), so the first forward allocates every
+buffer at its largest and no later one allocates. A request beyond a buffer (a provider without a
+capacity, a custom tile config taller than the reserve assumed) replaces it with a larger one and
+keeps the old one alive in ``_outgrown``: a CUDA graph captured earlier still addresses it, and its
+replays must not land in memory handed to anyone else.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class ExpertsScratch:
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._buffers: dict[str, torch.Tensor] = {}  # name -> uint8 buffer
+        self._outgrown: list[torch.Tensor] = []  # replaced buffers a captured graph may still address
+        self.allocations = 0  # how many buffers were allocated (tests: a second forward adds none)
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, reserve: int = 0) -> torch.Tensor:
+        """A ``dtype`` tensor of ``shape`` over buffer ``name`` (contents undefined); the buffer holds at
+        least ``reserve`` elements of ``dtype`` (the size at capacity), allocated once."""
+        item = dtype.itemsize
+        numel = math.prod(shape)
+        need = max(numel, reserve) * item
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel * item:
+            if buf is not None:
+                self._outgrown.append(buf)
+            buf = torch.empty(-(-need // 16) * 16, dtype=torch.uint8, device=self.device)  # 16-byte multiple
+            self._buffers[name] = buf
+            self.allocations += 1
+        return buf[: numel * item].view(dtype).view(shape)
+
+    @property
+    def bytes(self) -> int:
+        return sum(b.numel() for b in self._buffers.values()) + sum(b.numel() for b in self._outgrown)
+
+
+def scratch_empty(scratch: ExpertsScratch | None, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device, reserve: int = 0) -> torch.Tensor:
+    """``scratch.take`` where the caller passed a scratch (the layer's forwards), else a fresh tensor
+    (direct use: benchmarks and tests of the experts alone)."""
+    if scratch is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return scratch.take(name, shape, dtype, reserve)
