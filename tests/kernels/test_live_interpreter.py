@@ -47,10 +47,12 @@ def _region(seg_rows, counts, e, g, k=K):
     return slot, live
 
 
-@pytest.mark.parametrize("counts", [(3, 0, 5), (0, 0, 0), (7, 7, 7), (1, 6, 2)])
-def test_layout_over_live_rows_places_the_live_heads_only(counts):
+# the last case: 2,520 live pairs = 20 chunks, which the interpreter's 3 programs of each chunk kernel stride over
+@pytest.mark.parametrize("counts,seg_rows", [((3, 0, 5), 7), ((0, 0, 0), 7), ((7, 7, 7), 7), ((1, 6, 2), 7),
+                                             ((150, 0, 190, 80), 200)])
+def test_layout_over_live_rows_places_the_live_heads_only(counts, seg_rows):
     g = torch.Generator().manual_seed(sum(counts))
-    e, bm, seg_rows = 5, 4, 7
+    e, bm = 5, 4
     slot, live = _region(seg_rows, counts, e, g)
     row = torch.arange(slot.numel()) // K
     ref = build_layout_torch(torch.where(live, slot, -1), e, bm, row)  # stale pairs made "not here"

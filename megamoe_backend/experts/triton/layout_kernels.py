@@ -17,7 +17,9 @@ rank. Same result, bit for bit: the pairs of an expert keep their order (a stabl
    1024, benchmarks/results/h200_rows_ab.json).
 3. ``_scatter``: each pair's row = its expert's first row + pairs of that expert in earlier chunks +
    earlier pairs of that expert in its own chunk; it stores the pair and its received row there.
-Every size comes from P, E and BLOCK_M only (no host synchronisation; CUDA-graph capturable).
+Every size comes from P, E and BLOCK_M only (no host synchronisation; CUDA-graph capturable). Over
+live rows (experts/live.py) steps 1 and 3 run a fixed grid (LIVE_CHUNK_PROGRAMS) that walks only the
+chunks holding live pairs, and the -1 fill covers only the rows those pairs can reach.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .config import interpreting
+
 CHUNK = 128  # pairs per chunk: the in-chunk rank is a CHUNK x CHUNK comparison
+# programs of the chunk kernels over live rows (experts/live.py): one wave of an H200's 132 SMs twice over;
+# without it a region sized by capacity launched one program per chunk of the region (EP 8 at
+# MEGA_MAX_TOKENS_PER_RANK 8192: 3,072 programs, 15 us per _scatter for a decode step; issue 32)
+LIVE_CHUNK_PROGRAMS = 264
 
 
 @triton.jit
@@ -51,13 +59,13 @@ def live_to_index(i, c, seg_len, N_SEG: tl.constexpr):
 
 
 @triton.jit
-def _chunk_slots(slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row,
+def _chunk_slots(chunk, slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row,
                  E_PAD: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr):
-    """This chunk's pair indices and slots; past the pairs, and any slot outside [0, E), read as the
+    """Chunk ``chunk``'s pair indices and slots; past the pairs, and any slot outside [0, E), read as the
     spare last bin E_PAD - 1, which no tile uses (the layer validates slots first; this only keeps a
     bad slot from indexing out of bounds: such a pair gets no row). SEG: chunks walk the live pairs
     only (LiveRows), mapped to their index in the region."""
-    i = tl.program_id(0) * CH + tl.arange(0, CH)
+    i = chunk * CH + tl.arange(0, CH)
     if SEG:
         c, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
         live = i < total
@@ -73,12 +81,17 @@ def _chunk_slots(slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row,
 def _chunk_histogram(slot_ptr, P, E, hist_ptr, sorted_pair_ptr, sorted_row_ptr, rows, rows_per_program,
                      counts_ptr, n_seg, seg_rows, per_row, BM, num_tiles,
                      E_PAD: tl.constexpr, CH: tl.constexpr, FB: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr):
-    _, s = _chunk_slots(slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
-    tl.store(hist_ptr + tl.program_id(0) * E_PAD + tl.arange(0, E_PAD), tl.histogram(s, E_PAD))
-    if SEG:  # only the rows the live pairs can fill: ceil(live / BM) + E tiles at most
+    if SEG:  # a fixed grid over the chunks holding live pairs, and only the rows they can fill:
+        # ceil(live / BM) + E tiles at most (a region sized by capacity costs its live pairs)
         seg_live, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
+        for chunk in range(tl.program_id(0), tl.cdiv(total, CH), tl.num_programs(0)):
+            _, s = _chunk_slots(chunk, slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
+            tl.store(hist_ptr + chunk * E_PAD + tl.arange(0, E_PAD), tl.histogram(s, E_PAD))
         rows = tl.minimum(num_tiles, (total + BM - 1) // BM + E) * BM
         rows_per_program = tl.cdiv(rows, tl.num_programs(0))
+    else:  # one program per chunk of the pairs
+        _, s = _chunk_slots(tl.program_id(0), slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
+        tl.store(hist_ptr + tl.program_id(0) * E_PAD + tl.arange(0, E_PAD), tl.histogram(s, E_PAD))
     first = tl.program_id(0) * rows_per_program
     end = tl.minimum(first + rows_per_program, rows)
     for r0 in range(first, end, FB):
@@ -140,15 +153,27 @@ def _plan(
 def _scatter(slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr, sorted_row_ptr,
              counts_ptr, n_seg, seg_rows, per_row, live_tiles_ptr,
              E_PAD: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr):
-    if SEG:
-        if tl.load(live_tiles_ptr) == 0:  # nothing to place (no live pair, or another config runs)
-            return
-    i, s = _chunk_slots(slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
+    if SEG:  # a fixed grid over the chunks holding live pairs (_chunk_histogram)
+        if tl.load(live_tiles_ptr) > 0:  # else nothing to place (no live pair, or another config runs)
+            seg_live, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
+            for chunk in range(tl.program_id(0), tl.cdiv(total, CH), tl.num_programs(0)):
+                _scatter_chunk(chunk, slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr, sorted_row_ptr,
+                               counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
+    else:
+        _scatter_chunk(tl.program_id(0), slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr,
+                       sorted_row_ptr, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
+
+
+@triton.jit
+def _scatter_chunk(chunk, slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr, sorted_row_ptr,
+                   counts_ptr, n_seg, seg_rows, per_row,
+                   E_PAD: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr):
+    i, s = _chunk_slots(chunk, slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
     j = tl.arange(0, CH)
     placed = s < E
     earlier = (s[:, None] == s[None, :]) & (j[None, :] < j[:, None])
     rank = tl.sum(earlier.to(tl.int32), 1)
-    row = tl.load(base_ptr + tl.program_id(0) * E_PAD + s, mask=placed, other=0) + rank
+    row = tl.load(base_ptr + chunk * E_PAD + s, mask=placed, other=0) + rank
     row += tl.load(first_row_ptr + s, mask=placed, other=0)
     tl.store(sorted_pair_ptr + row, i.to(tl.int32), mask=placed)
     tl.store(sorted_row_ptr + row, tl.load(row_ptr + i, mask=placed, other=0).to(tl.int32), mask=placed)
@@ -196,11 +221,14 @@ def build_layout_triton(
         n_recv = live.segments * live.seg_rows
         seg = dict(counts_ptr=live.counts, n_seg=live.segments, seg_rows=live.seg_rows, per_row=p // n_recv, SEG=True,
                    N_SEG=triton.next_power_of_2(live.segments))
-    _chunk_histogram[(nc,)](slot, p, num_experts, hist, sorted_pair, sorted_row, rows, triton.cdiv(rows, nc),
+    # live rows: the chunk kernels run a fixed grid that walks the chunks holding live pairs (a region
+    # of 65,536 rows x top-6 is 3,072 chunks, of which a decode step fills a few)
+    grid = nc if live is None else min(nc, 3 if interpreting() else LIVE_CHUNK_PROGRAMS)
+    _chunk_histogram[(grid,)](slot, p, num_experts, hist, sorted_pair, sorted_row, rows, triton.cdiv(rows, grid),
                             BM=block_m, num_tiles=num_tiles, E_PAD=e_pad, CH=CHUNK, FB=1024, **seg)
     _plan[(1,)](hist, base, first_row, tile_end, nc, num_experts, block_m, num_tiles, tile_expert, live_tiles,
                 active_lo=active[0], active_hi=active[1], E_PAD=e_pad, CB=max(1, min(64, 16384 // e_pad)), TB=1024,
                 LOG_E=e_pad.bit_length(), CH=CHUNK, ALL_TILES=all_tiles, num_warps=8, **seg)
-    _scatter[(nc,)](slot, row, p, num_experts, base, first_row, sorted_pair, sorted_row, live_tiles_ptr=live_tiles,
+    _scatter[(grid,)](slot, row, p, num_experts, base, first_row, sorted_pair, sorted_row, live_tiles_ptr=live_tiles,
                     E_PAD=e_pad, CH=CHUNK, **seg)
     return tile_expert, sorted_pair, sorted_row, live_tiles

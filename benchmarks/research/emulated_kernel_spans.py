@@ -1,0 +1,95 @@
+"""Where one emulated EP step goes, kernel by kernel: bound passed or not (issue 32's 1.2x target).
+
+Why: `bench layer --emulate` times each rank's steps with events; the experts half without a bound
+costs ~100 µs more than with it at 8 tokens per rank (EP 8), and events cannot say which launches
+that is. This captures the whole emulated step (every rank, in turn) in one CUDA graph, profiles a
+few replays and sums kernel time and the gaps before each kernel by kernel name, per rank (/ ep).
+
+    PYTHONPATH=. python3 benchmarks/research/emulated_kernel_spans.py --tokens 8 32 128 --json $OUT/spans.json
+
+DSV4-Pro shapes, 48 local experts (EP 8), A8W4 + fp8 wire, bf16 combine, uniform routing,
+MEGA_MAX_TOKENS_PER_RANK 8192; needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+
+
+def profile_step(emu, routes, bound, replays: int = 5) -> dict:
+    from megamoe_backend.bench.bench_experts import capture_graph
+
+    g = capture_graph(lambda: emu.forward(routes, bound))
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    per = emu.ep * replays
+    busy, gaps, count = defaultdict(float), defaultdict(float), defaultdict(int)
+    last_end = None
+    for e in evs:
+        name = e.name[:60]
+        busy[name] += e.time_range.elapsed_us()
+        count[name] += 1
+        if last_end is not None:
+            gaps[name] += max(0.0, e.time_range.start - last_end)
+        last_end = e.time_range.end
+    span = (evs[-1].time_range.end - evs[0].time_range.start) / per if evs else 0.0
+    kernels = {n: {"launches": count[n] / per, "busy_us": busy[n] / per, "gap_before_us": gaps[n] / per} for n in busy}
+    return {"span_us_per_rank": span, "busy_us_per_rank": sum(busy.values()) / per,
+            "gaps_us_per_rank": sum(gaps.values()) / per, "launches_per_rank": sum(count.values()) / per,
+            "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["busy_us"] - kv[1]["gap_before_us"]))}
+
+
+def main() -> int:
+    from megamoe_backend.bench.bench_experts import make_weights
+    from megamoe_backend.bench.bench_layer import SCHEMES
+    from megamoe_backend.bench.bench_layer_emulated import make_routes
+    from megamoe_backend.knobs import Knobs
+    from megamoe_backend.parallel.emulated_ep import EmulatedEP
+    from megamoe_backend.plan import build_plan
+    from megamoe_backend.spec import preset
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ep", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=48)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--json", default="emulated_kernel_spans.json")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    spec = preset("dsv4-pro").scaled(n_routed_experts=args.ep * args.experts)
+    weights = [make_weights(args.experts, spec.hidden_size, spec.moe_intermediate_size, device, 1 + r)[0]
+               for r in range(args.ep)]
+    knobs = Knobs(dispatch_wire=SCHEMES["a8w4"], combine_wire="bf16", max_tokens_per_rank=8192, transport="ipc")
+    plans = [build_plan(spec, knobs, r, args.ep, quant="a8w4", backends=("triton", "ipc")) for r in range(args.ep)]
+    emu = EmulatedEP(args.ep, plans.__getitem__, weights.__getitem__, device)
+    out = {"command": "PYTHONPATH=. python3 benchmarks/research/emulated_kernel_spans.py " + " ".join(
+        f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
+    for t in args.tokens:
+        routes = make_routes("uniform", [t] * args.ep, args.ep * args.experts, spec.num_experts_per_tok,
+                             spec.hidden_size, device, seed=t)
+        for bound in (t, None):
+            spans = profile_step(emu, routes, bound)
+            out["cases"].append({"tokens": t, "bounded": bound is not None, **spans})
+            print(f"T={t} bounded={bound is not None}: span {spans['span_us_per_rank']:.0f} busy "
+                  f"{spans['busy_us_per_rank']:.0f} gaps {spans['gaps_us_per_rank']:.0f} launches "
+                  f"{spans['launches_per_rank']:.0f}", flush=True)
+            for name, k in list(spans["kernels"].items())[:14]:
+                print(f"   {k['launches']:4.1f} x {name:60s} busy {k['busy_us']:7.1f} gap {k['gap_before_us']:6.1f}")
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
