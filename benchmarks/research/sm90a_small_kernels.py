@@ -1,0 +1,85 @@
+"""The EP forward's small kernels compiled for sm_90a without a GPU: dispatch (bf16 / fp8 / fp4 wire),
+the MX quantisation (per row piece, and over live rows), the layout's chunk kernels (pairs in order,
+and over live rows). Prints one JSON row per variant (registers, spilled bytes) and exits non-zero if
+any variant fails to compile.
+
+Why: the interpreter (CPU CI) runs these kernels' logic, not their compilation for the GPU; a kernel
+that the interpreter accepts and ptxas refuses would first fail on a serving GPU. The expert GEMMs
+have their own report (sass_report.py). Triton's own ptxas does the work, so no GPU is needed:
+
+    PYTHONPATH=. python3 benchmarks/research/sm90a_small_kernels.py --json small_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from sass_report import machine_code, registers_used
+
+
+def compile_for_sm90(fn, types: dict[str, str], const: dict, num_warps: int = 4):
+    """triton.compile of ``fn`` for sm_90a: ``types`` the non-constexpr arguments' types (default i32)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def variants():
+    """(name, kernel, argument types, constexprs, num_warps) of every launch the EP forward makes here."""
+    from megamoe_backend.experts.triton.layout_kernels import CHUNK, _chunk_histogram, _scatter
+    from megamoe_backend.experts.triton.quant import BLOCKS_PER_PROGRAM, _quantize_rows_kernel
+    from megamoe_backend.layer.device.p2p import BLOCKS, _dispatch_kernel
+
+    dispatch_types = {"x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "owner_ptr": "*i64", "slot_ptr": "*i64",
+                      "arena_u8": "*u8", "arena_i16": "*i16", "arena_i64": "*i64", "arena_f32": "*fp32",
+                      "peer_off_ptr": "*i64", "rows_b": "i64", "pair_live_ptr": "*i64", "status_ptr": "*i64"}
+    for fmt in ("bf16", "fp8", "fp4"):
+        yield (f"dispatch {fmt}", _dispatch_kernel, dispatch_types,
+               dict(H=7168, K=6, K_PAD=8, FMT=fmt, BLOCKS=BLOCKS, HW_CVT=True), 4)
+    quant_types = {"x_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*u8", "status_ptr": "*i64", "live_ptr": "*i64"}
+    for fmt in ("fp8", "fp4"):
+        for persist in (False, True):
+            yield (f"quantize {fmt}{' live rows' if persist else ''}", _quantize_rows_kernel, quant_types,
+                   dict(FMT=fmt, BLOCKS=BLOCKS_PER_PROGRAM, HW_CVT=True, STATUS=not persist, PERSIST=persist, N_SEG=8), 4)
+    for seg in (False, True):
+        counts = "*i64" if seg else "*i32"
+        yield (f"layout histogram{' live rows' if seg else ''}", _chunk_histogram,
+               {"slot_ptr": "*i64", "hist_ptr": "*i32", "sorted_pair_ptr": "*i32", "sorted_row_ptr": "*i32",
+                "counts_ptr": counts}, dict(E_PAD=64, CH=CHUNK, FB=1024, SEG=seg, N_SEG=8), 4)
+        yield (f"layout scatter{' live rows' if seg else ''}", _scatter,
+               {"slot_ptr": "*i64", "row_ptr": "*i64", "base_ptr": "*i32", "first_row_ptr": "*i32",
+                "sorted_pair_ptr": "*i32", "sorted_row_ptr": "*i32", "counts_ptr": counts, "live_tiles_ptr": "*i32"},
+               dict(E_PAD=64, CH=CHUNK, SEG=seg, N_SEG=8), 4)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default="small_kernels.json")
+    args = ap.parse_args()
+    rows, failed = [], 0
+    for name, fn, types, const, warps in variants():
+        try:
+            k = compile_for_sm90(fn, types, const, warps)
+            _, info = machine_code(k)
+            spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", info)]
+            rows.append({"kernel": name, "registers": registers_used(info), "spill_bytes": sum(spills),
+                         "cubin_bytes": len(k.asm["cubin"])})
+        except Exception as exc:  # noqa: BLE001 - report every variant, fail at the end
+            failed += 1
+            rows.append({"kernel": name, "error": f"{type(exc).__name__}: {str(exc)[:800]}"})
+        print(json.dumps(rows[-1]), flush=True)
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
