@@ -21,18 +21,15 @@ import torch
 
 
 def profile_step(emu, routes, bound, replays: int = 5) -> dict:
+    from graph_replay_spans import profiled_kernels
+
     from megamoe_backend.bench.bench_experts import capture_graph
 
     g = capture_graph(lambda: emu.forward(routes, bound))
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            g.replay()
-        torch.cuda.synchronize()
-    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)
+    evs = profiled_kernels(g, replays)
     per = emu.ep * replays
     busy, gaps, count = defaultdict(float), defaultdict(float), defaultdict(int)
     last_end = None

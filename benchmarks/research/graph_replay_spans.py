@@ -29,15 +29,20 @@ def _mark(f, what: str) -> None:
     f.flush()
 
 
-def _profiled_replays(g, n: int) -> tuple[list[dict], list[float]]:
-    """Per replay: span, busy (sum of kernel times), kernels and the gaps before each; and the gaps
-    between replays. Replays are split at each recurrence of the first kernel's name."""
+def profiled_kernels(g, n: int) -> list:
+    """The CUDA events (kernels, copies) of ``n`` replays of graph ``g`` under the torch profiler, by start."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             g.replay()
         torch.cuda.synchronize()
-    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def _profiled_replays(g, n: int) -> tuple[list[dict], list[float]]:
+    """Per replay: span, busy (sum of kernel times), kernels and the gaps before each; and the gaps
+    between replays. Replays are split at each recurrence of the first kernel's name."""
+    evs = profiled_kernels(g, n)
     replays, cur = [], []
     for ev in evs:
         if ev.name == evs[0].name and cur:

@@ -44,10 +44,6 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
     K: 7168 for GEMM1, 3072 for GEMM2; divisibility 16 hints). out_fmt: what GEMM2 stores ("f32", or
     the combine wire "bf16" (the layer's default) / "fp8"); dest: GEMM2's DEST mode (0 pair order, 1 a
     table, 2 a base per segment); persist: the persistent launch over live tiles (experts/live.py)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from megamoe_backend.experts.triton.config import reduction_block
     from megamoe_backend.experts.triton.gemm1 import gemm1_swiglu_kernel
     from megamoe_backend.experts.triton.gemm2 import gemm2_weighted_kernel
@@ -77,13 +73,24 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
                      DEST=int(dest), PERSIST=persist)
         sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "N"}
-    names = fn.arg_names
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible or n.startswith("stride")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()}, attrs=attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     cap = cfg.launch_registers(tile_pass, persist)  # the provider's launch cap (Triton's maxnreg)
     if cap:
         options["maxnreg"] = cap
+    divisible |= {n for n in fn.arg_names if n.startswith("stride")}
+    return compile_for_sm90(fn, sig, const, options, divisible)
+
+
+def compile_for_sm90(fn, sig: dict[str, str], const: dict, options: dict, divisible=frozenset()):
+    """triton.compile of ``fn`` for sm_90a: ``sig`` every argument's type ("constexpr" for those in
+    ``const``), ``divisible`` the arguments given a divisibility-16 hint, as launches on aligned tensors get."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

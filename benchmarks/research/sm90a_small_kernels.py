@@ -17,23 +17,11 @@ import json
 import re
 import sys
 
-from sass_report import machine_code, registers_used
-
-
-def compile_for_sm90(fn, types: dict[str, str], const: dict, num_warps: int = 4):
-    """triton.compile of ``fn`` for sm_90a: ``types`` the non-constexpr arguments' types (default i32)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = fn.arg_names
-    sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+from sass_report import compile_for_sm90, machine_code, registers_used
 
 
 def variants():
-    """(name, kernel, argument types, constexprs, num_warps) of every launch the EP forward makes here."""
+    """(name, kernel, argument types (default i32), constexprs, num_warps) of every launch the EP forward makes here."""
     from megamoe_backend.experts.triton.layout_kernels import CHUNK, _chunk_histogram, _scatter
     from megamoe_backend.experts.triton.quant import BLOCKS_PER_PROGRAM, _quantize_rows_kernel
     from megamoe_backend.layer.device.p2p import BLOCKS, _dispatch_kernel
@@ -67,7 +55,8 @@ def main() -> int:
     rows, failed = [], 0
     for name, fn, types, const, warps in variants():
         try:
-            k = compile_for_sm90(fn, types, const, warps)
+            sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
+            k = compile_for_sm90(fn, sig, const, {"num_warps": warps})
             _, info = machine_code(k)
             spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", info)]
             rows.append({"kernel": name, "registers": registers_used(info), "spill_bytes": sum(spills),

@@ -220,7 +220,8 @@ class TritonExperts(ExpertsProvider):
         n_recv = x.data.shape[0] if isinstance(x, MXTensor) else x.shape[0]
         # sizes at capacity (experts/scratch.py reserves them once): pairs, and received rows (pairs per row fixed)
         p_cap = max(p, self.capacity or 0)
-        recv_cap = max(n_recv, p_cap // max(1, p // max(1, n_recv)))
+        per_row = p // n_recv if p and n_recv else 0  # k in the layer's forwards; 0: no pairs to size rows by
+        recv_cap = max(n_recv, p_cap // per_row) if per_row else n_recv
 
         def buf(name, shape, dtype, rows_cap):
             return scratch_empty(scratch, name, shape, dtype, device, rows_cap * math_prod(shape[1:]))
