@@ -1,0 +1,86 @@
+"""Why the EP forward without a bound is slower at prefill sizes: scheduling of the persistent grid, or its code?
+
+Why: `bench layer --emulate` (tree fab60c7) has the unbounded forward at 1.25-1.35x the bounded one
+for EP 2 / 8192 tokens and 1.2-1.3x for EP 8 / 2048 tokens, where the live rows fill (or nearly fill)
+the region, so both run the same tile config on about the same tiles. The difference left is the
+GEMM launch: the bounded forward runs one program per tile (the hardware hands out tiles in order),
+the unbounded one a fixed grid of about one resident wave whose programs stride over the live tiles
+(provider.persistent_grid, mainloop.persistent_items). This times one emulated step (every rank, in
+one CUDA graph, profiled per kernel as emulated_kernel_spans.py does) with the persistent grid at its
+default size, at 4x that size, and at the region's full tile count (one item per program: the
+persistent kernel with the bounded launch's scheduling). Same capacity (MTPR 8192) for all.
+
+    PYTHONPATH=.:benchmarks/research python3 benchmarks/research/persistent_grid_ab.py --json $OUT/persistent_grid_ab.json
+
+DSV4-Pro shapes, A8W4 + fp8 wire, bf16 combine, uniform routing; needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+VARIANTS = ("bounded", "persistent x1", "persistent x4", "persistent, region grid")
+
+
+def main() -> int:
+    from emulated_kernel_spans import profile_step
+
+    from megamoe_backend.bench.bench_experts import make_weights
+    from megamoe_backend.bench.bench_layer import SCHEMES
+    from megamoe_backend.bench.bench_layer_emulated import make_routes
+    from megamoe_backend.experts.triton import provider
+    from megamoe_backend.knobs import Knobs
+    from megamoe_backend.parallel.emulated_ep import EmulatedEP
+    from megamoe_backend.plan import build_plan
+    from megamoe_backend.spec import preset
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["2x192x8192", "8x48x2048", "8x48x8"], help="EPxEXPERTSxTOKENS")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default="persistent_grid_ab.json")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    default_grid = provider.persistent_grid
+    out = {"command": "PYTHONPATH=.:benchmarks/research python3 benchmarks/research/persistent_grid_ab.py --cases "
+           + " ".join(args.cases) + f" --rounds {args.rounds}",
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": list(VARIANTS), "cases": []}
+    for case in args.cases:
+        ep, experts, tokens = (int(v) for v in case.split("x"))
+        spec = preset("dsv4-pro").scaled(n_routed_experts=ep * experts)
+        weights = [make_weights(experts, spec.hidden_size, spec.moe_intermediate_size, device, 1 + r)[0] for r in range(ep)]
+        knobs = Knobs(dispatch_wire=SCHEMES["a8w4"], combine_wire="bf16", max_tokens_per_rank=8192, transport="ipc")
+        plans = [build_plan(spec, knobs, r, ep, quant="a8w4", backends=("triton", "ipc")) for r in range(ep)]
+        emu = EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device)
+        routes = make_routes("uniform", [tokens] * ep, ep * experts, spec.num_experts_per_tok, spec.hidden_size, device,
+                             seed=tokens)
+        grids = {"persistent x1": default_grid,
+                 "persistent x4": lambda dev, cfg=None: 4 * default_grid(dev, cfg) if cfg is not None else default_grid(dev),
+                 "persistent, region grid": lambda dev, cfg=None: 2**31 - 1 if cfg is not None else default_grid(dev)}
+        rows = {v: [] for v in VARIANTS}
+        try:
+            for _ in range(args.rounds):
+                for v in VARIANTS:
+                    provider.persistent_grid = grids.get(v, default_grid)
+                    spans = profile_step(emu, routes, tokens if v == "bounded" else None)
+                    gemm = {k: s for k, s in spans["kernels"].items() if "gemm" in k}
+                    rows[v].append({"span_us_per_rank": spans["span_us_per_rank"], "gemm_kernels": gemm})
+                    print(f"{case} {v:24s} span {spans['span_us_per_rank']:8.1f} us/rank  "
+                          + "  ".join(f"{k.split('_kernel')[0]} {s['busy_us']:.1f}" for k, s in gemm.items()), flush=True)
+        finally:
+            provider.persistent_grid = default_grid
+        best = {v: min(r["span_us_per_rank"] for r in rows[v]) for v in VARIANTS}
+        out["cases"].append({"ep": ep, "experts": experts, "tokens": tokens, "rounds": rows, "best_span_us_per_rank": best,
+                             "over_bounded": {v: best[v] / best["bounded"] for v in VARIANTS}})
+        print(json.dumps({"case": case, "over_bounded": out["cases"][-1]["over_bounded"]}), flush=True)
+        del emu, weights
+        torch.cuda.empty_cache()
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
