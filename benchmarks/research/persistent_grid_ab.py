@@ -4,8 +4,9 @@ Why: `bench layer --emulate` (tree fab60c7) has the unbounded forward at 1.25-1.
 for EP 2 / 8192 tokens and 1.2-1.3x for EP 8 / 2048 tokens, where the live rows fill (or nearly fill)
 the region, so both run the same tile config on about the same tiles. The difference left is the
 GEMM launch: the bounded forward runs one program per tile (the hardware hands out tiles in order),
-the unbounded one a fixed grid of about one resident wave whose programs stride over the live tiles
-(provider.persistent_grid, mainloop.persistent_items). This times one emulated step (every rank, in
+the unbounded one a fixed grid of about one resident wave whose programs walk the live tiles
+(provider.persistent_grid, mainloop.persistent_items: a static stride up to tree bbcdfcf, claimed in
+order from a shared counter since). This times one emulated step (every rank, in
 one CUDA graph, profiled per kernel as emulated_kernel_spans.py does) with the persistent grid at its
 default size, at 4x that size, and at the region's full tile count (one item per program: the
 persistent kernel with the bounded launch's scheduling). Same capacity (MTPR 8192) for all.

@@ -54,7 +54,7 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
     rows = {"wrs_ptr": "*fp32", "ars_ptr": "*fp32"}
     if which == "gemm1":
         fn, k = gemm1_swiglu_kernel, HIDDEN
-        ptrs = {"tile_expert_ptr": "*i32", "sorted_row_ptr": "*i32", "live_tiles_ptr": "*i32", "a_ptr": a_ty,
+        ptrs = {"tile_expert_ptr": "*i32", "sorted_row_ptr": "*i32", "live_tiles_ptr": "*i32", "claim_ptr": "*i32", "a_ptr": a_ty,
                 "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "o_ptr": o_ty, "os_ptr": "*u8", **rows}
         const = dict(W_FMT="mxfp4", A_FMT=a_fmt, PLAIN=False, HAS_LIMIT=True, DECODE=decoder, USE_ASM=True,
                      BN=cfg.block_n1, BM=cfg.block_m, BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m,
@@ -65,7 +65,7 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
     else:
         fn, k = gemm2_weighted_kernel, INTER
         out_ty = {"f32": "*fp32", "bf16": "*bf16", "fp8": "*u8"}[out_fmt]
-        ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "live_tiles_ptr": "*i32", "route_w_ptr": "*fp32", "a_ptr": a_ty,
+        ptrs = {"tile_expert_ptr": "*i32", "sorted_pair_ptr": "*i32", "live_tiles_ptr": "*i32", "claim_ptr": "*i32", "route_w_ptr": "*fp32", "a_ptr": a_ty,
                 "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": out_ty, "dest_ptr": "*i64", **rows}
         const = dict(W_FMT="mxfp4", A_FMT="fp8" if decoder == "frag8" else "bf16", DECODE=decoder, USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
                      BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False, TAIL_M=cfg.tail_m, PASS=tile_pass,

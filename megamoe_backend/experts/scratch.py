@@ -44,9 +44,28 @@ class ExpertsScratch:
             self.allocations += 1
         return buf[: numel * item].view(dtype).view(shape)
 
+    def counters(self, name: str, count: int) -> torch.Tensor:
+        """``count`` int32 counters that keep their values between forwards: zero when allocated, and
+        the kernels that use them leave them zero (the persistent GEMMs' item claims, mainloop.py)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < count * 4:
+            if buf is not None:
+                self._outgrown.append(buf)
+            buf = torch.zeros(-(-count * 4 // 16) * 16, dtype=torch.uint8, device=self.device)
+            self._buffers[name] = buf
+            self.allocations += 1
+        return buf[: count * 4].view(torch.int32)
+
     @property
     def bytes(self) -> int:
         return sum(b.numel() for b in self._buffers.values()) + sum(b.numel() for b in self._outgrown)
+
+
+def scratch_counters(scratch: ExpertsScratch | None, name: str, count: int, device: torch.device) -> torch.Tensor:
+    """``scratch.counters`` where the caller passed a scratch, else fresh zeroed counters."""
+    if scratch is None:
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    return scratch.counters(name, count)
 
 
 def scratch_empty(scratch: ExpertsScratch | None, name: str, shape: tuple[int, ...], dtype: torch.dtype,

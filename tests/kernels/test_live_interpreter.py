@@ -140,6 +140,35 @@ def test_the_tile_config_is_picked_on_the_device_without_a_bound(monkeypatch):
         assert torch.equal(out[ran], plain[ran]), counts
 
 
+def test_persistent_gemms_claim_every_tile_once_and_leave_the_counters_zero():
+    """Without a bound the GEMMs run persistent grids (3 programs under the interpreter) that claim
+    the live tiles from one counter pair in the scratch: every launch must leave it zero, or the next
+    launch (the other GEMM, another candidate, the next forward) would start past its tiles and leave
+    rows unwritten. Several forwards through one scratch equal the plain forward each time."""
+    from megamoe_backend.experts.scratch import ExpertsScratch
+
+    g = torch.Generator().manual_seed(5)
+    seg_rows = 8
+    problem, rows = _a8w4_rows(2 * seg_rows, seed=11)
+    plan = build_plan(SPEC, Knobs(dispatch_wire="fp8"), quant="a8w4")
+    provider = TritonExperts()
+    weights = provider.prepare_weights(problem.expert_weights("a8w4"), plan.math)
+    scratch = ExpertsScratch("cpu")
+    for counts in ((8, 7), (2, 0), (8, 8)):
+        slot, live = _region(seg_rows, counts, SPEC.n_routed_experts, g)
+        p = slot.numel()
+        pairs = ExpertPairs(row=torch.arange(p) // K, slot=slot, weight=torch.rand(p, generator=g))
+        plain = provider.forward_wire(rows, ExpertPairs(pairs.row, torch.where(live, slot, -1), pairs.weight), weights,
+                                      plan.math, plan.combine)
+        out = torch.full_like(plain, 0xAB)
+        provider.forward_wire(rows, pairs, weights, plan.math, plan.combine, out=out, scratch=scratch,
+                              dest=SegmentDest(torch.tensor([0, seg_rows * K * plain.shape[1]]), seg_rows * K, plain.shape[1]),
+                              live=LiveRows(torch.tensor(counts), seg_rows))
+        ran = live & (slot >= 0)
+        assert torch.equal(out[ran], plain[ran]), counts
+        assert scratch.counters("gemm_claims", 2).tolist() == [0, 0], counts
+
+
 # ------------------------------------------------------------------------------ emulated EP
 def _emulated(world, quant, wire, combine, tokens, mtpr):
     problem = make_problem(ProblemConfig(SPEC, max(tokens), world, seed=3, masked_fraction=0.2))

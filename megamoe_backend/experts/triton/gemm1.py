@@ -13,14 +13,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import assume_k_loop_runs, claim_tile, frag_tile_mainloop, mx_mainloop, persistent_items
+from .mainloop import (assume_k_loop_runs, claim_tile, frag_tile_mainloop, mx_mainloop, next_item, persistent_items,
+                       release_claims)
 from .mxjit import fake_quant_blocks, round_bf16
 from .quant import quantize_blocks
 
 
 @triton.jit
 def gemm1_swiglu_kernel(
-    tile_expert_ptr, sorted_row_ptr, num_m_tiles, live_tiles_ptr,
+    tile_expert_ptr, sorted_row_ptr, num_m_tiles, live_tiles_ptr, claim_ptr,
     a_ptr, stride_am, as_ptr, stride_asm,
     w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr,
     o_ptr, stride_om, os_ptr, stride_osm,
@@ -30,13 +31,13 @@ def gemm1_swiglu_kernel(
     GROUP_M: tl.constexpr, F32_DOT: tl.constexpr, BK2: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr,
     TAIL_RIDE: tl.constexpr, W_FULL: tl.constexpr, PERSIST: tl.constexpr = False,
 ):
-    """One tile per program, or PERSIST: a fixed grid striding over the live tiles (live_tiles_ptr)."""
+    """One tile per program, or PERSIST: a fixed grid claiming the live tiles (live_tiles_ptr) in order (claim_ptr)."""
     assume_k_loop_runs(K, BK)
     BM_RUN: tl.constexpr = TAIL_M if PASS == "short" else BM  # the short launch runs its tiles' first TAIL_M rows
     RIDE: tl.constexpr = TAIL_M if PASS == "ride" else 0  # rows of the next (short) tile run in this tile's loop
     if PERSIST:
-        first, end, step, m_tiles = persistent_items(live_tiles_ptr, tl.cdiv(2 * I, BN))
-        for item in range(first, end, step):
+        item, end, m_tiles = persistent_items(live_tiles_ptr, tl.cdiv(2 * I, BN), claim_ptr)
+        while item < end:
             expert, row0, pid_n, mine = claim_tile(item, tile_expert_ptr, sorted_row_ptr, m_tiles, tl.cdiv(2 * I, BN),
                                                    GROUP_M, BM, TAIL_M, PASS, TAIL_RIDE)
             if mine:
@@ -46,6 +47,8 @@ def gemm1_swiglu_kernel(
                     o_ptr, stride_om, os_ptr, stride_osm, K, I, limit,
                     W_FMT, A_FMT, PLAIN, HAS_LIMIT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, BK2, RIDE, W_FULL,
                 )
+            item = next_item(claim_ptr)
+        release_claims(claim_ptr)
     else:
         expert, row0, pid_n, mine = claim_tile(tl.program_id(0), tile_expert_ptr, sorted_row_ptr, num_m_tiles,
                                                tl.cdiv(2 * I, BN), GROUP_M, BM, TAIL_M, PASS, TAIL_RIDE)

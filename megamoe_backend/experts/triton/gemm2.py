@@ -15,14 +15,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import assume_k_loop_runs, claim_tile, frag_tile_mainloop, mx_mainloop, persistent_items
+from .mainloop import (assume_k_loop_runs, claim_tile, frag_tile_mainloop, mx_mainloop, next_item, persistent_items,
+                       release_claims)
 from .mxjit import round_bf16
 from .quant import quantize_blocks
 
 
 @triton.jit
 def gemm2_weighted_kernel(
-    tile_expert_ptr, sorted_pair_ptr, route_w_ptr, num_m_tiles, live_tiles_ptr,
+    tile_expert_ptr, sorted_pair_ptr, route_w_ptr, num_m_tiles, live_tiles_ptr, claim_ptr,
     a_ptr, stride_am, as_ptr, stride_asm,
     w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr,
     out_ptr, stride_om, dest_ptr, seg_pairs, seg_row_bytes,
@@ -32,14 +33,14 @@ def gemm2_weighted_kernel(
     F32_DOT: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr, TAIL_RIDE: tl.constexpr, OUT_FMT: tl.constexpr,
     W_FULL: tl.constexpr, DEST: tl.constexpr = 0, PERSIST: tl.constexpr = False,
 ):
-    """One tile per program, or PERSIST: a fixed grid striding over the live tiles (live_tiles_ptr).
+    """One tile per program, or PERSIST: a fixed grid claiming the live tiles (live_tiles_ptr) in order (claim_ptr).
     DEST: 0 rows at their pair index, 1 a destination table, 2 a destination per segment (_row_offsets)."""
     assume_k_loop_runs(K, BK)
     BM_RUN: tl.constexpr = TAIL_M if PASS == "short" else BM  # the short launch runs its tiles' first TAIL_M rows
     RIDE: tl.constexpr = TAIL_M if PASS == "ride" else 0  # rows of the next (short) tile run in this tile's loop
     if PERSIST:
-        first, end, step, m_tiles = persistent_items(live_tiles_ptr, tl.cdiv(N, BN))
-        for item in range(first, end, step):
+        item, end, m_tiles = persistent_items(live_tiles_ptr, tl.cdiv(N, BN), claim_ptr)
+        while item < end:
             expert, row0, pid_n, mine = claim_tile(item, tile_expert_ptr, sorted_pair_ptr, m_tiles, tl.cdiv(N, BN), GROUP_M,
                                                    BM, TAIL_M, PASS, TAIL_RIDE)
             if mine:
@@ -49,6 +50,8 @@ def gemm2_weighted_kernel(
                     stride_om, dest_ptr, seg_pairs, seg_row_bytes, K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK,
                     F32_DOT, RIDE, OUT_FMT, W_FULL, DEST,
                 )
+            item = next_item(claim_ptr)
+        release_claims(claim_ptr)
     else:
         expert, row0, pid_n, mine = claim_tile(tl.program_id(0), tile_expert_ptr, sorted_pair_ptr, num_m_tiles,
                                                tl.cdiv(N, BN), GROUP_M, BM, TAIL_M, PASS, TAIL_RIDE)

@@ -197,12 +197,35 @@ def claim_tile(pid, tile_expert_ptr, sorted_ptr, num_m_tiles, num_n_tiles, GROUP
 
 
 @triton.jit
-def persistent_items(live_tiles_ptr, num_n_tiles):
-    """(first item, end, step) of this program's work in a persistent launch: the grid is fixed (a few
-    waves of the GPU, capturable) and its programs stride over live_tiles x num_n_tiles items, the
-    tile count the layout left on the device, so the launch costs the live tiles' work, not the grid's."""
+def persistent_items(live_tiles_ptr, num_n_tiles, claim_ptr):
+    """(first item, end, live M tiles) of this program's work in a persistent launch: the grid is fixed (a
+    few waves of the GPU, capturable) and its programs claim the live_tiles x num_n_tiles items, the tile
+    count the layout left on the device, so the launch costs the live tiles' work, not the grid's.
+
+    Items are claimed in order from a counter the launch shares (next_item), not strided statically:
+    with a fixed stride the programs drift apart, the items in flight spread over the whole range and
+    the M tiles of an expert group no longer meet their weight and A tiles in L2 (H200, EP 2 / 8192
+    tokens without a bound: GEMM1 +30 %, benchmarks/results/h200_persistent_grid_ab.json). Claimed in
+    order they stay one window, as the hardware hands out the programs of a plain grid."""
     m_tiles = tl.load(live_tiles_ptr)
-    return tl.program_id(0), m_tiles * num_n_tiles, tl.num_programs(0), m_tiles
+    return next_item(claim_ptr), m_tiles * num_n_tiles, m_tiles
+
+
+@triton.jit
+def next_item(claim_ptr):
+    """The next unclaimed item of this launch (one relaxed atomic per item, its result shared by the program)."""
+    return tl.atomic_add(claim_ptr, 1, sem="relaxed")
+
+
+@triton.jit
+def release_claims(claim_ptr):
+    """After a program's last claim: the last program of the launch zeroes the counters (the item
+    counter and this arrival count) for the next persistent launch, which stream order starts after
+    this one; acq_rel orders each program's claims before its arrival."""
+    arrived = tl.atomic_add(claim_ptr + 1, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        tl.store(claim_ptr, 0)
+        tl.store(claim_ptr + 1, 0)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ from ...formats.wire import WireFormat
 from ..base import Activations, ExpertMath, ExpertPairs, ExpertsProvider
 from ..fragments import FP8_K
 from ..live import LiveRows, SegmentDest
-from ..scratch import ExpertsScratch, scratch_empty
+from ..scratch import ExpertsScratch, scratch_counters, scratch_empty
 from ..weights import FRAGMENT_STORAGE, ExpertWeights
 from . import triton_available
 from .config import TileConfig, _table, default_config, interpreting, reduction_block
@@ -259,6 +259,9 @@ class TritonExperts(ExpertsProvider):
         # region is the capacity, so the GEMMs run persistent grids over the live tiles the layout counted
         persist = live is not None and live.config_pairs is None
         cap = persistent_grid(device) if live is not None else None
+        # the persistent GEMMs' shared item counter + arrival count (mainloop.persistent_items): one pair
+        # serves every launch, each leaves it zero for the next (stream order); unused by one-tile programs
+        claims = scratch_counters(scratch, "gemm_claims", 2, device) if persist else pairs.slot
         a_rs = w1_rs = w2_rs = pairs.weight  # row scales: frag8 only (the kernels ignore them otherwise)
         if mode == "frag8":
             _require_mx_activations(math)
@@ -316,7 +319,7 @@ class TritonExperts(ExpertsProvider):
                 cuda.gemm1(layout, a_data, a_rs, weights.w1, w1s, w1_rs, a2, a2_scale, hidden, inter, a_fmt, limit)
             for tile_pass in passes:
                 gemm1_swiglu_kernel[(_grid(layout.num_tiles * n1, gemm_cap),)](
-                    layout.tile_expert, layout.sorted_row, layout.num_tiles, live_tiles,
+                    layout.tile_expert, layout.sorted_row, layout.num_tiles, live_tiles, claims,
                     a_data, a_data.stride(0), a_scale, a_scale.stride(0),
                     weights.w1, weights.w1.stride(0), weights.w1.stride(1), w1s, w1s.stride(0), w1s.stride(1),
                     w1_rs, w1_rs.stride(0), a_rs,
@@ -349,7 +352,7 @@ class TritonExperts(ExpertsProvider):
                            out_fmt)
             for tile_pass in passes:
                 gemm2_weighted_kernel[(_grid(layout.num_tiles * n2, gemm_cap),)](
-                    layout.tile_expert, layout.sorted_pair, pairs.weight, layout.num_tiles, live_tiles,
+                    layout.tile_expert, layout.sorted_pair, pairs.weight, layout.num_tiles, live_tiles, claims,
                     a2_data, a2_data.stride(0), a2_s, a2_s.stride(0),
                     weights.w2, weights.w2.stride(0), weights.w2.stride(1), w2s, w2s.stride(0), w2s.stride(1),
                     w2_rs, w2_rs.stride(0), a2_rs,
