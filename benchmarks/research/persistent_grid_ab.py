@@ -8,8 +8,9 @@ the unbounded one a fixed grid of about one resident wave whose programs walk th
 (provider.persistent_grid, mainloop.persistent_items: a static stride up to tree bbcdfcf, claimed in
 order from a shared counter since). This times one emulated step (every rank, in
 one CUDA graph, profiled per kernel as emulated_kernel_spans.py does) with the persistent grid at its
-default size, at 4x that size, and at the region's full tile count (one item per program: the
-persistent kernel with the bounded launch's scheduling). Same capacity (MTPR 8192) for all.
+default size, at 4x that size, and at the region's full tile count (every candidate config's launch
+at the region's size, so mostly programs with no item: it prices those, not the scheduling). Same
+capacity (MTPR 8192) for all.
 
     PYTHONPATH=.:benchmarks/research python3 benchmarks/research/persistent_grid_ab.py --json $OUT/persistent_grid_ab.json
 
