@@ -112,49 +112,17 @@ def test_experts_over_live_rows_write_the_live_pairs_only(combine):
     assert (base[~written] == 0xAB).all()  # stale pairs (past a live head) and pairs not here: nothing written
 
 
-def test_the_tile_config_is_picked_on_the_device_without_a_bound(monkeypatch):
-    """Two candidate configs (decode-sized BM 16, region-sized BM 32): whichever the live pair count
-    picks, the rows are the plain forward's, bit for bit."""
-    small, big = INTERPRETER_CONFIG, INTERPRETER_CONFIG.with_(block_m=32, block_n1=128, block_n2=64)
-    monkeypatch.setattr(provider_module, "default_config", lambda p, e, mode="split": small if p <= 2 * e else big)
-    monkeypatch.setattr(provider_module, "_table", lambda mode: ((2.0, small), (float("inf"), big)))
-    assert provider_module.tile_candidates(None, 64, 8, "frag8", None) == ((small, (-1, 16)), (big, (16, 2**31 - 1)))
-    assert provider_module.tile_candidates(None, 64, 8, "frag8", 12) == ((small, (-1, 2**31 - 1)),)
-    g = torch.Generator().manual_seed(3)
+def _unbounded_forwards(counts_list, seed, scratch=None):
+    """For each live-row ``counts`` of a two-segment region (8 rows each): the forward over live rows
+    without a bound (candidate configs, persistent GEMMs) writes each live pair's row as the plain
+    forward does, bit for bit. Yields after each case, so a caller can look at the scratch."""
+    g = torch.Generator().manual_seed(seed)
     seg_rows = 8
-    problem, rows = _a8w4_rows(2 * seg_rows, seed=9)
+    problem, rows = _a8w4_rows(2 * seg_rows, seed=seed + 6)
     plan = build_plan(SPEC, Knobs(dispatch_wire="fp8"), quant="a8w4")
     provider = TritonExperts()
     weights = provider.prepare_weights(problem.expert_weights("a8w4"), plan.math)
-    for counts in ((1, 1), (8, 7)):  # 12 pairs at most (<= 16: small) / ~90 (big)
-        slot, live = _region(seg_rows, counts, SPEC.n_routed_experts, g)
-        p = slot.numel()
-        pairs = ExpertPairs(row=torch.arange(p) // K, slot=slot, weight=torch.rand(p, generator=g))
-        plain = provider.forward_wire(rows, ExpertPairs(pairs.row, torch.where(live, slot, -1), pairs.weight), weights,
-                                      plan.math, plan.combine)
-        out = torch.full_like(plain, 0xAB)
-        provider.forward_wire(rows, pairs, weights, plan.math, plan.combine, out=out,
-                              dest=SegmentDest(torch.tensor([0, seg_rows * K * plain.shape[1]]), seg_rows * K, plain.shape[1]),
-                              live=LiveRows(torch.tensor(counts), seg_rows))
-        ran = live & (slot >= 0)
-        assert torch.equal(out[ran], plain[ran]), counts
-
-
-def test_persistent_gemms_claim_every_tile_once_and_leave_the_counters_zero():
-    """Without a bound the GEMMs run persistent grids (3 programs under the interpreter) that claim
-    the live tiles from one counter pair in the scratch: every launch must leave it zero, or the next
-    launch (the other GEMM, another candidate, the next forward) would start past its tiles and leave
-    rows unwritten. Several forwards through one scratch equal the plain forward each time."""
-    from megamoe_backend.experts.scratch import ExpertsScratch
-
-    g = torch.Generator().manual_seed(5)
-    seg_rows = 8
-    problem, rows = _a8w4_rows(2 * seg_rows, seed=11)
-    plan = build_plan(SPEC, Knobs(dispatch_wire="fp8"), quant="a8w4")
-    provider = TritonExperts()
-    weights = provider.prepare_weights(problem.expert_weights("a8w4"), plan.math)
-    scratch = ExpertsScratch("cpu")
-    for counts in ((8, 7), (2, 0), (8, 8)):
+    for counts in counts_list:
         slot, live = _region(seg_rows, counts, SPEC.n_routed_experts, g)
         p = slot.numel()
         pairs = ExpertPairs(row=torch.arange(p) // K, slot=slot, weight=torch.rand(p, generator=g))
@@ -166,6 +134,30 @@ def test_persistent_gemms_claim_every_tile_once_and_leave_the_counters_zero():
                               live=LiveRows(torch.tensor(counts), seg_rows))
         ran = live & (slot >= 0)
         assert torch.equal(out[ran], plain[ran]), counts
+        yield counts
+
+
+def test_the_tile_config_is_picked_on_the_device_without_a_bound(monkeypatch):
+    """Two candidate configs (decode-sized BM 16, region-sized BM 32): whichever the live pair count
+    picks, the rows are the plain forward's, bit for bit."""
+    small, big = INTERPRETER_CONFIG, INTERPRETER_CONFIG.with_(block_m=32, block_n1=128, block_n2=64)
+    monkeypatch.setattr(provider_module, "default_config", lambda p, e, mode="split": small if p <= 2 * e else big)
+    monkeypatch.setattr(provider_module, "_table", lambda mode: ((2.0, small), (float("inf"), big)))
+    assert provider_module.tile_candidates(None, 64, 8, "frag8", None) == ((small, (-1, 16)), (big, (16, 2**31 - 1)))
+    assert provider_module.tile_candidates(None, 64, 8, "frag8", 12) == ((small, (-1, 2**31 - 1)),)
+    # 12 pairs at most (<= 16: small) / ~90 (big)
+    assert list(_unbounded_forwards(((1, 1), (8, 7)), seed=3)) == [(1, 1), (8, 7)]
+
+
+def test_persistent_gemms_claim_every_tile_once_and_leave_the_counters_zero():
+    """Without a bound the GEMMs run persistent grids (3 programs under the interpreter) that claim
+    the live tiles from one counter pair in the scratch: every launch must leave it zero, or the next
+    launch (the other GEMM, another candidate, the next forward) would start past its tiles and leave
+    rows unwritten. Several forwards through one scratch equal the plain forward each time."""
+    from megamoe_backend.experts.scratch import ExpertsScratch
+
+    scratch = ExpertsScratch("cpu")
+    for counts in _unbounded_forwards(((8, 7), (2, 0), (8, 8)), seed=5, scratch=scratch):
         assert scratch.counters("gemm_claims", 2).tolist() == [0, 0], counts
 
 
