@@ -32,29 +32,26 @@ class ExpertsScratch:
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, reserve: int = 0) -> torch.Tensor:
         """A ``dtype`` tensor of ``shape`` over buffer ``name`` (contents undefined); the buffer holds at
         least ``reserve`` elements of ``dtype`` (the size at capacity), allocated once."""
-        item = dtype.itemsize
         numel = math.prod(shape)
-        need = max(numel, reserve) * item
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < numel * item:
-            if buf is not None:
-                self._outgrown.append(buf)
-            buf = torch.empty(-(-need // 16) * 16, dtype=torch.uint8, device=self.device)  # 16-byte multiple
-            self._buffers[name] = buf
-            self.allocations += 1
-        return buf[: numel * item].view(dtype).view(shape)
+        buf = self._buffer(name, numel * dtype.itemsize, max(numel, reserve) * dtype.itemsize, torch.empty)
+        return buf[: numel * dtype.itemsize].view(dtype).view(shape)
 
     def counters(self, name: str, count: int) -> torch.Tensor:
         """``count`` int32 counters that keep their values between forwards: zero when allocated, and
         the kernels that use them leave them zero (the persistent GEMMs' item claims, mainloop.py)."""
+        return self._buffer(name, count * 4, count * 4, torch.zeros)[: count * 4].view(torch.int32)
+
+    def _buffer(self, name: str, nbytes: int, reserve_bytes: int, make) -> torch.Tensor:
+        """Buffer ``name`` of at least ``nbytes``; a new one (``make``: torch.empty / torch.zeros) holds
+        ``reserve_bytes`` rounded up to 16, and one it replaces stays alive (a graph may address it)."""
         buf = self._buffers.get(name)
-        if buf is None or buf.numel() < count * 4:
+        if buf is None or buf.numel() < nbytes:
             if buf is not None:
                 self._outgrown.append(buf)
-            buf = torch.zeros(-(-count * 4 // 16) * 16, dtype=torch.uint8, device=self.device)
+            buf = make(-(-reserve_bytes // 16) * 16, dtype=torch.uint8, device=self.device)
             self._buffers[name] = buf
             self.allocations += 1
-        return buf[: count * 4].view(torch.int32)
+        return buf
 
     @property
     def bytes(self) -> int:

@@ -179,6 +179,13 @@ def _scatter_chunk(chunk, slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sort
     tl.store(sorted_row_ptr + row, tl.load(row_ptr + i, mask=placed, other=0).to(tl.int32), mask=placed)
 
 
+def live_rows_args(live) -> dict:
+    """The keyword arguments of a kernel that walks the live received rows of ``live`` (LiveRows) with
+    live_pairs_total / live_to_index: live_ptr, n_seg, seg_rows, PERSIST and N_SEG."""
+    return dict(live_ptr=live.counts, n_seg=live.segments, seg_rows=live.seg_rows, PERSIST=True,
+                N_SEG=triton.next_power_of_2(live.segments))
+
+
 def build_layout_triton(
     slot: torch.Tensor, row: torch.Tensor, num_experts: int, block_m: int, num_tiles: int, live=None,
     active: tuple[int, int] = (-1, 2**31 - 1), all_tiles: bool = True, scratch=None, reserve: tuple[int, int, int] = (0, 0, 0),

@@ -203,6 +203,7 @@ class TritonExperts(ExpertsProvider):
         from .gemm1 import gemm1_swiglu_kernel
         from .gemm2 import gemm2_weighted_kernel
         from .layout import build_layout, capacity_reserve
+        from .layout_kernels import live_rows_args
         from .quant import quantize_rows
 
         hidden, inter, n_exp = weights.hidden, weights.intermediate, weights.num_experts
@@ -273,7 +274,7 @@ class TritonExperts(ExpertsProvider):
                 pairs.row, a_data, a_data.stride(0), a_scale, a_scale.stride(0),
                 a8, a8.stride(0), a_rs, hidden, A_FMT=a_fmt, SORTED=False,
                 NB=triton.next_power_of_2(hidden // MX_BLOCK), PK=rowscale_piece(hidden), HW_CVT=use_asm, num_warps=2,
-                **_live_rows_args(live),
+                **({} if live is None else live_rows_args(live)),  # walk the live received rows
             )
             e4m3 = torch.uint8 if interpreting() else torch.float8_e4m3fn  # typed for the FP8 MMA loads
             a_data, a_scale = a8.view(e4m3), a8
@@ -511,14 +512,6 @@ def persistent_grid(device: torch.device, cfg: TileConfig | None = None) -> int:
 
 def _grid(programs: int, cap: int | None) -> int:
     return max(1, programs if cap is None else min(programs, cap))
-
-
-def _live_rows_args(live: LiveRows | None) -> dict:
-    """rowscale_e4m3_kernel's arguments for walking the live received rows (none: one program per row)."""
-    if live is None:
-        return {}
-    return dict(live_ptr=live.counts, n_seg=live.segments, seg_rows=live.seg_rows, PERSIST=True,
-                N_SEG=triton.next_power_of_2(live.segments))
 
 
 def tile_passes(cfg: TileConfig, mode: str) -> tuple[str, ...]:

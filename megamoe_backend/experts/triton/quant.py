@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ...formats import MX_BLOCK, MXTensor
 from .config import interpreting
-from .layout_kernels import live_pairs_total, live_to_index
+from .layout_kernels import live_pairs_total, live_rows_args, live_to_index
 from .mxjit import (
     FP4_MANT_LIMIT,
     FP4_MAX_EXP,
@@ -125,8 +125,7 @@ def _launch(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch.Tensor,
         return
     word, code, layer = status if status is not None else (scales, 0, 0)
     pieces = triton.cdiv(k // MX_BLOCK, BLOCKS_PER_PROGRAM)
-    walk = {} if live is None else dict(live_ptr=live.counts, n_seg=live.segments, seg_rows=live.seg_rows, PERSIST=True,
-                                        N_SEG=triton.next_power_of_2(live.segments))
+    walk = {} if live is None else live_rows_args(live)
     grid = (n, pieces) if live is None else (max(1, min(n * pieces, programs or n * pieces)),)
     _quantize_rows_kernel[grid](
         x, x.stride(0), data, data.stride(0), scales, scales.stride(0), k, word, code, layer,
