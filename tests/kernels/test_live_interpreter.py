@@ -203,6 +203,36 @@ def test_emulated_ep_equals_the_ep1_device_forward(world, case, tokens):
     assert rel_l2(unbounded.float(), fp32) < GATES[case[0]]
 
 
+def test_a_bounded_forward_runs_persistent_grids_where_its_region_dwarfs_the_bound():
+    """persistent_gemms: a tile grid where the region holds few more tiles than the bound's pairs fill
+    (ep_size 1, decode, EP 2) or the tiles are decode-sized, persistent grids where one program per
+    prefill tile of the region would launch mostly empty programs (EP 8 prefill), always without a
+    bound; no live rows: the pairs are the work."""
+    gemms = provider_module.persistent_gemms
+    bounded = lambda rows, k=6: LiveRows(torch.zeros(1), rows, config_pairs=rows * k)  # noqa: E731
+    assert not gemms(None, 8192 * 6, 48, 128)
+    assert gemms(LiveRows(torch.zeros(8), 8), 8 * 8 * 6, 48, 16)
+    assert not gemms(bounded(8), 8 * 8 * 6, 48, 16)  # 72 region tiles vs 48
+    assert not gemms(bounded(128), 8 * 128 * 6, 48, 16)  # 432 vs 96, decode tiles
+    assert not gemms(bounded(512), 8 * 512 * 6, 48, 128)  # 240 vs 72
+    assert not gemms(bounded(8192), 2 * 8192 * 6, 192, 128)  # 960 vs 576
+    assert gemms(bounded(2048), 8 * 2048 * 6, 48, 128)  # 816 vs 144
+    assert gemms(bounded(8192), 8 * 8192 * 6, 48, 128)  # 3120 vs 432
+
+
+def test_a_bounded_forward_over_persistent_grids_equals_the_tile_grid(monkeypatch):
+    """The bounded EP forward, its GEMMs forced onto persistent grids (provider.BOUNDED_PERSIST_RATIO 0),
+    writes every rank's output as over the tile grid, bit for bit (uneven batches, an idle rank)."""
+    world, tokens, mtpr = 4, (0, 2, 5, 5), 8
+    problem, emu, inputs, keep = _emulated(world, "a8w4", "fp8", "fp8_blockwise_1x32", tokens, mtpr)
+    monkeypatch.setattr(provider_module, "BOUNDED_PERSIST_RATIO", float("inf"))
+    tile_grid = torch.cat(emu.forward(inputs, max_tokens_across_ranks=max(tokens)))
+    monkeypatch.setattr(provider_module, "BOUNDED_PERSIST_RATIO", 0.0)
+    persistent = torch.cat(emu.forward(inputs, max_tokens_across_ranks=max(tokens)))
+    emu.raise_if_bad_input()
+    assert torch.equal(persistent.view(torch.int16), tile_grid.view(torch.int16))
+
+
 def test_emulated_ep_reports_a_bad_id_on_its_rank_only():
     world, tokens, mtpr = 2, (4, 4), 8
     problem, emu, inputs, keep = _emulated(world, "bf16", "bf16", "bf16", tokens, mtpr)

@@ -48,7 +48,7 @@ def gemm1_swiglu_kernel(
                     W_FMT, A_FMT, PLAIN, HAS_LIMIT, DECODE, USE_ASM, BN, BM_RUN, BK, F32_DOT, BK2, RIDE, W_FULL,
                 )
             item = next_item(claim_ptr)
-        release_claims(claim_ptr)
+        release_claims(claim_ptr, end)
     else:
         expert, row0, pid_n, mine = claim_tile(tl.program_id(0), tile_expert_ptr, sorted_row_ptr, num_m_tiles,
                                                tl.cdiv(2 * I, BN), GROUP_M, BM, TAIL_M, PASS, TAIL_RIDE)

@@ -51,7 +51,7 @@ def gemm2_weighted_kernel(
                     F32_DOT, RIDE, OUT_FMT, W_FULL, DEST,
                 )
             item = next_item(claim_ptr)
-        release_claims(claim_ptr)
+        release_claims(claim_ptr, end)
     else:
         expert, row0, pid_n, mine = claim_tile(tl.program_id(0), tile_expert_ptr, sorted_pair_ptr, num_m_tiles,
                                                tl.cdiv(N, BN), GROUP_M, BM, TAIL_M, PASS, TAIL_RIDE)

@@ -206,9 +206,17 @@ def persistent_items(live_tiles_ptr, num_n_tiles, claim_ptr):
     with a fixed stride the programs drift apart, the items in flight spread over the whole range and
     the M tiles of an expert group no longer meet their weight and A tiles in L2 (H200, EP 2 / 8192
     tokens without a bound: GEMM1 +30 %, benchmarks/results/h200_persistent_grid_ab.json). Claimed in
-    order they stay one window, as the hardware hands out the programs of a plain grid."""
+    order they stay one window, as the hardware hands out the programs of a plain grid.
+
+    A launch with no live tile (a tile config the live pair count did not pick) claims nothing and
+    leaves the counters alone (release_claims), so its programs exit without an atomic: every program
+    of the launch reads the same count, so either all of them claim or none does."""
     m_tiles = tl.load(live_tiles_ptr)
-    return next_item(claim_ptr), m_tiles * num_n_tiles, m_tiles
+    end = m_tiles * num_n_tiles
+    item = end
+    if end > 0:
+        item = next_item(claim_ptr)
+    return item, end, m_tiles
 
 
 @triton.jit
@@ -218,14 +226,16 @@ def next_item(claim_ptr):
 
 
 @triton.jit
-def release_claims(claim_ptr):
+def release_claims(claim_ptr, end):
     """After a program's last claim: the last program of the launch zeroes the counters (the item
     counter and this arrival count) for the next persistent launch, which stream order starts after
-    this one; acq_rel orders each program's claims before its arrival."""
-    arrived = tl.atomic_add(claim_ptr + 1, 1, sem="acq_rel")
-    if arrived == tl.num_programs(0) - 1:
-        tl.store(claim_ptr, 0)
-        tl.store(claim_ptr + 1, 0)
+    this one; acq_rel orders each program's claims before its arrival. A launch with nothing to
+    claim (``end`` 0, persistent_items) touched neither counter and skips this."""
+    if end > 0:
+        arrived = tl.atomic_add(claim_ptr + 1, 1, sem="acq_rel")
+        if arrived == tl.num_programs(0) - 1:
+            tl.store(claim_ptr, 0)
+            tl.store(claim_ptr + 1, 0)
 
 
 @triton.jit

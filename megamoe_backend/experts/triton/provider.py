@@ -26,6 +26,7 @@ from ..scratch import ExpertsScratch, scratch_counters, scratch_empty
 from ..weights import FRAGMENT_STORAGE, ExpertWeights
 from . import triton_available
 from .config import TileConfig, _table, default_config, interpreting, reduction_block
+from .layout import max_tiles
 
 DECODERS = ("auto", "frag8", "frag", "split", "dot_scaled", "manual")
 FRAG_KIND = {"frag": "bf16", "frag8": "fp8"}  # fragment decoder -> the fragments.py kind it reads
@@ -256,9 +257,7 @@ class TritonExperts(ExpertsProvider):
             raise ValueError(f"pairs.row out of range [0, {n_recv}) of the received rows: "
                              f"min {int(pairs.row.min())}, max {int(pairs.row.max())}")
         bk1 = reduction_block(hidden, candidates[0][0].block_k)  # the split layout of A (one block_k: _check_candidates)
-        # with a bound (one config, grids sized by it) one program per tile as at ep_size 1; without one the
-        # region is the capacity, so the GEMMs run persistent grids over the live tiles the layout counted
-        persist = live is not None and live.config_pairs is None
+        persist = cuda is None and persistent_gemms(live, p, n_exp, candidates[0][0].block_m)
         cap = persistent_grid(device) if live is not None else None
         # the persistent GEMMs' shared item counter + arrival count (mainloop.persistent_items): one pair
         # serves every launch, each leaves it zero for the next (stream order); unused by one-tile programs
@@ -490,6 +489,33 @@ def tile_candidates(config: TileConfig | None, seg_pairs: int, num_experts: int,
             out.append((cfg, (lo, hi)))
         lo = hi
     return tuple(out)
+
+
+# A bounded forward runs persistent GEMMs when its tiles are prefill-sized (at least this tall) and its
+# region holds at least this many times the tiles of the pairs its bound sizes (persistent_gemms)
+BOUNDED_PERSIST_BLOCK_M = 128
+BOUNDED_PERSIST_RATIO = 4.0
+
+
+def persistent_gemms(live: LiveRows | None, region_pairs: int, num_experts: int, block_m: int) -> bool:
+    """Whether the GEMMs run persistent grids over the live tiles the layout counted (mainloop.persistent_items)
+    instead of one program per tile of the region.
+
+    Without live rows the pairs are the work: one program per tile, as at ep_size 1. Live rows without
+    a bound: the region is the capacity (MTPR), so always persistent. With a bound the region still
+    holds ep x bound rows, because any source may send all its tokens to this rank, while a step fills
+    about bound x top-k pairs, so one program per tile launches mostly programs with no tile where the
+    region dwarfs that. Measured on the H200 (one emulated step per rank, A8W4, uniform routing,
+    benchmarks/results/h200_bounded_grid_ab.json; persistent / tile grid): EP 8 prefill tiles (BM 128)
+    at 5.7x / 7.2x the bound's tiles 0.98 / 0.95 (2048 / 8192 tokens: the tile grid's GEMM2 +12 / +18 %),
+    at 3.3x 1.03; decode tiles at 1.5-4.5x 0.98-1.02; EP 2 (1.2-2x) 1.00-1.08. The persistent loop has
+    a cost of its own (claims, GEMM1 +10 % at EP 2 / 8192), which only a large share of empty programs repays."""
+    if live is None:
+        return False
+    if live.config_pairs is None:
+        return True
+    worst, expected = max_tiles(region_pairs, num_experts, block_m), max_tiles(live.config_pairs, num_experts, block_m)
+    return block_m >= BOUNDED_PERSIST_BLOCK_M and worst >= BOUNDED_PERSIST_RATIO * expected
 
 
 _SMS: dict[int, int] = {}  # documented cache: multiprocessor count per CUDA device index

@@ -1,0 +1,103 @@
+"""With a bound passed, should the expert GEMMs run one program per tile of the region, or persistent grids?
+
+Why: a bounded EP forward receives into ep x bound rows (any source may send all its tokens to one
+rank), and its GEMMs launched one program per tile of that worst case. At EP 8 prefill that is ~7x the
+tiles a uniform step fills, and `bench layer --emulate` (tree 06dd430) had the bounded forward
+slower than the unbounded one, whose persistent grids walk only the live tiles: EP 8 / 8192 tokens
+experts 9140 vs 8395 us, while at EP 2 / 8192 the tile grid won (8257 vs 8945). This times one
+emulated step (every rank in one CUDA graph, profiled per kernel as emulated_kernel_spans.py does)
+three ways: bounded over the tile grid, bounded over persistent grids (provider.persistent_gemms forced
+either way through provider.BOUNDED_PERSIST_RATIO), and without a bound (the persistent candidates),
+to place the ratio of region tiles to the bound's tiles from which persistent grids win.
+
+    PYTHONPATH=.:benchmarks/research python3 benchmarks/research/bounded_grid_ab.py --json $OUT/bounded_grid_ab.json
+
+DSV4-Pro shapes, A8W4 + fp8 wire, bf16 combine, uniform routing, MTPR 8192; needs a CUDA GPU.
+An A/B of the same kernels: the naive torch baseline and floor of these points are in the
+`bench layer --emulate` runs (benchmarks/results/h200_layer_ep_emulated*.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+VARIANTS = ("tile grid", "persistent", "no bound")
+RATIO = {"tile grid": float("inf"), "persistent": 0.0, "no bound": None}
+
+
+def main() -> int:
+    from emulated_kernel_spans import profile_step
+
+    from megamoe_backend.bench.bench_experts import make_weights
+    from megamoe_backend.bench.bench_layer import SCHEMES
+    from megamoe_backend.bench.bench_layer_emulated import make_routes
+    from megamoe_backend.experts.triton import provider
+    from megamoe_backend.experts.triton.config import default_config
+    from megamoe_backend.experts.triton.layout import max_tiles
+    from megamoe_backend.knobs import Knobs
+    from megamoe_backend.parallel.emulated_ep import EmulatedEP
+    from megamoe_backend.plan import build_plan
+    from megamoe_backend.spec import preset
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", help="EPxEXPERTSxTOKENS",
+                    default=["8x48x8", "8x48x32", "8x48x128", "8x48x512", "8x48x2048", "8x48x8192",
+                             "2x192x8", "2x192x128", "2x192x2048", "2x192x8192"])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default="bounded_grid_ab.json")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    default_ratio = provider.BOUNDED_PERSIST_RATIO
+    out = {"command": "PYTHONPATH=.:benchmarks/research python3 benchmarks/research/bounded_grid_ab.py --cases "
+           + " ".join(args.cases) + f" --rounds {args.rounds}",
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": list(VARIANTS), "cases": []}
+    started = time.time()
+    built = {}  # (ep, experts) -> EmulatedEP: its weights serve every token count
+    for case in args.cases:
+        ep, experts, tokens = (int(v) for v in case.split("x"))
+        spec = preset("dsv4-pro").scaled(n_routed_experts=ep * experts)
+        k = spec.num_experts_per_tok
+        if (ep, experts) not in built:
+            built.clear()
+            torch.cuda.empty_cache()
+            weights = [make_weights(experts, spec.hidden_size, spec.moe_intermediate_size, device, 1 + r)[0]
+                       for r in range(ep)]
+            knobs = Knobs(dispatch_wire=SCHEMES["a8w4"], combine_wire="bf16", max_tokens_per_rank=8192, transport="ipc")
+            plans = [build_plan(spec, knobs, r, ep, quant="a8w4", backends=("triton", "ipc")) for r in range(ep)]
+            built[(ep, experts)] = EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device)
+        emu = built[(ep, experts)]
+        routes = make_routes("uniform", [tokens] * ep, ep * experts, k, spec.hidden_size, device, seed=tokens)
+        block_m = default_config(tokens * k, experts, "frag8").block_m
+        region_tiles, bound_tiles = max_tiles(ep * tokens * k, experts, block_m), max_tiles(tokens * k, experts, block_m)
+        rows = {v: [] for v in VARIANTS}
+        try:
+            for _ in range(args.rounds):
+                for v in VARIANTS:
+                    provider.BOUNDED_PERSIST_RATIO = RATIO[v] if RATIO[v] is not None else default_ratio
+                    spans = profile_step(emu, routes, None if v == "no bound" else tokens)
+                    gemm = {n: s for n, s in spans["kernels"].items() if "gemm" in n}
+                    rows[v].append({"span_us_per_rank": spans["span_us_per_rank"], "gemm_kernels": gemm})
+                    print(f"{case} {v:12s} span {spans['span_us_per_rank']:8.1f} us/rank  "
+                          + "  ".join(f"{n.split('_kernel')[0]} {s['busy_us']:.1f}" for n, s in gemm.items()), flush=True)
+        finally:
+            provider.BOUNDED_PERSIST_RATIO = default_ratio
+        best = {v: min(r["span_us_per_rank"] for r in rows[v]) for v in VARIANTS}
+        out["cases"].append({"ep": ep, "experts": experts, "tokens": tokens, "block_m": block_m,
+                             "region_tiles": region_tiles, "bound_tiles": bound_tiles,
+                             "region_over_bound_tiles": region_tiles / bound_tiles, "rounds": rows,
+                             "best_span_us_per_rank": best,
+                             "over_tile_grid": {v: best[v] / best["tile grid"] for v in VARIANTS}})
+        print(json.dumps({"case": case, "region_over_bound_tiles": region_tiles / bound_tiles,
+                          "over_tile_grid": out["cases"][-1]["over_tile_grid"]}), flush=True)
+    out["seconds"] = time.time() - started
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
