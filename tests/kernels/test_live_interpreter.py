@@ -139,14 +139,19 @@ def _unbounded_forwards(counts_list, seed, scratch=None):
 
 def test_the_tile_config_is_picked_on_the_device_without_a_bound(monkeypatch):
     """Two candidate configs (decode-sized BM 16, region-sized BM 32): whichever the live pair count
-    picks, the rows are the plain forward's, bit for bit."""
+    picks, the rows are the plain forward's, bit for bit, and the launches of the config not picked
+    (no live tile: they claim nothing) leave the claim counters zero."""
+    from megamoe_backend.experts.scratch import ExpertsScratch
+
     small, big = INTERPRETER_CONFIG, INTERPRETER_CONFIG.with_(block_m=32, block_n1=128, block_n2=64)
     monkeypatch.setattr(provider_module, "default_config", lambda p, e, mode="split": small if p <= 2 * e else big)
     monkeypatch.setattr(provider_module, "_table", lambda mode: ((2.0, small), (float("inf"), big)))
     assert provider_module.tile_candidates(None, 64, 8, "frag8", None) == ((small, (-1, 16)), (big, (16, 2**31 - 1)))
     assert provider_module.tile_candidates(None, 64, 8, "frag8", 12) == ((small, (-1, 2**31 - 1)),)
     # 12 pairs at most (<= 16: small) / ~90 (big)
-    assert list(_unbounded_forwards(((1, 1), (8, 7)), seed=3)) == [(1, 1), (8, 7)]
+    scratch = ExpertsScratch("cpu")
+    for counts in _unbounded_forwards(((1, 1), (8, 7), (1, 0)), seed=3, scratch=scratch):
+        assert scratch.counters("gemm_claims", 2).tolist() == [0, 0], counts
 
 
 def test_persistent_gemms_claim_every_tile_once_and_leave_the_counters_zero():

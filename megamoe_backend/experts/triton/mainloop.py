@@ -210,13 +210,14 @@ def persistent_items(live_tiles_ptr, num_n_tiles, claim_ptr):
 
     A launch with no live tile (a tile config the live pair count did not pick) claims nothing and
     leaves the counters alone (release_claims), so its programs exit without an atomic: every program
-    of the launch reads the same count, so either all of them claim or none does."""
+    of the launch reads the same count, so either all of them claim or none does. Masked atomics, not
+    a branch: with an `if` around the first claim ptxas laid out the persistent prefill GEMM2's K loop
+    6 instructions longer (benchmarks/research/sass_report.py) and the bounded EP 8 / 8192 step ran
+    ~2 % slower on the H200; masked, the full passes' K loops are as long as without the skip."""
     m_tiles = tl.load(live_tiles_ptr)
     end = m_tiles * num_n_tiles
-    item = end
-    if end > 0:
-        item = next_item(claim_ptr)
-    return item, end, m_tiles
+    first = tl.atomic_add(claim_ptr, 1, sem="relaxed", mask=end > 0)  # masked off: no atomic, no item
+    return tl.where(end > 0, first, end), end, m_tiles
 
 
 @triton.jit
@@ -231,11 +232,10 @@ def release_claims(claim_ptr, end):
     counter and this arrival count) for the next persistent launch, which stream order starts after
     this one; acq_rel orders each program's claims before its arrival. A launch with nothing to
     claim (``end`` 0, persistent_items) touched neither counter and skips this."""
-    if end > 0:
-        arrived = tl.atomic_add(claim_ptr + 1, 1, sem="acq_rel")
-        if arrived == tl.num_programs(0) - 1:
-            tl.store(claim_ptr, 0)
-            tl.store(claim_ptr + 1, 0)
+    arrived = tl.atomic_add(claim_ptr + 1, 1, sem="acq_rel", mask=end > 0)
+    if (end > 0) & (arrived == tl.num_programs(0) - 1):
+        tl.store(claim_ptr, 0)
+        tl.store(claim_ptr + 1, 0)
 
 
 @triton.jit
