@@ -226,14 +226,21 @@ def test_a_bounded_forward_runs_persistent_grids_where_its_region_dwarfs_the_bou
 
 
 def test_a_bounded_forward_over_persistent_grids_equals_the_tile_grid(monkeypatch):
-    """The bounded EP forward, its GEMMs forced onto persistent grids (provider.BOUNDED_PERSIST_RATIO 0),
-    writes every rank's output as over the tile grid, bit for bit (uneven batches, an idle rank)."""
+    """The bounded EP forward, its GEMMs forced onto persistent grids (provider.BOUNDED_PERSIST_RATIO 0 at
+    any tile height), writes every rank's output as over the tile grid, bit for bit (uneven batches, an
+    idle rank); the forwards record which launch they took, so the two runs cannot be the same path."""
     world, tokens, mtpr = 4, (0, 2, 5, 5), 8
     problem, emu, inputs, keep = _emulated(world, "a8w4", "fp8", "fp8_blockwise_1x32", tokens, mtpr)
+    real, took = provider_module.persistent_gemms, []
+    monkeypatch.setattr(provider_module, "persistent_gemms", lambda *a: took.append(real(*a)) or took[-1])
     monkeypatch.setattr(provider_module, "BOUNDED_PERSIST_RATIO", float("inf"))
     tile_grid = torch.cat(emu.forward(inputs, max_tokens_across_ranks=max(tokens)))
+    assert took and not any(took)
+    took.clear()
     monkeypatch.setattr(provider_module, "BOUNDED_PERSIST_RATIO", 0.0)
+    monkeypatch.setattr(provider_module, "BOUNDED_PERSIST_BLOCK_M", 0)
     persistent = torch.cat(emu.forward(inputs, max_tokens_across_ranks=max(tokens)))
+    assert took and all(took)
     emu.raise_if_bad_input()
     assert torch.equal(persistent.view(torch.int16), tile_grid.view(torch.int16))
 
