@@ -30,18 +30,12 @@ RATIO = {"tile grid": float("inf"), "persistent": 0.0, "no bound": None}
 
 
 def main() -> int:
-    from emulated_kernel_spans import profile_step
+    from emulated_kernel_spans import emulated_dsv4, profile_step
 
-    from megamoe_backend.bench.bench_experts import make_weights
-    from megamoe_backend.bench.bench_layer import SCHEMES
     from megamoe_backend.bench.bench_layer_emulated import make_routes
     from megamoe_backend.experts.triton import provider
     from megamoe_backend.experts.triton.config import default_config
     from megamoe_backend.experts.triton.layout import max_tiles
-    from megamoe_backend.knobs import Knobs
-    from megamoe_backend.parallel.emulated_ep import EmulatedEP
-    from megamoe_backend.plan import build_plan
-    from megamoe_backend.spec import preset
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", help="EPxEXPERTSxTOKENS",
@@ -56,20 +50,15 @@ def main() -> int:
            + " ".join(args.cases) + f" --rounds {args.rounds}",
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": list(VARIANTS), "cases": []}
     started = time.time()
-    built = {}  # (ep, experts) -> EmulatedEP: its weights serve every token count
+    built = {}  # (ep, experts) -> (spec, EmulatedEP): its weights serve every token count
     for case in args.cases:
         ep, experts, tokens = (int(v) for v in case.split("x"))
-        spec = preset("dsv4-pro").scaled(n_routed_experts=ep * experts)
-        k = spec.num_experts_per_tok
         if (ep, experts) not in built:
             built.clear()
             torch.cuda.empty_cache()
-            weights = [make_weights(experts, spec.hidden_size, spec.moe_intermediate_size, device, 1 + r)[0]
-                       for r in range(ep)]
-            knobs = Knobs(dispatch_wire=SCHEMES["a8w4"], combine_wire="bf16", max_tokens_per_rank=8192, transport="ipc")
-            plans = [build_plan(spec, knobs, r, ep, quant="a8w4", backends=("triton", "ipc")) for r in range(ep)]
-            built[(ep, experts)] = EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device)
-        emu = built[(ep, experts)]
+            built[(ep, experts)] = emulated_dsv4(ep, experts, device)
+        spec, emu = built[(ep, experts)]
+        k = spec.num_experts_per_tok
         routes = make_routes("uniform", [tokens] * ep, ep * experts, k, spec.hidden_size, device, seed=tokens)
         block_m = default_config(tokens * k, experts, "frag8").block_m
         region_tiles, bound_tiles = max_tiles(ep * tokens * k, experts, block_m), max_tiles(tokens * k, experts, block_m)

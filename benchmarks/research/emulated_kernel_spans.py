@@ -47,14 +47,25 @@ def profile_step(emu, routes, bound, replays: int = 5) -> dict:
             "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["busy_us"] - kv[1]["gap_before_us"]))}
 
 
-def main() -> int:
+def emulated_dsv4(ep: int, experts: int, device):
+    """(spec, EmulatedEP) of DSV4-Pro scaled to ep x experts (A8W4 + fp8 wire, bf16 combine, MTPR 8192):
+    the one setup this probe, persistent_grid_ab.py and bounded_grid_ab.py time."""
     from megamoe_backend.bench.bench_experts import make_weights
     from megamoe_backend.bench.bench_layer import SCHEMES
-    from megamoe_backend.bench.bench_layer_emulated import make_routes
     from megamoe_backend.knobs import Knobs
     from megamoe_backend.parallel.emulated_ep import EmulatedEP
     from megamoe_backend.plan import build_plan
     from megamoe_backend.spec import preset
+
+    spec = preset("dsv4-pro").scaled(n_routed_experts=ep * experts)
+    weights = [make_weights(experts, spec.hidden_size, spec.moe_intermediate_size, device, 1 + r)[0] for r in range(ep)]
+    knobs = Knobs(dispatch_wire=SCHEMES["a8w4"], combine_wire="bf16", max_tokens_per_rank=8192, transport="ipc")
+    plans = [build_plan(spec, knobs, r, ep, quant="a8w4", backends=("triton", "ipc")) for r in range(ep)]
+    return spec, EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device)
+
+
+def main() -> int:
+    from megamoe_backend.bench.bench_layer_emulated import make_routes
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=8)
@@ -63,12 +74,7 @@ def main() -> int:
     ap.add_argument("--json", default="emulated_kernel_spans.json")
     args = ap.parse_args()
     device = torch.device("cuda")
-    spec = preset("dsv4-pro").scaled(n_routed_experts=args.ep * args.experts)
-    weights = [make_weights(args.experts, spec.hidden_size, spec.moe_intermediate_size, device, 1 + r)[0]
-               for r in range(args.ep)]
-    knobs = Knobs(dispatch_wire=SCHEMES["a8w4"], combine_wire="bf16", max_tokens_per_rank=8192, transport="ipc")
-    plans = [build_plan(spec, knobs, r, args.ep, quant="a8w4", backends=("triton", "ipc")) for r in range(args.ep)]
-    emu = EmulatedEP(args.ep, plans.__getitem__, weights.__getitem__, device)
+    spec, emu = emulated_dsv4(args.ep, args.experts, device)
     out = {"command": "PYTHONPATH=. python3 benchmarks/research/emulated_kernel_spans.py " + " ".join(
         f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}

@@ -28,16 +28,10 @@ VARIANTS = ("bounded", "persistent x1", "persistent x4", "persistent, region gri
 
 
 def main() -> int:
-    from emulated_kernel_spans import profile_step
+    from emulated_kernel_spans import emulated_dsv4, profile_step
 
-    from megamoe_backend.bench.bench_experts import make_weights
-    from megamoe_backend.bench.bench_layer import SCHEMES
     from megamoe_backend.bench.bench_layer_emulated import make_routes
     from megamoe_backend.experts.triton import provider
-    from megamoe_backend.knobs import Knobs
-    from megamoe_backend.parallel.emulated_ep import EmulatedEP
-    from megamoe_backend.plan import build_plan
-    from megamoe_backend.spec import preset
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=["2x192x8192", "8x48x2048", "8x48x8"], help="EPxEXPERTSxTOKENS")
@@ -51,11 +45,7 @@ def main() -> int:
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": list(VARIANTS), "cases": []}
     for case in args.cases:
         ep, experts, tokens = (int(v) for v in case.split("x"))
-        spec = preset("dsv4-pro").scaled(n_routed_experts=ep * experts)
-        weights = [make_weights(experts, spec.hidden_size, spec.moe_intermediate_size, device, 1 + r)[0] for r in range(ep)]
-        knobs = Knobs(dispatch_wire=SCHEMES["a8w4"], combine_wire="bf16", max_tokens_per_rank=8192, transport="ipc")
-        plans = [build_plan(spec, knobs, r, ep, quant="a8w4", backends=("triton", "ipc")) for r in range(ep)]
-        emu = EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device)
+        spec, emu = emulated_dsv4(ep, experts, device)
         routes = make_routes("uniform", [tokens] * ep, ep * experts, spec.num_experts_per_tok, spec.hidden_size, device,
                              seed=tokens)
         grids = {"persistent x1": default_grid,
@@ -77,7 +67,7 @@ def main() -> int:
         out["cases"].append({"ep": ep, "experts": experts, "tokens": tokens, "rounds": rows, "best_span_us_per_rank": best,
                              "over_bounded": {v: best[v] / best["bounded"] for v in VARIANTS}})
         print(json.dumps({"case": case, "over_bounded": out["cases"][-1]["over_bounded"]}), flush=True)
-        del emu, weights
+        del emu
         torch.cuda.empty_cache()
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
