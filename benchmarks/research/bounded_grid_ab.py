@@ -19,7 +19,6 @@ An A/B of the same kernels: the naive torch baseline and floor of these points a
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -30,25 +29,17 @@ RATIO = {"tile grid": float("inf"), "persistent": 0.0, "no bound": None}
 
 
 def main() -> int:
-    from emulated_kernel_spans import emulated_dsv4, profile_step
+    from emulated_kernel_spans import ab_cli, emulated_dsv4, gemm_round
 
     from megamoe_backend.bench.bench_layer_emulated import make_routes
     from megamoe_backend.experts.triton import provider
     from megamoe_backend.experts.triton.config import default_config
     from megamoe_backend.experts.triton.layout import max_tiles
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="+", help="EPxEXPERTSxTOKENS",
-                    default=["8x48x8", "8x48x32", "8x48x128", "8x48x512", "8x48x2048", "8x48x8192",
-                             "2x192x8", "2x192x128", "2x192x2048", "2x192x8192"])
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--json", default="bounded_grid_ab.json")
-    args = ap.parse_args()
+    args, out = ab_cli("bounded_grid_ab", ["8x48x8", "8x48x32", "8x48x128", "8x48x512", "8x48x2048", "8x48x8192",
+                                           "2x192x8", "2x192x128", "2x192x2048", "2x192x8192"], VARIANTS)
     device = torch.device("cuda")
     default_ratio = provider.BOUNDED_PERSIST_RATIO
-    out = {"command": "PYTHONPATH=.:benchmarks/research python3 benchmarks/research/bounded_grid_ab.py --cases "
-           + " ".join(args.cases) + f" --rounds {args.rounds}",
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": list(VARIANTS), "cases": []}
     started = time.time()
     built = {}  # (ep, experts) -> (spec, EmulatedEP): its weights serve every token count
     for case in args.cases:
@@ -67,11 +58,7 @@ def main() -> int:
             for _ in range(args.rounds):
                 for v in VARIANTS:
                     provider.BOUNDED_PERSIST_RATIO = RATIO[v] if RATIO[v] is not None else default_ratio
-                    spans = profile_step(emu, routes, None if v == "no bound" else tokens)
-                    gemm = {n: s for n, s in spans["kernels"].items() if "gemm" in n}
-                    rows[v].append({"span_us_per_rank": spans["span_us_per_rank"], "gemm_kernels": gemm})
-                    print(f"{case} {v:12s} span {spans['span_us_per_rank']:8.1f} us/rank  "
-                          + "  ".join(f"{n.split('_kernel')[0]} {s['busy_us']:.1f}" for n, s in gemm.items()), flush=True)
+                    rows[v].append(gemm_round(f"{case} {v}", emu, routes, None if v == "no bound" else tokens))
         finally:
             provider.BOUNDED_PERSIST_RATIO = default_ratio
         best = {v: min(r["span_us_per_rank"] for r in rows[v]) for v in VARIANTS}

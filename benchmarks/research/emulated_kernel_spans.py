@@ -64,6 +64,29 @@ def emulated_dsv4(ep: int, experts: int, device):
     return spec, EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device)
 
 
+def gemm_round(label: str, emu, routes, bound) -> dict:
+    """One profiled step of an A/B probe: its span per rank and its GEMM kernels, printed on one line."""
+    spans = profile_step(emu, routes, bound)
+    gemm = {n: k for n, k in spans["kernels"].items() if "gemm" in n}
+    print(f"{label:36s} span {spans['span_us_per_rank']:8.1f} us/rank  "
+          + "  ".join(f"{n.split('_kernel')[0]} {k['busy_us']:.1f}" for n, k in gemm.items()), flush=True)
+    return {"span_us_per_rank": spans["span_us_per_rank"], "gemm_kernels": gemm}
+
+
+def ab_cli(script: str, default_cases: list[str], variants) -> tuple[argparse.Namespace, dict]:
+    """(args, the JSON's header) of an A/B probe over emulated EP cases ("EPxEXPERTSxTOKENS", --rounds
+    interleaved rounds): the command line persistent_grid_ab.py and bounded_grid_ab.py share."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=default_cases, help="EPxEXPERTSxTOKENS")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default=f"{script}.json")
+    args = ap.parse_args()
+    out = {"command": f"PYTHONPATH=.:benchmarks/research python3 benchmarks/research/{script}.py --cases "
+           + " ".join(args.cases) + f" --rounds {args.rounds}",
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": list(variants), "cases": []}
+    return args, out
+
+
 def main() -> int:
     from megamoe_backend.bench.bench_layer_emulated import make_routes
 

@@ -19,7 +19,6 @@ DSV4-Pro shapes, A8W4 + fp8 wire, bf16 combine, uniform routing; needs a CUDA GP
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -28,21 +27,14 @@ VARIANTS = ("bounded", "persistent x1", "persistent x4", "persistent, region gri
 
 
 def main() -> int:
-    from emulated_kernel_spans import emulated_dsv4, profile_step
+    from emulated_kernel_spans import ab_cli, emulated_dsv4, gemm_round
 
     from megamoe_backend.bench.bench_layer_emulated import make_routes
     from megamoe_backend.experts.triton import provider
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="+", default=["2x192x8192", "8x48x2048", "8x48x8"], help="EPxEXPERTSxTOKENS")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--json", default="persistent_grid_ab.json")
-    args = ap.parse_args()
+    args, out = ab_cli("persistent_grid_ab", ["2x192x8192", "8x48x2048", "8x48x8"], VARIANTS)
     device = torch.device("cuda")
     default_grid = provider.persistent_grid
-    out = {"command": "PYTHONPATH=.:benchmarks/research python3 benchmarks/research/persistent_grid_ab.py --cases "
-           + " ".join(args.cases) + f" --rounds {args.rounds}",
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": list(VARIANTS), "cases": []}
     for case in args.cases:
         ep, experts, tokens = (int(v) for v in case.split("x"))
         spec, emu = emulated_dsv4(ep, experts, device)
@@ -56,11 +48,7 @@ def main() -> int:
             for _ in range(args.rounds):
                 for v in VARIANTS:
                     provider.persistent_grid = grids.get(v, default_grid)
-                    spans = profile_step(emu, routes, tokens if v == "bounded" else None)
-                    gemm = {k: s for k, s in spans["kernels"].items() if "gemm" in k}
-                    rows[v].append({"span_us_per_rank": spans["span_us_per_rank"], "gemm_kernels": gemm})
-                    print(f"{case} {v:24s} span {spans['span_us_per_rank']:8.1f} us/rank  "
-                          + "  ".join(f"{k.split('_kernel')[0]} {s['busy_us']:.1f}" for k, s in gemm.items()), flush=True)
+                    rows[v].append(gemm_round(f"{case} {v}", emu, routes, tokens if v == "bounded" else None))
         finally:
             provider.persistent_grid = default_grid
         best = {v: min(r["span_us_per_rank"] for r in rows[v]) for v in VARIANTS}

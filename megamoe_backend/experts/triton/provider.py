@@ -509,7 +509,8 @@ def persistent_gemms(live: LiveRows | None, region_pairs: int, num_experts: int,
     benchmarks/results/h200_bounded_grid_ab.json; persistent / tile grid): EP 8 prefill tiles (BM 128)
     at 5.7x / 7.2x the bound's tiles 0.98 / 0.95 (2048 / 8192 tokens: the tile grid's GEMM2 +12 / +18 %),
     at 3.3x 1.03; decode tiles at 1.5-4.5x 0.98-1.02; EP 2 (1.2-2x) 1.00-1.08. The persistent loop has
-    a cost of its own (claims, GEMM1 +10 % at EP 2 / 8192), which only a large share of empty programs repays."""
+    a cost of its own (GEMM1 +10 % at EP 2 / 8192; its prefill kernels spill more), which only a large share of
+    empty programs repays."""
     if live is None:
         return False
     if live.config_pairs is None:
