@@ -106,8 +106,15 @@ FRAG_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
 # tail_max_registers 128 at mid sizes: the short launch needs 130 registers since the K steps retire their
 # wgmmas (mainloop._retire), one CTA per SM fewer; at 128 it has no spill and four again (1024 tokens: kernel
 # sums 1894-1897 -> 1874-1877 us, isolated replays 1897-1899 -> 1878-1880 us, benchmarks/results/h200_regcap_ab.json).
+# The decode tile ends at 13 rows per expert, not 16: at 16 (48 experts x 128 tokens, 192 x 512) about 40 %
+# of the experts hold more than 16 rows, so BM 16 streams and decodes their weights twice (1.4-1.5 tiles per
+# expert hit); the mid tile runs them once (its 32-row short tiles). H200, sustained replays, 3 interleaved
+# rounds (benchmarks/results/h200_decode_edge_ab.json): 16 rows 572-584 -> 500-505 us (48 x 128) and 2234 ->
+# 1875-1920 us (192 x 512); 14 rows 521 -> 491-493 (48 x 112), 1940-1951 -> 1880-1918 (192 x 448); at 12 rows
+# the decode tile is still 3-5 % faster (48 x 96: 468-470 against 483-490). A BM 32 row of its own would gain
+# 3-5 % more at 16 rows but adds a candidate config to every forward over live rows without a bound.
 FRAG8_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
-    (16.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4)),
+    (13.0, TileConfig(block_m=16, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4)),
     (48.0, TileConfig(block_m=64, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=4, tail_m=32,
                       max_registers=168, tail_max_registers=128)),
     (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3, tail_m=16,
@@ -138,6 +145,5 @@ def bucket_index(num_pairs: int, num_experts: int, decoder: str = "split") -> in
 
 
 def bucket_class(num_pairs: int, num_experts: int) -> str:
-    """decode (<= 16 rows per expert: weight streaming), mid (<= 48) or prefill (MMA-bound)."""
-    avg = num_pairs / max(1, num_experts)
-    return "decode" if avg <= 16 else "mid" if avg <= 48 else "prefill"
+    """decode (weight streaming), mid or prefill (MMA-bound): the frag8 table's rows, by average rows per expert."""
+    return ("decode", "mid", "prefill")[bucket_index(num_pairs, num_experts, "frag8")]
