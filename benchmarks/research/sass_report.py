@@ -38,12 +38,13 @@ HIDDEN, INTER = 7168, 3072  # DSV4-Pro: GEMM1 is [2 x INTER, HIDDEN], GEMM2 [HID
 
 
 def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", tile_pass: str = "full", out_fmt: str = "bf16",
-                 dest: int = 0, persist: bool = False):
+                 dest: int = 0, persist: bool = False, dest_align: int = 16):
     """triton.compile of gemm1_swiglu_kernel / gemm2_weighted_kernel with the frag or split decoder
     (both read bf16 A gathered by gather.py) or frag8 (e4m3 A), as the provider launches them (DSV4-Pro
     K: 7168 for GEMM1, 3072 for GEMM2; divisibility 16 hints). out_fmt: what GEMM2 stores ("f32", or
     the combine wire "bf16" (the layer's default) / "fp8"); dest: GEMM2's DEST mode (0 pair order, 1 a
-    table, 2 a base per segment); persist: the persistent launch over live tiles (experts/live.py)."""
+    table, 2 a base per segment); dest_align: DEST 2's promised alignment in bytes (the P2P forward's:
+    16 at DSV4-Pro shapes, SegmentDest.align); persist: the persistent launch over live tiles (experts/live.py)."""
     from megamoe_backend.experts.triton.config import reduction_block
     from megamoe_backend.experts.triton.gemm1 import gemm1_swiglu_kernel
     from megamoe_backend.experts.triton.gemm2 import gemm2_weighted_kernel
@@ -70,7 +71,7 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
         const = dict(W_FMT="mxfp4", A_FMT="fp8" if decoder == "frag8" else "bf16", DECODE=decoder, USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
                      BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False, TAIL_M=cfg.tail_m, PASS=tile_pass,
                      TAIL_RIDE=cfg.tail_ride, OUT_FMT=out_fmt, W_FULL=whole_weight_tiles(HIDDEN, cfg.block_n2),
-                     DEST=int(dest), PERSIST=persist)
+                     DEST=int(dest), PERSIST=persist, DEST_ALIGN=dest_align if dest == 2 else 1)
         sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "N"}
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -169,12 +170,15 @@ def full_wgmma_waits(loop: list[str]) -> int:
     return sum("DEPBAR.LE gsb0, 0x0" in x for x in loop)
 
 
-def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_fmt: str = "bf16", persist: bool = False) -> dict:
+def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_fmt: str = "bf16", persist: bool = False,
+           dest: int | None = None) -> dict:
     """tile_pass: the launch compiled ("full"; "ride" = full tiles carrying a tail rider, TileConfig.tail_ride);
     out_fmt: GEMM2's output (compile_gemm); persist: the EP forward's persistent launch over live tiles
-    (GEMM2 writing through a destination per segment, DEST 2), as the P2P forward runs it without a bound."""
+    (GEMM2 writing through a destination per segment, DEST 2), as the P2P forward runs it without a bound;
+    dest: GEMM2's DEST mode if not that default (2 with a tile grid: the P2P forward with a bound)."""
+    dest = (2 if persist and which == "gemm2" else 0) if dest is None else dest
     sass, info = machine_code(compile_gemm(which, cfg, decoder, tile_pass=tile_pass, out_fmt=out_fmt,
-                                           dest=2 if persist and which == "gemm2" else 0, persist=persist))
+                                           dest=dest, persist=persist))
     loop = _k_loop(sass)
     ops = collections.Counter()
     for line in loop:
@@ -193,6 +197,7 @@ def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_
         "pass": tile_pass,
         "persist": persist,
         "out": out_fmt if which == "gemm2" else "",
+        "dest": dest if which == "gemm2" else 0,
         "config": [cfg.block_m, cfg.block_n1 if which == "gemm1" else cfg.block_n2, cfg.block_k, cfg.num_warps, cfg.num_stages],
         "registers": registers_used(info),
         "spill_bytes": sum(spills),
@@ -222,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     # ... and the persistent launches of the EP forward without a bound (frag8: MX activations)
     rows += [report(which, cfg, "frag8", p, persist=True) for _, cfg in FRAG8_BUCKETS for p in tile_passes(cfg, "frag8")
              for which in ("gemm1", "gemm2")]
+    # ... and GEMM2 as the P2P forward runs it into the combine regions: with a bound (tile grid) on either
+    # combine wire, without one (persistent) on the fp8 one (bf16 is above)
+    rows += [report("gemm2", cfg, "frag8", p, out_fmt=out, persist=persist, dest=2) for _, cfg in FRAG8_BUCKETS
+             for p in tile_passes(cfg, "frag8") for out, persist in (("bf16", False), ("fp8", False), ("fp8", True))]
     for r in rows:
         print(json.dumps(r), flush=True)
     if args.json:

@@ -15,7 +15,8 @@ loop over the live work only, so a forward costs what its live rows cost whateve
 ``SegmentDest`` where GEMM2 writes pair q's combine row: byte ``base[q // seg_pairs] + (q %
                seg_pairs) * row_bytes`` from the output base (the source rank's combine region): the
                destination table as an affine map per segment, so nothing is written per pair to
-               build it. The experts know segments, never ranks.
+               build it. The experts know segments, never ranks. ``align``: what the bases and the
+               row stride are multiples of, so GEMM2 can store whole 16-byte vectors.
 """
 
 from __future__ import annotations
@@ -41,3 +42,7 @@ class SegmentDest:
     base: torch.Tensor  # int64 [n_seg]: byte offset (from the output base) of segment s's first row
     seg_pairs: int  # pairs per segment
     row_bytes: int  # bytes between consecutive pairs' rows of a segment
+    # bytes every base and row_bytes are a multiple of (a power of two): the caller's promise, since the
+    # bases are on the device (the P2P forward's combine regions start on the arena's ALIGN). GEMM2 then
+    # stores 16-byte vectors instead of one element per 64-bit address (gemm2._row_offsets)
+    align: int = 1

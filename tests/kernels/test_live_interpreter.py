@@ -11,6 +11,8 @@ the gates for A8W4 / A4W4. The same on an H200 with graphs and timing: tests/ker
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -100,7 +102,8 @@ def test_experts_over_live_rows_write_the_live_pairs_only(combine):
     seg_pairs = seg_rows * K
     base_rows = torch.tensor([(len(counts) - 1 - s) * (seg_pairs + 2) for s in range(len(counts))])
     base = torch.full(((seg_pairs + 2) * len(counts), width), 0xAB, dtype=torch.uint8)
-    dest = SegmentDest(base_rows * width, seg_pairs, width)
+    # the bases are multiples of the row width: the alignment GEMM2 may assume (SegmentDest.align)
+    dest = SegmentDest(base_rows * width, seg_pairs, width, align=math.gcd(width, 16))
     provider.forward_wire(rows, pairs, weights, plan.math, wire, out=base, dest=dest,
                           live=LiveRows(torch.tensor(counts), seg_rows))
     q = torch.arange(p)
@@ -110,6 +113,26 @@ def test_experts_over_live_rows_write_the_live_pairs_only(combine):
     written = torch.zeros(base.shape[0], dtype=torch.bool)
     written[at[ran]] = True
     assert (base[~written] == 0xAB).all()  # stale pairs (past a live head) and pairs not here: nothing written
+
+
+@pytest.mark.parametrize("bad", ["not a power of two", "not dividing the row stride"])
+def test_a_destination_alignment_the_rows_do_not_have_is_refused(bad):
+    """SegmentDest.align lets GEMM2 store 16-byte vectors; a value that is not a power of two or does
+    not divide the row stride is refused on the host, naming it, before anything is launched."""
+    problem, rows = _a8w4_rows(8, seed=5)
+    plan = build_plan(SPEC, Knobs(dispatch_wire="fp8"), quant="a8w4")
+    provider = TritonExperts()
+    weights = provider.prepare_weights(problem.expert_weights("a8w4"), plan.math)
+    width = plan.combine.row_bytes(H)
+    slot, _ = _region(8, (8,), SPEC.n_routed_experts, torch.Generator().manual_seed(1))
+    pairs = ExpertPairs(row=torch.arange(slot.numel()) // K, slot=slot, weight=torch.ones(slot.numel()))
+    base = torch.full((slot.numel(), width), 0xAB, dtype=torch.uint8)
+    align = 3 if bad == "not a power of two" else 2 * (width & -width)  # twice the largest power of two dividing it
+    with pytest.raises(ValueError, match="dest.align"):
+        provider.forward_wire(rows, pairs, weights, plan.math, plan.combine, out=base,
+                              dest=SegmentDest(torch.zeros(1, dtype=torch.int64), slot.numel(), width, align=align),
+                              live=LiveRows(torch.tensor([8]), 8))
+    assert (base == 0xAB).all()
 
 
 def _unbounded_forwards(counts_list, seed, scratch=None):

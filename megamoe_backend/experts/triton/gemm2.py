@@ -31,10 +31,11 @@ def gemm2_weighted_kernel(
     W_FMT: tl.constexpr, A_FMT: tl.constexpr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     F32_DOT: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr, TAIL_RIDE: tl.constexpr, OUT_FMT: tl.constexpr,
-    W_FULL: tl.constexpr, DEST: tl.constexpr = 0, PERSIST: tl.constexpr = False,
+    W_FULL: tl.constexpr, DEST: tl.constexpr = 0, PERSIST: tl.constexpr = False, DEST_ALIGN: tl.constexpr = 1,
 ):
     """One tile per program, or PERSIST: a fixed grid claiming the live tiles (live_tiles_ptr) in order (claim_ptr).
-    DEST: 0 rows at their pair index, 1 a destination table, 2 a destination per segment (_row_offsets)."""
+    DEST: 0 rows at their pair index, 1 a destination table, 2 a destination per segment (_row_offsets);
+    DEST_ALIGN: bytes every DEST 2 row offset is a multiple of (SegmentDest.align)."""
     assume_k_loop_runs(K, BK)
     BM_RUN: tl.constexpr = TAIL_M if PASS == "short" else BM  # the short launch runs its tiles' first TAIL_M rows
     RIDE: tl.constexpr = TAIL_M if PASS == "ride" else 0  # rows of the next (short) tile run in this tile's loop
@@ -48,7 +49,7 @@ def gemm2_weighted_kernel(
                     expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
                     w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr,
                     stride_om, dest_ptr, seg_pairs, seg_row_bytes, K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK,
-                    F32_DOT, RIDE, OUT_FMT, W_FULL, DEST,
+                    F32_DOT, RIDE, OUT_FMT, W_FULL, DEST, DEST_ALIGN,
                 )
             item = next_item(claim_ptr)
         release_claims(claim_ptr, end)
@@ -60,7 +61,7 @@ def gemm2_weighted_kernel(
                 expert, row0, pid_n, sorted_pair_ptr, route_w_ptr, a_ptr, stride_am, as_ptr, stride_asm,
                 w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr,
                 stride_om, dest_ptr, seg_pairs, seg_row_bytes, K, N, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM_RUN, BK,
-                F32_DOT, RIDE, OUT_FMT, W_FULL, DEST,
+                F32_DOT, RIDE, OUT_FMT, W_FULL, DEST, DEST_ALIGN,
             )
 
 
@@ -70,7 +71,7 @@ def _gemm2_tile(
     w_ptr, stride_we, stride_wn, ws_ptr, stride_wse, stride_wsn, wrs_ptr, stride_wrse, ars_ptr, out_ptr, stride_om, dest_ptr,
     seg_pairs, seg_row_bytes, K, N, W_FMT: tl.constexpr, A_FMT: tl.constexpr, DECODE: tl.constexpr, USE_ASM: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr, RIDE: tl.constexpr, OUT_FMT: tl.constexpr,
-    W_FULL: tl.constexpr, DEST: tl.constexpr,
+    W_FULL: tl.constexpr, DEST: tl.constexpr, DEST_ALIGN: tl.constexpr,
 ):
     """One BN x BM output tile (BM: the tile height, or TAIL_M for a short tile's first rows), and with
     RIDE > 0 the first RIDE rows of the next tile as a rider (frag decoders only)."""
@@ -96,31 +97,40 @@ def _gemm2_tile(
             K, W_FMT, A_FMT, DECODE, USE_ASM, BN, BM, BK, F32_DOT,
         )
     _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, seg_pairs, seg_row_bytes, N, BN, OUT_FMT,
-                 USE_ASM, DEST)
+                 USE_ASM, DEST, DEST_ALIGN)
     if RIDE > 0:
         _gemm2_store(acc_r, r_pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, seg_pairs, seg_row_bytes, N, BN,
-                     OUT_FMT, USE_ASM, DEST)
+                     OUT_FMT, USE_ASM, DEST, DEST_ALIGN)
 
 
 @triton.jit
-def _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST: tl.constexpr, SHIFT: tl.constexpr):
+def _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST: tl.constexpr, SHIFT: tl.constexpr,
+                 DEST_ALIGN: tl.constexpr = 1):
     """Where each pair's row starts, in elements of ``out``: at its pair index (``pair * stride_om``),
     or where the caller says, in int64 byte offsets from ``out`` (e.g. the source rank's combine
     region in a peer arena; the kernel knows no ranks): DEST 1 a table per pair, DEST 2 one base per
-    segment of seg_pairs pairs, rows seg_row_bytes apart (experts/live.py SegmentDest)."""
+    segment of seg_pairs pairs, rows seg_row_bytes apart (experts/live.py SegmentDest).
+
+    DEST 2 offsets come from a load, so the compiler cannot see their alignment: without DEST_ALIGN it
+    stores element by element with a 64-bit address each, which spilled GEMM2's epilogue (sm_90a, mid
+    tile: 4512 bytes); with the caller's promise (SegmentDest.align) the stores are 16-byte vectors, as
+    at a pair index."""
     if DEST == 1:
         return tl.load(dest_ptr + pair, mask=valid, other=0) >> SHIFT
     elif DEST == 2:  # int32 division (pair indices fit): a 64-bit one is a long emulated sequence per row
         seg = pair // seg_pairs
         within = (pair - seg * seg_pairs).to(tl.int64)
-        return (tl.load(dest_ptr + seg, mask=valid, other=0) + within * seg_row_bytes) >> SHIFT
+        ro = (tl.load(dest_ptr + seg, mask=valid, other=0) + within * seg_row_bytes) >> SHIFT
+        if (DEST_ALIGN >> SHIFT) > 1:
+            ro = tl.multiple_of(ro, DEST_ALIGN >> SHIFT)
+        return ro
     else:
         return pair.to(tl.int64) * stride_om
 
 
 @triton.jit
 def _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, seg_pairs, seg_row_bytes, N, BN: tl.constexpr,
-                 OUT_FMT: tl.constexpr, HW_CVT: tl.constexpr, DEST: tl.constexpr):
+                 OUT_FMT: tl.constexpr, HW_CVT: tl.constexpr, DEST: tl.constexpr, DEST_ALIGN: tl.constexpr = 1):
     """acc [BN, rows] x each row's route weight -> rows of ``out`` at the pairs' indices (padding: -1,
     skipped): fp32, or the combine wire row (OUT_FMT "bf16" / "fp8", module docstring)."""
     valid = pair >= 0
@@ -129,10 +139,10 @@ def _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, se
     n = pid_n * BN + tl.arange(0, BN)
     mask = valid[None, :] & (n < N)[:, None]
     if OUT_FMT == "f32":
-        ro = _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST, 2)[None, :]
+        ro = _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST, 2, DEST_ALIGN)[None, :]
         tl.store(out_ptr + ro + n[:, None], out, mask=mask)
     elif OUT_FMT == "bf16":  # integer RNE (the interpreter truncates fp32 -> bf16 casts), then an exact cast
-        ro = _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST, 1)[None, :]
+        ro = _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST, 1, DEST_ALIGN)[None, :]
         tl.store(out_ptr + ro + n[:, None], round_bf16(out).to(tl.bfloat16), mask=mask)
     else:
         tl.static_assert(OUT_FMT == "fp8", "OUT_FMT must be f32, bf16 or fp8")
@@ -140,28 +150,32 @@ def _gemm2_store(acc, pair, pid_n, route_w_ptr, out_ptr, stride_om, dest_ptr, se
         rows: tl.constexpr = acc.shape[1]
         # a destination's row offsets (a load, a division) once, in the pairs' own layout; the plain pair
         # index (DEST 0, one multiply) is cheaper recomputed in each half's layout (ep_size 1: measured)
-        ro = _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST, 0) if DEST else pair
+        ro = _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DEST, 0, DEST_ALIGN) if DEST else pair
         if rows >= 32:  # even / odd token columns apart (in-thread pairs of the MMA layout): half the transpose at a time
             ev, od = tl.split(tl.reshape(out, [BN, rows // 2, 2]))
             pe, po = tl.split(tl.reshape(pair, [rows // 2, 2]))
             re, rod = tl.split(tl.reshape(ro, [rows // 2, 2]))
-            _store_fp8_rows(ev, pe, re, pid_n, out_ptr, stride_om, N, BN, HW_CVT, DEST)
-            _store_fp8_rows(od, po, rod, pid_n, out_ptr, stride_om, N, BN, HW_CVT, DEST)
+            _store_fp8_rows(ev, pe, re, pid_n, out_ptr, stride_om, N, BN, HW_CVT, DEST, DEST_ALIGN)
+            _store_fp8_rows(od, po, rod, pid_n, out_ptr, stride_om, N, BN, HW_CVT, DEST, DEST_ALIGN)
         else:
-            _store_fp8_rows(out, pair, ro, pid_n, out_ptr, stride_om, N, BN, HW_CVT, DEST)
+            _store_fp8_rows(out, pair, ro, pid_n, out_ptr, stride_om, N, BN, HW_CVT, DEST, DEST_ALIGN)
 
 
 @triton.jit
 def _store_fp8_rows(out, pair, row_offset, pid_n, out_ptr, stride_om, N, BN: tl.constexpr, HW_CVT: tl.constexpr,
-                    DEST: tl.constexpr):
+                    DEST: tl.constexpr, DEST_ALIGN: tl.constexpr = 1):
     """out [BN, rows] (route-weighted) -> fp8_blockwise_1x32 wire rows at ``row_offset`` (bytes, _row_offsets),
-    or with DEST 0 at the pairs' indices."""
+    or with DEST 0 at the pairs' indices. The split into even / odd rows loses what _row_offsets told the
+    compiler of their alignment, so it is said again here (DEST_ALIGN)."""
     rows: tl.constexpr = out.shape[1]
     n = pid_n * BN + tl.arange(0, BN)
     valid = pair >= 0
     payload, scales = quantize_blocks(tl.reshape(tl.trans(out), [rows * (BN // 32), 32]), "fp8", HW_CVT)
     if DEST:
-        ro = row_offset[:, None]
+        ro = row_offset
+        if DEST == 2 and DEST_ALIGN > 1:  # the compiler ignores multiple_of on a split's result; it sees this
+            ro = ro // DEST_ALIGN * DEST_ALIGN
+        ro = ro[:, None]
     else:
         ro = pair.to(tl.int64)[:, None] * stride_om
     tl.store(out_ptr + ro + n[None, :], tl.reshape(payload, [rows, BN]), mask=valid[:, None] & (n < N)[None, :])

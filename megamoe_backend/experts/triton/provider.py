@@ -290,7 +290,7 @@ class TritonExperts(ExpertsProvider):
             a_data = a_scale = a_split
         w1s = weights.w1_scale if weights.fmt == "mxfp4" else weights.w1
         w2s = weights.w2_scale if weights.fmt == "mxfp4" else weights.w2
-        dest_mode, dest_ptr, seg_pairs, seg_row_bytes = _dest_args(dest, pairs)
+        dest_mode, dest_ptr, seg_pairs, seg_row_bytes, dest_align = _dest_args(dest, pairs)
         limit = math.swiglu_limit
         for cfg, active in candidates:
             if mode == "frag8":  # hidden / intermediate % 128 == 0: checked when the weights were re-laid
@@ -359,7 +359,7 @@ class TritonExperts(ExpertsProvider):
                     out, out.stride(0) if dest is None else 0, dest_ptr, seg_pairs, seg_row_bytes,
                     inter, hidden,
                     W_FMT=weights.fmt, A_FMT=a2_fmt, BN=cfg.block_n2, BK=bk2, PASS=tile_pass, OUT_FMT=out_fmt,
-                    W_FULL=whole_weight_tiles(hidden, cfg.block_n2), DEST=dest_mode, **common,
+                    W_FULL=whole_weight_tiles(hidden, cfg.block_n2), DEST=dest_mode, DEST_ALIGN=dest_align, **common,
                     **_register_cap(cfg, tile_pass, persist),
                 )
         return out
@@ -418,19 +418,24 @@ def _check_dest(dest: torch.Tensor | SegmentDest, out: torch.Tensor | None, pair
                              f"{tuple(base.shape)} {base.dtype} on {base.device}")
         if dest.seg_pairs < 1 or base.shape[0] * dest.seg_pairs < pairs:
             raise ValueError(f"dest: {base.shape[0]} segments of {dest.seg_pairs} pairs do not cover the {pairs} pairs")
+        if dest.align < 1 or dest.align & (dest.align - 1) or dest.row_bytes % dest.align:
+            raise ValueError(f"dest.align={dest.align} must be a power of two dividing dest.row_bytes={dest.row_bytes}")
         return
     if dest.dtype != torch.int64 or tuple(dest.shape) != (pairs,) or not dest.is_contiguous() or dest.device != device:
         raise ValueError(f"dest: expected contiguous int64 [{pairs}] byte offsets on {device}, got "
                          f"{tuple(dest.shape)} {dest.dtype} on {dest.device}")
 
 
-def _dest_args(dest, pairs: ExpertPairs) -> tuple[int, torch.Tensor, int, int]:
-    """GEMM2's (DEST mode, pointer, seg_pairs, seg_row_bytes) for a destination (gemm2._row_offsets)."""
+DEST_VECTOR_BYTES = 16  # the widest store GEMM2's epilogue issues: alignment beyond it buys nothing
+
+
+def _dest_args(dest, pairs: ExpertPairs) -> tuple[int, torch.Tensor, int, int, int]:
+    """GEMM2's (DEST mode, pointer, seg_pairs, seg_row_bytes, DEST_ALIGN) for a destination (gemm2._row_offsets)."""
     if dest is None:
-        return 0, pairs.row, 1, 0
+        return 0, pairs.row, 1, 0, 1
     if isinstance(dest, SegmentDest):
-        return 2, dest.base, dest.seg_pairs, dest.row_bytes
-    return 1, dest, 1, 0
+        return 2, dest.base, dest.seg_pairs, dest.row_bytes, min(dest.align, DEST_VECTOR_BYTES)
+    return 1, dest, 1, 0, 1
 
 
 def _check_live(live: LiveRows, x, pairs: int, device: torch.device) -> None:

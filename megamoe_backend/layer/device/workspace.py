@@ -22,6 +22,8 @@ owners' arenas (transport/peer_arena.py), the combine rows come back into this r
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...experts.scratch import ExpertsScratch
@@ -93,7 +95,7 @@ class P2PWorkspace(_Workspace):
 
     def __init__(self, plan: LayerPlan, group, device: torch.device, timeout_s: float) -> None:
         from ...transport.handshake import handshake
-        from ...transport.peer_arena import ArenaLayout, make_arena
+        from ...transport.peer_arena import ALIGN, ArenaLayout, make_arena
         from .p2p import wait_budget
 
         super().__init__(plan, device)
@@ -113,6 +115,9 @@ class P2PWorkspace(_Workspace):
         self.pair_row = torch.arange(pairs, dtype=torch.int64, device=self.device) // self.topk
         self.recv_tokens = self.arena.view(lay.header + self.ep * 8, self.ep, torch.int64)
         self.combine_base = self.arena.peer_offsets + lay.combine
+        # every arena and region starts on ALIGN bytes (PeerArena checks the peers' offsets), so with the row
+        # stride this is what GEMM2's destination may promise (SegmentDest.align: 16-byte vector stores)
+        self.combine_align = math.gcd(ALIGN, lay.comb_bytes)
         self.pair_live = torch.full((self.mtpr * self.topk,), -1, dtype=torch.int64, device=self.device)
         self.epochs = torch.zeros(2, dtype=torch.int64, device=self.device)
         self.timeout_s = timeout_s

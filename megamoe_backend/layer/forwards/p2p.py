@@ -81,7 +81,7 @@ class P2PForward(WorkspaceForward):
         pairs = ExpertPairs(row=ws.pair_row[:n_pairs], slot=ws.recv_slot[:n_pairs], weight=ws.recv_weight[:n_pairs])
         live = LiveRows(ws.recv_tokens, rows, config_pairs=None if max_tokens_across_ranks is None else rows * k)
         # GEMM2 writes each received pair's row into its source rank's combine region
-        dest = SegmentDest(ws.combine_base, rows * k, ws.layout.comb_bytes)
+        dest = SegmentDest(ws.combine_base, rows * k, ws.layout.comb_bytes, align=ws.combine_align)
         self.provider.forward_wire(ws.wire.view(ws.recv_rows[:n_recv], hidden), pairs, self.weights, plan.math, plan.combine,
                                    out=ws.arena.local, dest=dest, live=live,
                                    scratch=ws.scratch)
