@@ -120,12 +120,20 @@ def _row_offsets(pair, valid, stride_om, dest_ptr, seg_pairs, seg_row_bytes, DES
     elif DEST == 2:  # int32 division (pair indices fit): a 64-bit one is a long emulated sequence per row
         seg = pair // seg_pairs
         within = (pair - seg * seg_pairs).to(tl.int64)
-        ro = (tl.load(dest_ptr + seg, mask=valid, other=0) + within * seg_row_bytes) >> SHIFT
-        if (DEST_ALIGN >> SHIFT) > 1:
-            ro = tl.multiple_of(ro, DEST_ALIGN >> SHIFT)
-        return ro
+        return _known_multiple((tl.load(dest_ptr + seg, mask=valid, other=0) + within * seg_row_bytes) >> SHIFT,
+                               DEST_ALIGN >> SHIFT)
     else:
         return pair.to(tl.int64) * stride_om
+
+
+@triton.jit
+def _known_multiple(x, M: tl.constexpr):
+    """``x`` (whose values are multiples of M, a power of two) written so the compiler sees it: a multiply
+    by a constant survives its alignment analysis through reshape / split, where tl.multiple_of on a
+    split's result is dropped (the fp8 wire stores its even / odd rows apart)."""
+    if M > 1:
+        return x // M * M
+    return x
 
 
 @triton.jit
@@ -166,16 +174,13 @@ def _store_fp8_rows(out, pair, row_offset, pid_n, out_ptr, stride_om, N, BN: tl.
                     DEST: tl.constexpr, DEST_ALIGN: tl.constexpr = 1):
     """out [BN, rows] (route-weighted) -> fp8_blockwise_1x32 wire rows at ``row_offset`` (bytes, _row_offsets),
     or with DEST 0 at the pairs' indices. The split into even / odd rows loses what _row_offsets told the
-    compiler of their alignment, so it is said again here (DEST_ALIGN)."""
+    compiler of their alignment, so it is said again here (DEST_ALIGN, _known_multiple)."""
     rows: tl.constexpr = out.shape[1]
     n = pid_n * BN + tl.arange(0, BN)
     valid = pair >= 0
     payload, scales = quantize_blocks(tl.reshape(tl.trans(out), [rows * (BN // 32), 32]), "fp8", HW_CVT)
     if DEST:
-        ro = row_offset
-        if DEST == 2 and DEST_ALIGN > 1:  # the compiler ignores multiple_of on a split's result; it sees this
-            ro = ro // DEST_ALIGN * DEST_ALIGN
-        ro = ro[:, None]
+        ro = (_known_multiple(row_offset, DEST_ALIGN) if DEST == 2 else row_offset)[:, None]
     else:
         ro = pair.to(tl.int64)[:, None] * stride_om
     tl.store(out_ptr + ro + n[None, :], tl.reshape(payload, [rows, BN]), mask=valid[:, None] & (n < N)[None, :])
