@@ -9,7 +9,8 @@ What is shown, DSV4-Pro hidden / intermediate, 16 experts over EP 2 and 4, uneve
   one forward has run, allocate nothing but their outputs (CUDA allocator statistics);
 - the whole emulated step (every rank, in turn) captured in ONE CUDA graph and replayed with new
   tokens and routing equals eager bit for bit;
-- a bad expert id is raised on its rank only.
+- a bad expert id is raised on its rank only;
+- 1100 and 40 tokens per rank: the dispatch's wider pieces give the narrow pieces' bits.
 Per-rank speed: ``megamoe bench layer --ep N --emulate`` (benchmarks/results/h200_layer_ep_emulated.json).
 """
 
@@ -65,9 +66,9 @@ def inputs_for(tokens, seed, masked=0.2):
     return out
 
 
-def emulated(world, case, weights):
+def emulated(world, case, weights, mtpr=MTPR):
     quant, wire, combine = case
-    knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=MTPR, transport="ipc")
+    knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, transport="ipc")
     plans = [build_plan(SPEC, knobs, r, world, quant=quant, device_type="cuda") for r in range(world)]
     full = weights[1] if quant == "bf16" else weights[0]
     return EmulatedEP(world, plans.__getitem__, lambda r: local_weights(full, plans[r].placement, r), torch.device("cuda"))
@@ -110,6 +111,27 @@ def test_emulated_ep_equals_ep1_bound_or_not(world, case, weights):
     assert torch.equal(bounded.view(torch.int16), want.view(torch.int16)), case
     assert torch.equal(unbounded.view(torch.int16), want.view(torch.int16)), case
     assert rel_l2(bounded.float(), fp32) < GATES[case[0]]
+
+
+@pytest.mark.parametrize("case", CASES[1:4], ids=["-".join(c) for c in CASES[1:4]])
+def test_prefill_sized_dispatch_in_wider_pieces_equals_narrow_pieces(case, weights, monkeypatch):
+    """1100 and 40 tokens: the ranks dispatch in pieces of 64 and 16 blocks (layer/device/p2p.py
+    blocks_per_program), not the decode steps' 8; the same forward with the pieces held at 8 must
+    give the same bits, and both hold the gate."""
+    from megamoe_backend.layer.device import p2p
+
+    tokens = (1100, 40)
+    assert [p2p.blocks_per_program(t, SPEC.hidden_size) for t in tokens] == [64, 16]
+    emu = emulated(2, case, weights, mtpr=1100)
+    inputs = inputs_for(tokens, seed=11)
+    wide = torch.cat(emu.forward(inputs, max(tokens)))
+    monkeypatch.setattr(p2p, "PIECE_BLOCKS", (8,))
+    narrow = torch.cat(emu.forward(inputs, max(tokens)))
+    emu.raise_if_bad_input()
+    assert torch.equal(wide.view(torch.int16), narrow.view(torch.int16)), case
+    x, ids, w = (torch.cat([i[j] for i in inputs]) for j in range(3))
+    fp32 = fp32_reference_moe(x, ids, w, weights[1].w1.float(), weights[1].w2.float(), "interleaved", SPEC.swiglu_limit)
+    assert rel_l2(wide.float(), fp32) < GATES[case[0]]
 
 
 @pytest.mark.parametrize("bounded", [True, False], ids=["bound", "no-bound"])

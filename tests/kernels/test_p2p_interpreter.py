@@ -76,9 +76,12 @@ def reference_dispatch(x, ids, weights, owner, slot, fmt, rows_per_src, arenas):
     return expect, lay
 
 
-# hidden 640: 20 blocks of 32, three pieces of a row per token (the last one partial)
-@pytest.mark.parametrize("fmt,hidden", [("bf16", H), ("fp8", H), ("fp4", H), ("bf16", 640), ("fp8", 640), ("fp4", 640)])
-def test_dispatch_kernel_writes_rows_entries_and_tables(fmt, hidden):
+# hidden 640: 20 blocks of 32, three pieces of a row per token (the last one partial); prefill's wider
+# pieces: 16 blocks (two pieces, the last partial), 32 and 64 (one piece, 12 / 44 blocks masked)
+@pytest.mark.parametrize("fmt,hidden,blocks", [("bf16", H, None), ("fp8", H, None), ("fp4", H, None), ("bf16", 640, None),
+                                               ("fp8", 640, None), ("fp4", 640, None), ("fp8", 640, 16), ("fp4", 640, 32),
+                                               ("bf16", 640, 32), ("fp8", 640, 64)])
+def test_dispatch_kernel_writes_rows_entries_and_tables(fmt, hidden, blocks):
     g = torch.Generator().manual_seed(5)
     t, rows_per_src = 5, 8
     x = torch.randn(t, hidden, generator=g).to(torch.bfloat16)
@@ -93,7 +96,8 @@ def test_dispatch_kernel_writes_rows_entries_and_tables(fmt, hidden):
     me = 1
     pair_live = torch.full((8 * K,), 77, dtype=torch.int64)
     status = InputStatus(torch.device("cpu"), 8)
-    p2p.dispatch(x, ids, weights, owner, slot, rows_per_src, arenas[me], fmt, hidden, pair_live, status.word, 0)
+    p2p.dispatch(x, ids, weights, owner, slot, rows_per_src, arenas[me], fmt, hidden, pair_live, status.word, 0,
+                 blocks=blocks)
     assert status.word.tolist() == [0, 0, 0, 0]
     expect, lay = reference_dispatch(x, ids, weights, owner, slot, fmt, rows_per_src, arenas)
     for r, arena in enumerate(arenas):
@@ -114,6 +118,20 @@ def test_dispatch_kernel_writes_rows_entries_and_tables(fmt, hidden):
     known = (ids >= 0) & (ids < 8)
     assert torch.equal(pair_live[: t * K], torch.where(known, owner[torch.where(known, ids, 0)], -1).view(-1))
     assert torch.equal(pair_live[t * K :], torch.full((8 * K - t * K,), 77))  # past T: untouched
+
+
+def test_dispatch_pieces_widen_only_at_prefill_sizes():
+    """Decode keeps 256-column pieces (many programs for few rows); prefill widens them while
+    MIN_PROGRAMS programs remain; a width that is no power of two is refused."""
+    assert [p2p.blocks_per_program(t, 7168) for t in (0, 1, 8, 36, 37, 73, 74, 127, 128, 8192)] == \
+        [8, 8, 8, 8, 16, 16, 32, 32, 64, 64]
+    for t in (1, 8, 32, 64, 128, 512, 2048, 8192):
+        b = p2p.blocks_per_program(t, 7168)
+        assert b == 8 or t * -(-224 // b) >= p2p.MIN_PROGRAMS
+    with pytest.raises(ValueError, match="blocks per program must be a power of two"):
+        p2p.dispatch(torch.zeros(1, H), torch.zeros(1, K, dtype=torch.int64), torch.zeros(1, K), torch.zeros(8, dtype=torch.int64),
+                     torch.zeros(8, dtype=torch.int64), 8, two_rank_arenas("fp8")[0], "fp8", H, torch.zeros(8 * K, dtype=torch.int64),
+                     torch.zeros(4, dtype=torch.int64), 0, blocks=24)
 
 
 def test_an_idle_rank_dispatches_its_header_only():

@@ -15,7 +15,10 @@ Dispatch, one program per (token t < T of this rank, piece of BLOCKS x 32 column
   where that rank owns none of them). Pieces, not whole rows, per program: a decode step has a
   handful of tokens, and one program quantising a 7168-wide row in 28 serial steps took 57 µs at 8
   tokens (EP 8, H200); the sender quantisation of the ep_size-1 forward is split the same way
-  (experts/triton/quant.py). Program (0, 0) writes (B, T) into every
+  (experts/triton/quant.py). At prefill sizes the same narrow pieces are the opposite problem:
+  8192 tokens x 28 pieces are 229,376 programs, each a chain of dependent loads (ids -> owners ->
+  row) for 256 columns: 545 µs at EP 8 against 93 µs of HBM traffic; so the pieces widen (up to 64
+  blocks: 184 µs) as long as MIN_PROGRAMS programs remain (:func:`blocks_per_program`). Program (0, 0) writes (B, T) into every
   rank's header: a receiver reads the first T rows of source me's region and nothing after them
   (experts/live.py LiveRows), so no stale entry of an earlier, larger batch is ever read and no
   work is spent on the rows of the region nobody sent. Also: this rank's pair_live (owner of each
@@ -46,7 +49,8 @@ from ...experts.triton.mxjit import round_bf16
 from ...experts.triton.quant import quantize_blocks
 from .status import BAD_EXPERT_ID, NONFINITE_INPUT, PEER_TIMEOUT, ROWS_MISMATCH
 
-BLOCKS = 8  # 32-element blocks quantised per program (a piece of a row: the module docstring)
+PIECE_BLOCKS = (8, 16, 32, 64)  # 32-element blocks quantised per program (a piece of a row), narrowest first
+MIN_PROGRAMS = 512  # pieces widen only while at least this many programs remain (H200: blocks_per_program)
 # the status codes as the kernels see them (a jit function reads only constexpr globals)
 _BAD_ID = tl.constexpr(BAD_EXPERT_ID)
 _NAN_ROW = tl.constexpr(NONFINITE_INPUT)
@@ -190,21 +194,43 @@ def _wait(arena_i64, ep, flags_e, header_e, rows_per_src, phase, budget, epoch, 
                 _record(status_ptr, _MISMATCH, layer_id, rows, s)
 
 
+def blocks_per_program(tokens: int, hidden: int) -> int:
+    """The widest piece of PIECE_BLOCKS that still launches MIN_PROGRAMS programs for ``tokens`` rows
+    of ``hidden`` (the narrowest when none does: a decode step spreads its few rows over the SMs).
+    A function of the host's token count, so one CUDA graph always replays one width. Measured on
+    an H200 (benchmarks/research/dispatch_pieces_ab.py, EP 8 / 2, fp8 / fp4 wire): 8 blocks is the
+    fastest or within 0.2 µs up to 32 tokens; from 128 tokens on, 64 blocks is the fastest
+    everywhere (128 tokens 10.7 -> 5.9 µs, 8192 tokens 545 -> 184 µs at EP 8, fp8)."""
+    blocks = hidden // 32
+    wide_enough = [b for b in PIECE_BLOCKS if tokens * triton.cdiv(blocks, b) >= MIN_PROGRAMS]
+    return wide_enough[-1] if wide_enough else PIECE_BLOCKS[0]
+
+
 def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor,
              rows_per_src: int, arena, fmt: str, hidden: int, pair_live: torch.Tensor, status_word: torch.Tensor,
-             layer_id: int) -> None:
-    """Launch the dispatch (module docstring); ``fmt``: the rows' format on the wire (bf16 | fp8 | fp4)."""
+             layer_id: int, blocks: int | None = None) -> None:
+    """Launch the dispatch (module docstring); ``fmt``: the rows' format on the wire (bf16 | fp8 | fp4);
+    ``blocks``: 32-element blocks per program (default :func:`blocks_per_program`; a power of two)."""
     t, k = topk_ids.shape
+    blocks = blocks or blocks_per_program(t, hidden)
+    if blocks & (blocks - 1):
+        raise ValueError(f"dispatch blocks per program must be a power of two, got {blocks}")
     lay = arena.layout
     local = arena.local
-    _dispatch_kernel[(max(t, 1), triton.cdiv(hidden // 32, BLOCKS) if t else 1)](
+    _dispatch_kernel[(max(t, 1), triton.cdiv(hidden // 32, blocks) if t else 1)](
         x, x.stride(0) if t else hidden, topk_ids, topk_weights, owner, slot, owner.shape[0], t, rows_per_src,
         arena.ep, arena.rank, local, arena.as_i16, arena.as_i64, arena.as_f32,
         arena.peer_offsets, lay.header // 8, lay.recv_rows, lay.row_bytes, lay.recv_slot // 8, lay.recv_weight // 4,
         pair_live, status_word, layer_id,
-        H=hidden, K=k, K_PAD=triton.next_power_of_2(k), FMT=fmt, BLOCKS=BLOCKS,
-        HW_CVT=x.is_cuda and not interpreting(), num_warps=4,
+        H=hidden, K=k, K_PAD=triton.next_power_of_2(k), FMT=fmt, BLOCKS=blocks,
+        HW_CVT=x.is_cuda and not interpreting(), num_warps=dispatch_warps(blocks),
     )
+
+
+def dispatch_warps(blocks: int) -> int:
+    """4 warps up to 32 blocks a program; 8 for 64, so that a thread holds the same 16 values
+    (sm_90a, bf16 wire: 64 blocks on 4 warps spilled 8 bytes; benchmarks/research/sm90a_small_kernels.py)."""
+    return 4 if blocks <= 32 else 8
 
 
 def barrier(arena, epochs: torch.Tensor, phase: int, budget: int, rows_per_src: int, status_word: torch.Tensor,
