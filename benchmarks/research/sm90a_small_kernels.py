@@ -24,7 +24,7 @@ def variants():
     """(name, kernel, argument types (default i32), constexprs, num_warps) of every launch the EP forward makes here."""
     from megamoe_backend.experts.triton.layout_kernels import CHUNK, _chunk_histogram, _scatter
     from megamoe_backend.experts.triton.quant import BLOCKS_PER_PROGRAM, _quantize_rows_kernel
-    from megamoe_backend.layer.device.p2p import PIECE_BLOCKS, _dispatch_kernel, dispatch_warps
+    from megamoe_backend.layer.device.p2p import PIECE_BLOCKS, _dispatch_kernel
 
     dispatch_types = {"x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "owner_ptr": "*i64", "slot_ptr": "*i64",
                       "arena_u8": "*u8", "arena_i16": "*i16", "arena_i64": "*i64", "arena_f32": "*fp32",
@@ -32,7 +32,7 @@ def variants():
     for fmt in ("bf16", "fp8", "fp4"):
         for blocks in PIECE_BLOCKS:
             yield (f"dispatch {fmt} x{blocks}", _dispatch_kernel, dispatch_types,
-                   dict(H=7168, K=6, K_PAD=8, FMT=fmt, BLOCKS=blocks, HW_CVT=True), dispatch_warps(blocks))
+                   dict(H=7168, K=6, K_PAD=8, FMT=fmt, BLOCKS=blocks, HW_CVT=True), 4)
     quant_types = {"x_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*u8", "status_ptr": "*i64", "live_ptr": "*i64"}
     for fmt in ("fp8", "fp4"):
         for persist in (False, True):

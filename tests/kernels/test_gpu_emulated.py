@@ -115,13 +115,13 @@ def test_emulated_ep_equals_ep1_bound_or_not(world, case, weights):
 
 @pytest.mark.parametrize("case", CASES[1:4], ids=["-".join(c) for c in CASES[1:4]])
 def test_prefill_sized_dispatch_in_wider_pieces_equals_narrow_pieces(case, weights, monkeypatch):
-    """1100 and 40 tokens: the ranks dispatch in pieces of 64 and 16 blocks (layer/device/p2p.py
+    """1100 and 40 tokens: the ranks dispatch in pieces of 32 and 16 blocks (layer/device/p2p.py
     blocks_per_program), not the decode steps' 8; the same forward with the pieces held at 8 must
     give the same bits, and both hold the gate."""
     from megamoe_backend.layer.device import p2p
 
     tokens = (1100, 40)
-    assert [p2p.blocks_per_program(t, SPEC.hidden_size) for t in tokens] == [64, 16]
+    assert [p2p.blocks_per_program(t, SPEC.hidden_size) for t in tokens] == [32, 16]
     emu = emulated(2, case, weights, mtpr=1100)
     inputs = inputs_for(tokens, seed=11)
     wide = torch.cat(emu.forward(inputs, max(tokens)))

@@ -124,7 +124,7 @@ def test_dispatch_pieces_widen_only_at_prefill_sizes():
     """Decode keeps 256-column pieces (many programs for few rows); prefill widens them while
     MIN_PROGRAMS programs remain; a width that is no power of two is refused."""
     assert [p2p.blocks_per_program(t, 7168) for t in (0, 1, 8, 36, 37, 73, 74, 127, 128, 8192)] == \
-        [8, 8, 8, 8, 16, 16, 32, 32, 64, 64]
+        [8, 8, 8, 8, 16, 16, 32, 32, 32, 32]
     for t in (1, 8, 32, 64, 128, 512, 2048, 8192):
         b = p2p.blocks_per_program(t, 7168)
         assert b == 8 or t * -(-224 // b) >= p2p.MIN_PROGRAMS

@@ -17,8 +17,8 @@ Dispatch, one program per (token t < T of this rank, piece of BLOCKS x 32 column
   tokens (EP 8, H200); the sender quantisation of the ep_size-1 forward is split the same way
   (experts/triton/quant.py). At prefill sizes the same narrow pieces are the opposite problem:
   8192 tokens x 28 pieces are 229,376 programs, each a chain of dependent loads (ids -> owners ->
-  row) for 256 columns: 545 µs at EP 8 against 93 µs of HBM traffic; so the pieces widen (up to 64
-  blocks: 184 µs) as long as MIN_PROGRAMS programs remain (:func:`blocks_per_program`). Program (0, 0) writes (B, T) into every
+  row) for 256 columns: 545 µs at EP 8 against 93 µs of HBM traffic; so the pieces widen (up to 32
+  blocks: 230 µs) as long as MIN_PROGRAMS programs remain (:func:`blocks_per_program`). Program (0, 0) writes (B, T) into every
   rank's header: a receiver reads the first T rows of source me's region and nothing after them
   (experts/live.py LiveRows), so no stale entry of an earlier, larger batch is ever read and no
   work is spent on the rows of the region nobody sent. Also: this rank's pair_live (owner of each
@@ -49,7 +49,7 @@ from ...experts.triton.mxjit import round_bf16
 from ...experts.triton.quant import quantize_blocks
 from .status import BAD_EXPERT_ID, NONFINITE_INPUT, PEER_TIMEOUT, ROWS_MISMATCH
 
-PIECE_BLOCKS = (8, 16, 32, 64)  # 32-element blocks quantised per program (a piece of a row), narrowest first
+PIECE_BLOCKS = (8, 16, 32)  # 32-element blocks quantised per program (a piece of a row), narrowest first
 MIN_PROGRAMS = 512  # pieces widen only while at least this many programs remain (H200: blocks_per_program)
 # the status codes as the kernels see them (a jit function reads only constexpr globals)
 _BAD_ID = tl.constexpr(BAD_EXPERT_ID)
@@ -199,8 +199,9 @@ def blocks_per_program(tokens: int, hidden: int) -> int:
     of ``hidden`` (the narrowest when none does: a decode step spreads its few rows over the SMs).
     A function of the host's token count, so one CUDA graph always replays one width. Measured on
     an H200 (benchmarks/research/dispatch_pieces_ab.py, EP 8 / 2, fp8 / fp4 wire): 8 blocks is the
-    fastest or within 0.2 µs up to 32 tokens; from 128 tokens on, 64 blocks is the fastest
-    everywhere (128 tokens 10.7 -> 5.9 µs, 8192 tokens 545 -> 184 µs at EP 8, fp8)."""
+    fastest or within 0.2 µs up to 32 tokens; from 128 tokens on, 32 blocks (10.7 -> 6.1 µs at 128
+    tokens, 545 -> 230 µs at 8192, EP 8, fp8). 64 blocks on 4 warps was faster at prefill sizes
+    (184 µs) but spilled on the bf16 wire (sm_90a); on 8 warps it was slower than 32 (278 µs)."""
     blocks = hidden // 32
     wide_enough = [b for b in PIECE_BLOCKS if tokens * triton.cdiv(blocks, b) >= MIN_PROGRAMS]
     return wide_enough[-1] if wide_enough else PIECE_BLOCKS[0]
@@ -223,14 +224,8 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         arena.peer_offsets, lay.header // 8, lay.recv_rows, lay.row_bytes, lay.recv_slot // 8, lay.recv_weight // 4,
         pair_live, status_word, layer_id,
         H=hidden, K=k, K_PAD=triton.next_power_of_2(k), FMT=fmt, BLOCKS=blocks,
-        HW_CVT=x.is_cuda and not interpreting(), num_warps=dispatch_warps(blocks),
+        HW_CVT=x.is_cuda and not interpreting(), num_warps=4,
     )
-
-
-def dispatch_warps(blocks: int) -> int:
-    """4 warps up to 32 blocks a program; 8 for 64, so that a thread holds the same 16 values
-    (sm_90a, bf16 wire: 64 blocks on 4 warps spilled 8 bytes; benchmarks/research/sm90a_small_kernels.py)."""
-    return 4 if blocks <= 32 else 8
 
 
 def barrier(arena, epochs: torch.Tensor, phase: int, budget: int, rows_per_src: int, status_word: torch.Tensor,
