@@ -18,9 +18,9 @@ Dispatch, one program per (token t < T of this rank, piece of BLOCKS x 32 column
   (experts/triton/quant.py). At prefill sizes the same narrow pieces are the opposite problem:
   8192 tokens x 28 pieces are 229,376 programs, each a chain of dependent loads (ids -> owners ->
   row) for 256 columns: 545 µs at EP 8 against 93 µs of HBM traffic; so the pieces widen (up to 32
-  blocks: 230 µs) as long as MIN_PROGRAMS programs remain (:func:`blocks_per_program`). Program (0, 0) writes (B, T) into every
-  rank's header: a receiver reads the first T rows of source me's region and nothing after them
-  (experts/live.py LiveRows), so no stale entry of an earlier, larger batch is ever read and no
+  blocks: 230 µs) as long as MIN_PROGRAMS programs remain (:func:`blocks_per_program`).
+  Program (0, 0) writes (B, T) into every rank's header: a receiver reads the first T rows of
+  source me's region and nothing after them (experts/live.py LiveRows), so no stale entry of an earlier, larger batch is ever read and no
   work is spent on the rows of the region nobody sent. Also: this rank's pair_live (owner of each
   pair, -1 = runs nowhere: the top-k sum skips it).
 
@@ -199,8 +199,8 @@ def blocks_per_program(tokens: int, hidden: int) -> int:
     of ``hidden`` (the narrowest when none does: a decode step spreads its few rows over the SMs).
     A function of the host's token count, so one CUDA graph always replays one width. Measured on
     an H200 (benchmarks/research/dispatch_pieces_ab.py, EP 8 / 2, fp8 / fp4 wire): 8 blocks is the
-    fastest or within 0.2 µs up to 32 tokens; from 128 tokens on, 32 blocks (10.7 -> 6.1 µs at 128
-    tokens, 545 -> 230 µs at 8192, EP 8, fp8). 64 blocks on 4 warps was faster at prefill sizes
+    fastest or within 0.2 µs up to 32 tokens; from 128 tokens on, 32 blocks is the fastest width that
+    compiles without spilling (10.7 -> 6.1 µs at 128 tokens, 545 -> 230 µs at 8192, EP 8, fp8). 64 blocks on 4 warps was faster at prefill sizes
     (184 µs) but spilled on the bf16 wire (sm_90a); on 8 warps it was slower than 32 (278 µs)."""
     blocks = hidden // 32
     wide_enough = [b for b in PIECE_BLOCKS if tokens * triton.cdiv(blocks, b) >= MIN_PROGRAMS]
