@@ -12,15 +12,11 @@ from ..knobs import KnobError
 # gfx arch -> fused MegaMoE runtime class in aiter.
 RUNTIME_BY_ARCH = {"gfx950": "MegaMoEV2", "gfx1250": "MegaMoEGfx1250"}
 
-# aiter/ops/flydsl/kernels/mega_moe/mega_moe_config.py (ROCm/aiter e4048607)
-V2_FIXED_SLOT_MAX_MTPR = 255  # FIXED_SLOT_MAX_MTPR: mtpr <= this runs the fixed-slot path
-V2_FIXED_SLOT_MAX_EXPERTS_PER_RANK = 64  # select_mega_moe_config: "fixed-slot supports at most 64"
-V2_P2P_FP8_MIN_MTPR = 1024  # above this, the MAX_MTPR_CLASS config picks p2p_quant fp8_blockwise_1x32
-V2_FIRST_NON_FIXED_MTPR = 256  # smallest power of two above V2_FIXED_SLOT_MAX_MTPR
-# aiter/ops/flydsl/kernels/flydsl_dispatch_combine_intranode_op.py (e4048607): _MAX_INTRANODE_NPES = 8
-# (line 37), enforced by _check_config (749) and FlyDSLDispatchGroupMajorOp (392); MegaMoEV2 builds
-# that intranode op, so it runs inside one node only.
-V2_MAX_WORLD_SIZE = 8
+# aiter/ops/flydsl/kernels/mega_moe/mega_moe_v2.py (ROCm/aiter 4d06fb8d). Everything its plan builder
+# decides (token buckets, fixed-slot geometries, EP and experts-per-rank limits, the P2P wire per bucket)
+# is asked of the installed aiter at start-up (rocm_probes.py), not restated here; this is the
+# constructor's own check, made before it calls the builder (and check_v2_device below its allocation):
+V2_MAX_TOPK = 16  # mega_moe_v2.py:57-58 "MegaMoEV2 topk must be in [1, 16]"
 
 # aiter/ops/flydsl/kernels/mega_moe_gfx1250/mega_moe.py (ROCm/aiter e4048607)
 GFX1250_MAX_WORLD_SIZE = 72
@@ -142,31 +138,17 @@ def check_mori_combine_kernel(combine_wire: str, kernel_type: str) -> None:
         )
 
 
-def v2_combine_wire(mtpr: int) -> str:
-    """MegaMoEV2 picks its combine (P2P) wire from max_tok_per_rank, not from a caller argument."""
-    return "fp8_blockwise_1x32" if mtpr > V2_P2P_FP8_MIN_MTPR else "bf16"
-
-
-def resolve_v2_mtpr(requested: int, experts_per_rank: int | None) -> tuple[int, list[str]]:
-    """MegaMoEV2 needs a power-of-two max_tok_per_rank; round up (never down) and say so."""
-    notes: list[str] = []
-    mtpr = next_power_of_two(requested)
-    if mtpr != requested:
-        notes.append(
-            f"MEGA_MAX_TOKENS_PER_RANK={requested} rounded up to {mtpr}: aiter MegaMoEV2 needs a power of two"
-        )
-    if (
-        experts_per_rank is not None
-        and experts_per_rank > V2_FIXED_SLOT_MAX_EXPERTS_PER_RANK
-        and mtpr <= V2_FIXED_SLOT_MAX_MTPR
-    ):
-        notes.append(
-            f"max_tok_per_rank raised {mtpr} -> {V2_FIRST_NON_FIXED_MTPR}: MegaMoEV2's fixed-slot path "
-            f"(mtpr <= {V2_FIXED_SLOT_MAX_MTPR}) supports at most {V2_FIXED_SLOT_MAX_EXPERTS_PER_RANK} experts "
-            f"per rank, this layer has {experts_per_rank}"
-        )
-        mtpr = V2_FIRST_NON_FIXED_MTPR
-    return mtpr, notes
+def check_v2_device(ep_rank: int | None, device_index: int | None) -> str | None:
+    """Why MegaMoEV2 cannot run on this process's GPU, or None: it allocates on ``cuda:<ep_rank>``
+    (4d06fb8d mega_moe_v2.py:74 ``self.dev = torch.device("cuda", rank)``; its intranode op too,
+    e4048607 flydsl_dispatch_combine_intranode_op.py:412, 555), which is this process's GPU only where the EP rank is the local device
+    index (one EP group per node, every GPU visible). Two EP groups per node, or one visible GPU
+    per process, put its buffers on another rank's GPU (or none)."""
+    if ep_rank is None or device_index is None or ep_rank == device_index:
+        return None
+    return (f"aiter MegaMoEV2 allocates on cuda:{ep_rank} (its EP rank, mega_moe_v2.py:74) but this process runs on "
+            f"cuda:{device_index}: it needs every EP rank on the GPU whose index is its rank (one EP group per node, "
+            "all GPUs visible)")
 
 
 def check_experts_divisible(num_experts: int | None, ep_size: int | None) -> int | None:

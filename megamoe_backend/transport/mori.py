@@ -32,6 +32,7 @@ import torch
 from ..formats import MX_BLOCK
 from ..knobs import KnobError
 from ..platform.rocm_rules import check_mori_combine_kernel
+from ..plan.token_bound import bound_disagreement
 from .base import DispatchHandle, DispatchResult, PeerInputError, Transport, TransportError
 from .layout import DispatchLayout
 
@@ -121,14 +122,54 @@ def apply_combine_scale_env(wire: MoriWire, env: dict | None = None) -> None:
     env[COMBINE_SCALE_DIM_ENV] = want
 
 
-def pick_kernel_type(ep_size: int, gpus_per_node: int) -> tuple[str, int]:
-    """(EpDispatchCombineKernelType name, gpu_per_node). One node -> IntraNode, else InterNodeV1."""
+# Multi-node kernel choice and launch geometry as vLLM 0.34's MoriAll2AllManager._make_all2all_kwargs
+# picks them for ``--all2all-backend mori`` (vllm/distributed/device_communicators/all2all.py:989-1020):
+# InterNodeV1LL while the per-rank token budget is at most VLLM_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD
+# (default 256, vllm/envs.py:306), InterNodeV1 above; warps per block / blocks / RDMA blocks per arch.
+INTER_LL_MAX_TOKENS = 256
+_INTRANODE_LAUNCH = (16, 80, 0)  # all2all.py:990-995
+_INTERNODE_LAUNCH = {"gfx942": (16, 32, 16), "gfx950": (8, 64, 32)}  # all2all.py:1010-1017
+
+
+@dataclass(frozen=True)
+class MoriKernel:
+    """EpDispatchCombineKernelType name, gpu_per_node and the launch geometry passed to mori's config
+    (None: mori's own default, for an arch vLLM has no numbers for)."""
+
+    kernel_type: str
+    gpu_per_node: int
+    warp_num_per_block: int | None = None
+    block_num: int | None = None
+    rdma_block_num: int | None = None
+
+    def config_fields(self) -> dict:
+        launch = dict(warp_num_per_block=self.warp_num_per_block, block_num=self.block_num, rdma_block_num=self.rdma_block_num)
+        return {k: v for k, v in launch.items() if v is not None}
+
+
+def pick_kernel(ep_size: int, gpus_per_node: int, mtpr: int, gfx_arch: str | None = None) -> MoriKernel:
+    """One node -> IntraNode; across nodes InterNodeV1LL for small token budgets, else InterNodeV1."""
     if gpus_per_node <= 0 or gpus_per_node & (gpus_per_node - 1):
         raise TransportError(f"mori needs a power-of-two gpu_per_node, got {gpus_per_node}")
     per_node = min(ep_size, gpus_per_node)
     if ep_size % per_node:
         raise TransportError(f"EP size {ep_size} is not a multiple of gpu_per_node {per_node} (mori asserts it)")
-    return ("IntraNode" if ep_size <= gpus_per_node else "InterNodeV1"), per_node
+    if ep_size <= gpus_per_node:
+        return MoriKernel("IntraNode", per_node, *_INTRANODE_LAUNCH)
+    kind = "InterNodeV1LL" if mtpr <= INTER_LL_MAX_TOKENS else "InterNodeV1"
+    return MoriKernel(kind, per_node, *_INTERNODE_LAUNCH.get(gfx_arch or "", (None, None, None)))
+
+
+def pick_kernel_type(ep_size: int, gpus_per_node: int, mtpr: int | None = None) -> tuple[str, int]:
+    """(EpDispatchCombineKernelType name, gpu_per_node); without ``mtpr`` the high-throughput choice."""
+    kernel = pick_kernel(ep_size, gpus_per_node, INTER_LL_MAX_TOKENS + 1 if mtpr is None else mtpr)
+    return kernel.kernel_type, kernel.gpu_per_node
+
+
+def _gfx_arch(device: torch.device) -> str | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return str(getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")).split(":")[0] or None
 
 
 _SHMEM_STATE: dict[str, Any] = {}  # the EP group this process's mori shmem serves (one per process)
@@ -245,17 +286,33 @@ def mori_routing(layout: DispatchLayout, experts_per_rank: int) -> tuple[torch.T
 
 
 def local_slots(recv_ids: torch.Tensor, recv_weights: torch.Tensor, rank: int, experts_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Received mori ids/weights -> (int32 local slot or -1, fp32 weight or 0), repeats dropped."""
+    """Received mori ids/weights -> (int32 local slot or -1, fp32 weight or 0), repeats dropped.
+
+    A repeated id is one expert: its first occurrence runs, with the weight of all occurrences. The
+    sender's copies of masked entries carry weight 0 and may stand before the real entry (a masked
+    k = 0 is a copy of a later id), so keeping the first occurrence's own weight would drop the real
+    one (an H200 run of the mori device forward found it: 10 % masked routes, rows off by 0.9)."""
     ids = recv_ids.to(torch.int64)
     lo = rank * experts_per_rank
     here = (ids >= lo) & (ids < lo + experts_per_rank)
+    w = recv_weights.to(torch.float32)
     k = ids.shape[1]
     if k > 1:
-        earlier = (ids.unsqueeze(2) == ids.unsqueeze(1)).tril(diagonal=-1).any(dim=2)  # [R, k]
-        here = here & ~earlier
+        same = ids.unsqueeze(2) == ids.unsqueeze(1)  # [R, k, k]
+        here = here & ~same.tril(diagonal=-1).any(dim=2)
+        w = (same.to(torch.float32) * w.unsqueeze(1)).sum(dim=2)  # each entry: its expert's whole weight
     slots = torch.where(here, ids - lo, torch.full_like(ids, -1)).to(torch.int32)
-    weights = torch.where(here, recv_weights.to(torch.float32), torch.zeros((), dtype=torch.float32, device=ids.device))
+    weights = torch.where(here, w, torch.zeros((), dtype=torch.float32, device=ids.device))
     return slots, weights
+
+
+def live_local_slots(recv_ids: torch.Tensor, recv_weights: torch.Tensor, total_recv: torch.Tensor, rank: int,
+                     experts_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``local_slots`` over mori's whole receive buffer, rows past ``total_recv`` (a device count)
+    dead (-1 / 0): what mori left there is a stale step's. Device ops, shapes fixed by the buffer."""
+    slots, weights = local_slots(recv_ids, recv_weights, rank, experts_per_rank)
+    live = (torch.arange(recv_ids.shape[0], device=recv_ids.device) < total_recv.reshape(-1)[:1].to(torch.int64)).unsqueeze(1)
+    return torch.where(live, slots, torch.full_like(slots, -1)), torch.where(live, weights, torch.zeros_like(weights))
 
 
 class MoriTransport(Transport):
@@ -264,6 +321,10 @@ class MoriTransport(Transport):
     mori's combine sums each token's rows from all ranks in-kernel, so ``reduces_in_combine`` is
     True: ``combine_reduced`` returns [T, H] sums. ``combine`` keeps the core's pair-row contract for
     the bf16 combine wire by returning each token's sum in its first pair row.
+
+    ``dispatch`` / ``combine`` serve the eager torch forward (the torch experts, an injected
+    transport): they read counts on the host. The Triton experts take the sync-free mori forward
+    (layer/forwards/mori.py), which calls ``op`` itself with ``live_local_slots``.
     """
 
     name = "mori"
@@ -279,6 +340,7 @@ class MoriTransport(Transport):
         dist: Any = None,
         mori_module: Any = None,
         all_reduce_max: Callable[[int], int] | None = None,
+        gfx_arch: str | None = None,
     ) -> None:
         mori = mori_module or importlib.import_module("mori")
         self.plan = plan
@@ -292,7 +354,8 @@ class MoriTransport(Transport):
         self.wire = MoriWire.from_knobs(plan.dispatch.name, plan.combine.name, plan.hidden)
         if gpus_per_node is None:
             gpus_per_node = torch.cuda.device_count() if torch.cuda.is_available() else 1
-        kernel_name, per_node = pick_kernel_type(self.ep_size, gpus_per_node)
+        self.kernel = pick_kernel(self.ep_size, gpus_per_node, plan.mtpr, gfx_arch or _gfx_arch(self.device))
+        kernel_name, per_node = self.kernel.kernel_type, self.kernel.gpu_per_node
         check_mori_combine_kernel(self.wire.combine_wire, kernel_name)
         self.shmem_origin = init_mori_shmem(group, self.rank, self.ep_size, shmem=getattr(mori, "shmem", None), dist=dist)
         apply_combine_scale_env(self.wire)
@@ -312,6 +375,7 @@ class MoriTransport(Transport):
             kernel_type=getattr(ops.EpDispatchCombineKernelType, kernel_name),
             gpu_per_node=per_node,
             quant_type=w.quant_type,
+            **self.kernel.config_fields(),
         )
         self.op = ops.EpDispatchCombineOp(self.config)
         self._all_reduce_max = all_reduce_max or self._torch_all_reduce_max
@@ -320,6 +384,12 @@ class MoriTransport(Transport):
             "combine=%s (quant_type=%s) mtpr=%d",
             kernel_name, per_node, w.dispatch_wire, w.data_type, w.scale_dim, w.combine_wire, w.quant_type, plan.mtpr,
         )
+
+    @property
+    def recv_capacity(self) -> int:
+        """Rows of mori's dispatch output: max_total_recv_tokens, or world_size x max_num_inp_token_per_rank."""
+        c = self.config
+        return int(getattr(c, "max_total_recv_tokens", 0) or c.world_size * c.max_num_inp_token_per_rank)
 
     def _torch_all_reduce_max(self, status: int) -> int:
         import torch.distributed as dist
@@ -330,10 +400,15 @@ class MoriTransport(Transport):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
-    def dispatch(self, token_rows: torch.Tensor, layout: DispatchLayout, status: int = 0) -> DispatchResult:
+    def dispatch(self, token_rows: torch.Tensor, layout: DispatchLayout, status: int = 0, bound: int = 0) -> DispatchResult:
         # mori has no status word: one small all-reduce makes bad input on any rank an error on all.
         if self._all_reduce_max(int(status)):
             raise PeerInputError("[megamoe] dispatch refused on every rank because one rank reported bad input")
+        # ... and two more for the token bound: every rank sees the same (max, min), so all refuse alike
+        highest, lowest = self._all_reduce_max(int(bound)), -self._all_reduce_max(-int(bound))
+        if highest != lowest:
+            detail = bound_disagreement([lowest, highest], ("lowest", "highest"))
+            raise PeerInputError(f"[megamoe] dispatch refused on every rank: {detail}")
         w = self.wire
         t = layout.num_tokens
         if t > self.plan.mtpr:

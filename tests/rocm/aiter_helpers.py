@@ -12,7 +12,7 @@ from megamoe_backend.formats.mx import MXTensor
 from megamoe_backend.knobs import Knobs
 from megamoe_backend.layer.reference import fp32_reference_moe
 from megamoe_backend.plan import build_plan
-from megamoe_backend.platform import select_backends
+from megamoe_backend.platform import MoEShape, RocmAsk, select_backends
 from megamoe_backend.spec import MoESpec
 
 H, I, E, K = 128, 128, 8, 2  # gfx1250's scale shuffle needs multiples of 128
@@ -20,24 +20,36 @@ GROUPS = {ep: FakeGroup(tuple(range(ep))) for ep in (1, 2)}  # one group object 
 GROUP = GROUPS[2]
 
 
-def make_plan(wire="fp8", combine="bf16", quant="a8w4", mtpr=512, ep=2, rank=0, limit=None, force=None, hidden=H):
-    spec = MoESpec(hidden_size=hidden, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K, quant=quant,
-                   swiglu_limit=limit)
+def make_plan(wire="fp8", combine="bf16", quant="a8w4", mtpr=512, ep=2, rank=0, limit=None, force=None, hidden=H,
+              experts=E):
+    spec = MoESpec(hidden_size=hidden, moe_intermediate_size=I, n_routed_experts=experts, num_experts_per_tok=K,
+                   quant=quant, swiglu_limit=limit)
     k = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, aiter_force_a8w4=force)
     return build_plan(spec, k, ep_rank=rank, ep_size=ep, backends=("aiter", "mori"))
 
 
-def fused(fakes, plan, facts, layer_id=0, group=None):
+def ask(plan, device_index=None) -> RocmAsk:
+    """What the layer's start-up hands selection: the model's shape and this rank (the fake aiter's
+    plan builder and mori answer the probes)."""
+    return RocmAsk(shape=MoEShape(plan.hidden, plan.spec.moe_intermediate_size, plan.topk), ep_rank=plan.ep_rank,
+                   device_index=device_index)
+
+
+def select(plan, facts, device_index=None):
+    return select_backends(facts, plan.knobs, plan.math, ep_size=plan.ep_size, num_experts=plan.placement.num_physical,
+                           rocm=ask(plan, device_index))
+
+
+def fused(fakes, plan, facts, layer_id=0, group=None, env=None):
     group = group or GROUPS[plan.ep_size]
-    sel = select_backends(facts, plan.knobs, plan.math, ep_size=plan.ep_size, num_experts=plan.placement.num_physical)
-    return AiterFusedMoE(plan, group, "cpu", selection=sel, layer_id=layer_id,
-                         dist=FakeDist(rank=plan.ep_rank, log=fakes.mori.CALL_LOG))
+    return AiterFusedMoE(plan, group, "cpu", selection=select(plan, facts), layer_id=layer_id,
+                         dist=FakeDist(rank=plan.ep_rank, log=fakes.mori.CALL_LOG), env=env, hip=fakes.hip)
 
 
-def layer_weights(seed, ep=2):
+def layer_weights(seed, ep=2, experts=E):
     g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(E // ep, 2 * I, H, generator=g) * H ** -0.5
-    w2 = torch.randn(E // ep, H, I, generator=g) * I ** -0.5
+    w1 = torch.randn(experts // ep, 2 * I, H, generator=g) * H ** -0.5
+    w2 = torch.randn(experts // ep, H, I, generator=g) * I ** -0.5
     return quantize_expert_weights(w1, w2, "mxfp4", gate_up_layout="interleaved")
 
 
@@ -58,11 +70,15 @@ def calls(log, name):
 
 
 def on_arch(fakes, monkeypatch, arch: str):
-    """Fake aiter on ``arch``; on gfx1250 with AITER_FORCE_A8W4=1 (its fused path runs A8W4 only) and
-    the MegaMoEGfx1250 that has dispatch_wire / combine_quant (yhl-amd/aiter 22f2e2dc)."""
+    """Fake aiter on ``arch``; on gfx1250 with AITER_FORCE_A8W4=1 (its fused path runs A8W4 only), the
+    MegaMoEGfx1250 that has dispatch_wire / combine_quant (yhl-amd/aiter 22f2e2dc) and a mori whose
+    dispatch carries the per-token scale row (ROCm/mori#593), which its quantised wires need."""
+    from rocm_helpers import use_scale_row_mori
+
     fakes.aiter.reset(arch)
     if arch == "gfx1250":
         monkeypatch.setenv("AITER_FORCE_A8W4", "1")  # aiter's fused_moe reads it per call
         mod = fakes.aiter.ops.flydsl.kernels.mega_moe_gfx1250
         monkeypatch.setattr(mod, "MegaMoEGfx1250", mod.MegaMoEGfx1250_22f2e2dc)
+        use_scale_row_mori(fakes, monkeypatch)
     return fakes

@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from megamoe_backend.knobs import Knobs
+from megamoe_backend.platform import MoEShape, RocmAsk
 from megamoe_backend.platform.facts import AiterCaps, PackageInfo, PlatformFacts
+
+# The two checkpoints vLLM 0.34's aiter_mega_moe serves (spec/presets.py): DeepSeek V4 Pro (384 experts,
+# 48 per rank at EP 8: aiter's fixed-slot geometry) and R1 MXFP4 (256 experts, 32 per rank: not).
+V4_PRO = MoEShape(hidden=7168, inter=3072, topk=6)
+R1 = MoEShape(hidden=7168, inter=2048, topk=8)
+V4_FLASH = MoEShape(hidden=5120, inter=2304, topk=6)  # 384 experts
+
+
+def rocm_ask(shape=V4_PRO, ep_rank=0, device_index=None, **kw) -> RocmAsk:
+    """The layer's start-up question for selection; the probes ask the (fake) installed aiter / mori."""
+    return RocmAsk(shape=shape, ep_rank=ep_rank, device_index=device_index, **kw)
+
+
+def use_scale_row_mori(fakes, monkeypatch) -> None:
+    """A mori with ROCm/mori#593's per-token scale row (the 624002c8 fake has none)."""
+    v2 = fakes.mori.ops.dispatch_combine_v2
+    monkeypatch.setattr(v2, "EpDispatchCombineConfig", v2.EpDispatchCombineConfigScaleRow)
 
 
 def packages(**importable) -> dict:
@@ -15,10 +34,11 @@ def packages(**importable) -> dict:
     return {n: PackageInfo(n, bool(importable.get(n, False)), versions[n] if importable.get(n) else None) for n in names}
 
 
-V2_CAPS = AiterCaps(
+V2_CAPS = AiterCaps(  # ROCm/aiter 4d06fb8d MegaMoEV2
     v2_init=("rank", "world_size", "model_dim", "inter_dim", "experts", "topk", "quant", "w1", "w1_scale", "w2",
-             "w2_scale", "max_tok_per_rank", "mega_scheme", "swiglu_limit"),
-    v2_forward=("x_bf16", "wts", "topk_ids", "stream", "slice_output"),
+             "w2_scale", "max_tok_per_rank", "mega_scheme", "swiglu_limit", "fanout_masks"),
+    v2_forward=("x_bf16", "wts", "topk_ids", "stream", "slice_output", "mask_invalid_slots", "w1", "w1_scale", "w2",
+                "w2_scale", "config_tokens"),
 )
 GFX1250_INIT_OLD = ("communicator", "rank", "world_size", "model_dim", "inter_dim", "experts", "topk",
                     "max_tokens_per_rank", "activation", "gate_mode", "quant_type", "hidden_pad", "intermediate_pad",
@@ -91,3 +111,24 @@ class FakeDist:
         self.log.append(("broadcast_object_list", type(box[0]).__name__, src, group))
         if group.ranks.index(src) != self.rank:
             box[0] = self.received
+
+
+def run_ranks(fn, ep: int, timeout_s: float = 300.0) -> list:
+    """``fn(rank)`` for every EP rank, one thread each (the fake mori fabric's collectives wait for all);
+    the first error of any rank is raised."""
+    out, errors = [None] * ep, []
+
+    def work(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 (surfaced below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(ep)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout_s)
+    if errors:
+        raise errors[0]
+    return out

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megamoe_backend.transport import PeerInputError
-from aiter_helpers import GROUP, E, H, I, K, calls, fused, inputs, layer_weights, make_plan, on_arch, reference
+from aiter_helpers import GROUP, E, H, I, K, ask, calls, fused, inputs, layer_weights, make_plan, on_arch, reference, select
 from rocm_helpers import GFX1250_CAPS_OLD, knobs, rocm_facts
 
 from megamoe_backend.experts import quantize_expert_weights
@@ -48,17 +48,23 @@ def test_v2_is_built_after_shmem_with_a_power_of_two_mtpr(fakes, caplog):
     assert out.shape == (5, H) and out.dtype == torch.bfloat16
     (_, kwargs), = calls(fakes.aiter.CALL_LOG, "MegaMoEV2")
     assert kwargs == dict(rank=0, world_size=2, model_dim=H, inter_dim=I, experts=E, topk=K, quant="a8w4",
-                          max_tok_per_rank=1024, mega_scheme="fixedslot", swiglu_limit=10.0)
+                          max_tok_per_rank=1024, mega_scheme="fixedslot", swiglu_limit=10.0, fixed_slot=False,
+                          dev=torch.device("cuda", 0))
     order = [c[0] for c in fakes.mori.CALL_LOG]
     assert order[:4] == ["shmem_get_unique_id", "broadcast_object_list", "shmem_init_attr", "shmem_barrier_all"]
     assert fakes.mori.CALL_LOG[2][1:] == (fakes.mori.shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, 0, 2)
     call = m.runtime(None).forward_calls[0]
     assert call["x"].dtype == torch.bfloat16 and call["wts"].dtype == torch.float32 and call["topk_ids"].dtype == torch.int32
     assert "aiter MegaMoEV2" in caplog.text and "wire=fp8" in caplog.text and "mtpr=1024" in caplog.text
-    assert "weights=launch-attrs shared by all layers" in caplog.text
+    assert "weights=forward-args shared by all layers" in caplog.text
 
 
-def test_v2_published_api_shares_one_runtime_and_each_layer_computes_with_its_own_weights(fakes):
+@pytest.mark.parametrize("cls", ["MegaMoEV2", "MegaMoEV2LaunchAttrs"])
+def test_v2_shares_one_runtime_and_each_layer_computes_with_its_own_weights(fakes, monkeypatch, cls):
+    """4d06fb8d takes each layer's weights as forward arguments; a revision without them gets the four
+    launch attributes rebound per forward, as vLLM 0.34 does (mega_moe.py:277-281)."""
+    mod = fakes.aiter.ops.flydsl.kernels.mega_moe
+    monkeypatch.setattr(mod, "MegaMoEV2", getattr(mod, cls))
     facts = rocm_facts("gfx950")
     layers = [fused(fakes, make_plan(ep=1), facts, layer_id=i) for i in range(3)]
     raw = [layer_weights(i, ep=1) for i in range(3)]
@@ -66,30 +72,19 @@ def test_v2_published_api_shares_one_runtime_and_each_layer_computes_with_its_ow
     x, ids, tw = inputs()
     outs = [m(x, ids, tw, lw) for m, lw in zip(layers, weights)]
     rt = layers[0].runtime(None)
-    assert {m.binding for m in layers} == {"launch-attrs"}
+    assert {m.binding for m in layers} == {"forward-args" if cls == "MegaMoEV2" else "launch-attrs"}
     assert all(m.runtime(None) is rt for m in layers) and len(cached_runtime_keys()) == 1
     assert len(calls(fakes.aiter.CALL_LOG, "MegaMoEV2")) == 1
-    assert [c["weights"][0] for c in rt.forward_calls] == [lw.w1 for lw in weights]  # bound per forward
+    assert [c["weights"][0].data_ptr() for c in rt.forward_calls] == [lw.w1.data_ptr() for lw in weights]  # per forward
+    assert all(c["layer_weights"] == (cls == "MegaMoEV2") for c in rt.forward_calls)
     for out, w in zip(outs, raw):
         assert rel_l2(out.float(), reference(w, x, ids, tw)) < 1e-2
     assert rel_l2(outs[0].float(), outs[1].float()) > 0.1  # the layers really differ
 
 
-def test_v2_with_a_public_setter_shares_one_runtime_and_sets_each_layers_weights(fakes, monkeypatch):
+def test_v2_whose_launch_attributes_changed_is_refused_not_run_on_the_first_layers_weights(fakes, monkeypatch):
     mod = fakes.aiter.ops.flydsl.kernels.mega_moe
-    monkeypatch.setattr(mod, "MegaMoEV2", mod.MegaMoEV2WithSetter)
-    facts = rocm_facts("gfx950")
-    layers = [fused(fakes, make_plan(), facts, layer_id=i) for i in range(2)]
-    weights = [m.prepare_weights(layer_weights(i)) for i, m in enumerate(layers)]
-    x, ids, w = inputs()
-    for m, lw in zip(layers, weights):
-        m(x, ids, w, lw)
-        assert m.runtime(None).forward_calls[-1]["weights"][2] is lw.w2
-        assert m.binding == "set_weights"
-    assert layers[0].runtime(None) is layers[1].runtime(None) and len(cached_runtime_keys()) == 1
-
-
-def test_v2_whose_launch_attributes_changed_is_refused_not_run_on_the_first_layers_weights(fakes):
+    monkeypatch.setattr(mod, "MegaMoEV2", mod.MegaMoEV2LaunchAttrs)
     m = fused(fakes, make_plan(), rocm_facts("gfx950"))
     lw = m.prepare_weights(layer_weights(0))
     x, ids, w = inputs()
@@ -134,7 +129,8 @@ def test_gfx1250_fp8_wire_runs_mori_dispatch_and_passes_everything_explicitly(gf
     assert (kw["activation"], kw["gate_mode"], kw["quant_type"]) == (A.ActivationType.Silu, "interleave", A.QuantType.per_1x32)
     assert (kw["max_tokens_per_rank"], kw["experts"], kw["world_size"], kw["swiglu_limit"]) == (512, E, 2, 0.0)
     cco = [c[0] for c in gfx1250.mori.CALL_LOG]
-    assert cco == ["cco.get_unique_id", "broadcast_object_list", "cco.init", "cco.barrier"]
+    assert cco == ["cco.get_unique_id", "broadcast_object_list", "cco.init", "cco.barrier", "v2.EpDispatchCombineOp"]
+    assert gfx1250.hip.CALLS == [("hipGetLastError", gfx1250.hip.HIP_ERROR_NOT_SUPPORTED)]  # cleared after cco init
     assert gfx1250.mori.CALL_LOG[2][1:3] == (2, 0)  # Communicator.init(nranks, rank, uid, per_rank_vmm=)
     assert "dispatch=mori" in caplog.text and "wire=fp8" in caplog.text and "a_operand=fp8" in caplog.text
 
@@ -185,7 +181,10 @@ def test_gfx1250_published_e4048607_api_with_bf16_wire(fakes, monkeypatch):
     assert kw["dispatch_backend"] == "flydsl" and kw["dispatch_wire"] == "bf16"  # fake reports its fixed bf16 wire
 
 
-def test_a_quantised_wire_on_an_aiter_without_dispatch_wire_is_refused_not_shipped_as_bf16(fakes):
+def test_a_quantised_wire_on_an_aiter_without_dispatch_wire_is_refused_not_shipped_as_bf16(fakes, monkeypatch):
+    from rocm_helpers import use_scale_row_mori
+
+    use_scale_row_mori(fakes, monkeypatch)
     fakes.aiter.reset("gfx1250")
     plan = make_plan(wire="fp8", force=True)
     facts = rocm_facts("gfx1250", force_a8w4="1")  # claims the new API; the installed class is the old one
@@ -198,8 +197,8 @@ def test_a_quantised_wire_on_an_aiter_without_dispatch_wire_is_refused_not_shipp
 # ---- bad input ---------------------------------------------------------------------------------
 
 def test_unfused_selection_is_refused(fakes):
-    plan = make_plan(wire="bf16")
-    sel = select_backends(rocm_facts("gfx950"), plan.knobs, plan.math)
+    plan = make_plan()
+    sel = select(plan, rocm_facts("gfx950"), device_index=1)  # ep_rank 0 on cuda:1: MegaMoEV2 would use cuda:0
     with pytest.raises(KnobError, match="cannot run this plan"):
         AiterFusedMoE(plan, GROUP, selection=sel)
 
@@ -233,9 +232,14 @@ def test_v2_rejecting_a_configuration_names_it(fakes, monkeypatch):
 
 def test_rank_major_ids_follow_the_placement_and_fill_masked_entries():
     owner = torch.tensor([1, 0, 1, 0]); slot = torch.tensor([0, 0, 1, 1])  # non-linear placement, 2 per rank
-    ids, w = rank_major_ids(torch.tensor([[0, 3], [2, -1], [-1, -1]]), torch.tensor([[0.5, 0.5], [1.0, 9.0], [1.0, 1.0]]), owner, slot, 2)
+    topk = torch.tensor([[0, 3], [2, -1], [-1, -1], [1, 7]])  # 7: a bad id, never used as an index
+    tw = torch.tensor([[0.5, 0.5], [1.0, 9.0], [1.0, 1.0], [0.25, 4.0]])
+    ids, w = rank_major_ids(topk, tw, owner, slot, 2)
     assert ids.dtype == torch.int32 and ids.is_contiguous()
-    assert ids.tolist() == [[2, 1], [3, 3], [0, 0]] and w.tolist() == [[0.5, 0.5], [1.0, 0.0], [0.0, 0.0]]
+    assert ids.tolist() == [[2, 1], [3, 3], [0, 0], [0, 0]]
+    assert w.tolist() == [[0.5, 0.5], [1.0, 0.0], [0.0, 0.0], [0.25, 0.0]]
+    kept, _ = rank_major_ids(topk, tw, owner, slot, 2, keep_masked=True)  # for a runtime that masks -1 itself
+    assert kept.tolist() == [[2, 1], [3, -1], [-1, -1], [0, -1]]
     assert knobs().transport == "auto"
 
 
@@ -250,8 +254,7 @@ def test_megamoe_layer_runs_the_shared_fused_runtime_over_a_real_process_group(f
     try:
         group = dist.new_group([0])
         plan = make_plan(ep=1)
-        sel = select_backends(rocm_facts("gfx950"), plan.knobs, plan.math, ep_size=1, num_experts=E)
-        plan = dataclasses.replace(plan, backends=sel)
+        plan = dataclasses.replace(plan, backends=select(plan, rocm_facts("gfx950")))
         raw = [layer_weights(i, ep=1) for i in range(2)]
         layers = [MegaMoELayer(plan, w, group=group, layer_id=i) for i, w in enumerate(raw)]
         x, ids, tw = inputs()
@@ -259,15 +262,22 @@ def test_megamoe_layer_runs_the_shared_fused_runtime_over_a_real_process_group(f
         assert len(cached_runtime_keys()) == 1 and len(calls(fakes.aiter.CALL_LOG, "MegaMoEV2")) == 1
         for out, w in zip(outs, raw):
             assert rel_l2(out.float(), reference(w, x, ids, tw)) < 1e-2
-        assert layers[0](x[:0], ids[:0], tw[:0]).shape == (0, H)
-        # bad input on this rank: it still enters the collective (as an idle rank), then raises by name
+        assert layers[0](x[:0], ids[:0], tw[:0]).shape == (0, H)  # 4d06fb8d: an empty step is a real call
         runtime = layers[0].fused.runtime(None)
-        before = len(runtime.forward_calls)
+        assert runtime.forward_calls[-1]["x"].shape == (0, H)
+        # a bad id runs nowhere (-1, masked by the runtime) and goes to the status word; the step's collective
+        # completes on every rank, then this rank raises it (on CPU the host copy is current at once)
         bad = ids.clone()
         bad[1, 0] = 10**6
-        with pytest.raises(PeerInputError, match=r"topk_ids hold values in .*idle rank"):
+        before = len(runtime.forward_calls)
+        with pytest.raises(ValueError, match=r"layer 0: topk_ids holds 1000000 at token 1"):
             layers[0](x, bad, tw)
         sent = runtime.forward_calls[before:]
-        assert len(sent) == 1 and sent[0]["x"].shape == (1, H) and not sent[0]["wts"].any()
+        assert len(sent) == 1 and sent[0]["topk_ids"][1, 0] == -1 and sent[0]["mask_invalid_slots"] is True
+        assert torch.isfinite(layers[0](x, ids, tw)).all()  # reported once, then cleared
+        # a shape problem is known on the host: this rank still enters the collective (as an idle rank), then raises
+        with pytest.raises(PeerInputError, match=r"topk_ids / topk_weights must be .*idle rank"):
+            layers[0](x, ids[:, :1], tw)
+        assert runtime.forward_calls[-1]["x"].shape == (0, H)
     finally:
         dist.destroy_process_group()

@@ -5,11 +5,10 @@ mori gives the same answer as the single-process layer."""
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 import torch
-from rocm_helpers import FakeDist, FakeGroup, rocm_facts
+from rocm_helpers import FakeDist, FakeGroup, rocm_facts, run_ranks
 from rocm_helpers import knobs as selection_knobs
 
 from megamoe_backend.experts import quantize_expert_weights
@@ -192,6 +191,18 @@ def test_bad_input_on_a_peer_fails_every_rank(fakes):
         t.dispatch(plan.dispatch.encode(torch.zeros(1, H)), layout)
 
 
+def test_a_peer_with_another_token_bound_fails_every_rank(fakes):
+    """The bound travels in mori's status reduction: (max, -max of -b) differ -> every rank refuses."""
+    plan = make_plan(ep=1)
+    peer = {0: 0, 4: 8, -4: -8}  # what the peer contributes: status 0, bound 8
+    t = make_transport(fakes, plan, all_reduce_max=lambda v: max(v, peer[v]))
+    owner, slot = plan.placement.tables()
+    layout = DispatchLayout.build(torch.zeros(1, K, dtype=torch.long), torch.ones(1, K), owner, slot, 1)
+    with pytest.raises(PeerInputError, match=r"different max_tokens_across_ranks .*\(lowest: 4, highest: 8\)"):
+        t.dispatch(plan.dispatch.encode(torch.zeros(1, H)), layout, bound=4)
+    assert t.op.calls == []
+
+
 def test_routing_helpers_round_trip():
     owner = torch.tensor([0, 0, 1, 1]); slot = torch.tensor([0, 1, 0, 1])
     layout = DispatchLayout.build(torch.tensor([[3, 0], [-1, -1]]), torch.tensor([[0.25, 0.75], [0.5, 0.5]]), owner, slot, 2)
@@ -199,6 +210,13 @@ def test_routing_helpers_round_trip():
     assert ids.tolist() == [[3, 0], [0, 0]] and w.tolist() == [[0.25, 0.75], [0.0, 0.0]]
     slots, weights = local_slots(ids, w, rank=1, experts_per_rank=2)
     assert slots.tolist() == [[1, -1], [-1, -1]] and weights[0].tolist() == [0.25, 0.0]
+    # a masked k = 0 is sent as a copy (weight 0) of the token's first valid id, which stands later: the
+    # expert runs once, with the real weight (mutant ``local-slots-first-weight``: FAILS, weight 0)
+    layout = DispatchLayout.build(torch.tensor([[-1, 2, 3]]), torch.tensor([[0.9, 0.3, 0.7]]), owner, slot, 2)
+    ids, w = mori_routing(layout, 2)
+    assert ids.tolist() == [[2, 2, 3]] and w.tolist() == [[0.0, 0.30000001192092896, 0.699999988079071]]
+    slots, weights = local_slots(ids, w, rank=1, experts_per_rank=2)
+    assert slots.tolist() == [[0, -1, 1]] and torch.allclose(weights, torch.tensor([[0.3, 0.0, 0.7]]))
 
 
 # ---- numerics through the fake fabric (threads = ranks) -----------------------------------
@@ -213,25 +231,6 @@ def _weights(quant, seed=0):
 def _local(w: ExpertWeights, lo, hi) -> ExpertWeights:
     s = lambda t: None if t is None else t[lo:hi].contiguous()  # noqa: E731
     return ExpertWeights(s(w.w1), s(w.w2), w.fmt, w.gate_up_layout, s(w.w1_scale), s(w.w2_scale))
-
-
-def _run_ranks(fn, ep):
-    out, errors = [None] * ep, []
-
-    def work(r):
-        try:
-            out[r] = fn(r)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(ep)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    if errors:
-        raise errors[0]
-    return out
 
 
 @pytest.mark.parametrize("wire, quant", [("bf16", "a8w4"), ("fp8", "a8w4"), ("fp4", "a4w4")])
@@ -251,7 +250,7 @@ def test_layer_over_mori_matches_the_single_process_layer(fakes, wire, quant):
         layer = MegaMoELayer(plan, _local(weights, r * E // ep, (r + 1) * E // ep), transport=transport)
         return layer(xs[r], ids[r], tw[r])
 
-    got = torch.cat(_run_ranks(rank, ep))
+    got = torch.cat(run_ranks(rank, ep))
     ref_plan = make_plan(rank=0, ep=1, wire=wire, quant=quant)
     want = MegaMoELayer(ref_plan, weights)(torch.cat(xs), torch.cat(ids), torch.cat(tw))
     assert rel_l2(got.float(), want.float()) < 1e-2  # mori sums bf16 partials per rank
@@ -265,8 +264,8 @@ def test_blockwise_combine_over_nodes_is_refused_at_start_up(fakes):
     dispatch_combine.py:1485-1506). Before: the transport was built with InterNodeV1 and the first
     combine raised ValueError in mori; selection could pick that pair."""
     plan = make_plan(ep=2, combine="fp8_blockwise_1x32")
-    with pytest.raises(KnobError, match=r"MEGA_COMBINE_WIRE=fp8_blockwise_1x32 .*\(kernel_type InterNodeV1\)"):
-        make_transport(fakes, plan, gpus_per_node=1)  # 2 nodes of 1 GPU
+    with pytest.raises(KnobError, match=r"MEGA_COMBINE_WIRE=fp8_blockwise_1x32 .*\(kernel_type InterNodeV1LL\)"):
+        make_transport(fakes, plan, gpus_per_node=1)  # 2 nodes of 1 GPU, 16 tokens per rank: InterNodeV1LL
     assert not [c for c in fakes.mori.CALL_LOG if c[0] == "shmem_init_attr"]  # refused before any start-up step
     ops = fakes.mori.ops
     cfg = ops.EpDispatchCombineConfig(data_type=torch.bfloat16, rank=0, world_size=1, hidden_dim=H, scale_dim=0,
@@ -311,6 +310,6 @@ def test_gfx1250_a4w4_without_force_a8w4_runs_correctly_unfused_over_mori(fakes)
         layer = MegaMoELayer(plan, _local(weights, r * E // ep, (r + 1) * E // ep), transport=make_transport(fakes, plan))
         return layer(xs[r], ids[r], tw[r])
 
-    got = torch.cat(_run_ranks(rank, ep))
+    got = torch.cat(run_ranks(rank, ep))
     want = MegaMoELayer(make_plan(rank=0, ep=1, wire="fp4", quant="a4w4"), weights)(torch.cat(xs), torch.cat(ids), torch.cat(tw))
     assert rel_l2(got.float(), want.float()) < 1e-2

@@ -7,12 +7,15 @@ import pytest
 from rocm_helpers import (
     GFX1250_CAPS_NEW,
     GFX1250_CAPS_OLD,
+    R1,
     V2_CAPS,
     cpu_facts,
     cuda_facts,
     knobs,
     loose_knobs,
+    rocm_ask,
     rocm_facts,
+    use_scale_row_mori,
 )
 
 from megamoe_backend.experts.base import ExpertMath
@@ -45,14 +48,21 @@ def test_cuda_selects_triton_and_nccl_or_symm():
     assert select_backends(cuda_facts(triton=False), knobs(), A8W4).provider == "torch"
 
 
-def test_gfx950_with_packages_selects_aiter_megamoe_v2_over_mori():
-    sel = select_backends(rocm_facts("gfx950"), knobs(dispatch_wire="fp8", combine_wire="fp8_blockwise_1x32"), A8W4, ep_size=8, num_experts=256)
+def v2(knobs_, ep_size=8, num_experts=384, math=A8W4, facts=None, **ask):
+    """gfx950 selection with the model shape, asking the (fake) installed aiter's plan builder."""
+    return select_backends(facts or rocm_facts("gfx950"), knobs_, math, ep_size=ep_size, num_experts=num_experts,
+                           rocm=rocm_ask(**ask))
+
+
+def test_gfx950_with_packages_selects_aiter_megamoe_v2_over_mori(fakes):
+    sel = v2(knobs(dispatch_wire="fp8", combine_wire="fp8_blockwise_1x32"))
     assert (sel.provider, sel.transport, sel.runtime, sel.dispatch_kernel) == ("aiter", "mori", "MegaMoEV2", "flydsl")
     assert sel.mtpr == 8192 and sel.a_operand == "fp8"
     assert "provider=aiter:MegaMoEV2 transport=mori" in sel.describe() and "wire=fp8" in sel.describe()
 
 
-def test_gfx1250_with_packages_selects_aiter_megamoe_gfx1250_over_mori():
+def test_gfx1250_with_packages_selects_aiter_megamoe_gfx1250_over_mori(fakes, monkeypatch):
+    use_scale_row_mori(fakes, monkeypatch)
     sel = select_backends(rocm_facts("gfx1250", force_a8w4="1"), knobs(dispatch_wire="fp8", aiter_force_a8w4=True), A8W4, ep_size=8, num_experts=256)
     assert (sel.provider, sel.transport, sel.runtime, sel.dispatch_kernel) == ("aiter", "mori", "MegaMoEGfx1250", "mori")
     assert sel.a_operand == "fp8" and sel.combine_quant == "none"
@@ -86,29 +96,40 @@ def test_gfx1250_combine_wire_maps_to_combine_quant_mxfp8():
     assert sel.fused and sel.combine_quant == "mxfp8"
 
 
-def test_plan_uses_platform_selection_for_rocm():
-    from megamoe_backend.plan import build_plan
+def test_plan_uses_platform_selection_for_rocm(fakes):
     from megamoe_backend.plan.selection import select_backends as plan_select
 
     k = knobs(dispatch_wire="fp8", combine_wire="fp8_blockwise_1x32")
-    choice = plan_select(k, A8W4, "rocm", facts=rocm_facts("gfx950"), ep_size=8, num_experts=256)
+    choice = plan_select(k, A8W4, "rocm", facts=rocm_facts("gfx950"), ep_size=8, num_experts=384, shape=rocm_ask().shape,
+                         ep_rank=0)
     assert (choice.provider, choice.transport, choice.runtime) == ("aiter", "mori", "MegaMoEV2")
     assert "dispatch=flydsl" in choice.describe()
 
 
+def test_v2_without_the_model_shape_is_not_fused():
+    sel = select_backends(rocm_facts("gfx950"), knobs(dispatch_wire="fp8"), A8W4, ep_size=8, num_experts=384)
+    assert not sel.fused and any("model shape and EP size are needed" in r for r in sel.reasons)
+
+
 # ---- unfused fallbacks, each with the reason naming the knob ---------------------------------
 
-def test_v2_with_bf16_wire_runs_unfused_mori_and_says_which_knob():
-    sel = select_backends(rocm_facts("gfx950"), knobs(), A8W4)
-    assert (sel.provider, sel.transport, sel.fused) == ("triton", "mori", False)
-    assert any("MEGA_DISPATCH_WIRE=fp8" in r for r in sel.reasons)
+def test_v2_with_the_default_knobs_is_fused_and_says_what_travels(fakes):
+    """Upstream runs MegaMoEV2 by default; MEGA_DISPATCH_WIRE=bf16 (the default) is what the receiver would
+    quantise to fp8 for a8w4, which MegaMoEV2 does on the sender."""
+    sel = v2(knobs())
+    assert (sel.provider, sel.runtime, sel.dispatch_wire) == ("aiter", "MegaMoEV2", "fp8")
+    assert any("MEGA_DISPATCH_WIRE=bf16: MegaMoEV2 sends fp8 rows quantised on the sender" in r for r in sel.reasons)
+    sel = v2(knobs(dispatch_wire="fp4"))
+    assert not sel.fused and any("set MEGA_DISPATCH_WIRE=fp8 or bf16" in r for r in sel.reasons)
 
 
-def test_v2_combine_wire_is_decided_by_mtpr_and_a_mismatch_is_named():
-    sel = select_backends(rocm_facts("gfx950"), knobs(dispatch_wire="fp8"), A8W4)  # mtpr 8192 -> fp8 combine
-    assert not sel.fused and any("MEGA_COMBINE_WIRE=fp8_blockwise_1x32" in r for r in sel.reasons)
-    sel = select_backends(rocm_facts("gfx950"), knobs(dispatch_wire="fp8", max_tokens_per_rank=512), A8W4)
+def test_v2_combine_wire_follows_aiters_runtimes_and_a_mismatch_is_named(fakes):
+    sel = v2(knobs(dispatch_wire="fp8", combine_wire="fp8_blockwise_1x32", max_tokens_per_rank=512))
+    assert not sel.fused and any("MEGA_COMBINE_WIRE=fp8_blockwise_1x32 -> set MEGA_COMBINE_WIRE=bf16" in r for r in sel.reasons)
+    sel = v2(knobs(dispatch_wire="fp8", max_tokens_per_rank=512))
     assert sel.fused and sel.combine_wire == "bf16"
+    sel = v2(knobs(combine_wire="fp8_blockwise_1x32"))  # the knob asks for fp8: every step on the max runtime
+    assert [r.describe() for r in sel.runtimes] == ["8192:compact/fp8_blockwise_1x32"]
 
 
 def test_gfx942_has_no_fused_runtime_and_uses_mori_transport():
@@ -145,15 +166,15 @@ def test_old_gfx1250_without_combine_quant_cannot_fuse_fp8_combine():
 
 
 def test_aiter_without_megamoe_classes_is_not_fused():
-    sel = select_backends(rocm_facts("gfx950", caps=AiterCaps()), knobs(dispatch_wire="fp8", max_tokens_per_rank=512), A8W4)
+    sel = v2(knobs(dispatch_wire="fp8", max_tokens_per_rank=512), facts=rocm_facts("gfx950", caps=AiterCaps()))
     assert not sel.fused and any("no aiter.ops.flydsl.kernels.mega_moe.MegaMoEV2" in r for r in sel.reasons)
 
 
-def test_v2_a4w4_only_where_installed_aiter_accepts_it():
-    sel = select_backends(rocm_facts("gfx950"), knobs(dispatch_wire="fp4", max_tokens_per_rank=512), A4W4)
+def test_v2_a4w4_only_where_installed_aiter_accepts_it(fakes):
+    sel = v2(knobs(dispatch_wire="fp4", max_tokens_per_rank=512), math=A4W4)
     assert not sel.fused and any("a8w4' only" in r for r in sel.reasons)
     caps = AiterCaps(V2_CAPS.v2_init, V2_CAPS.v2_forward, v2_accepts_a4w4=True)
-    sel = select_backends(rocm_facts("gfx950", caps=caps), knobs(dispatch_wire="fp4", max_tokens_per_rank=512), A4W4)
+    sel = v2(knobs(dispatch_wire="fp4", max_tokens_per_rank=512), math=A4W4, facts=rocm_facts("gfx950", caps=caps))
     assert sel.fused and sel.a_operand == "fp4"
 
 
@@ -172,15 +193,10 @@ def test_mori_blockwise_combine_with_quantised_dispatch_is_outside_moris_matrix(
 
 # ---- MTPR ---------------------------------------------------------------------------------
 
-def test_v2_mtpr_rounds_up_to_a_power_of_two_and_says_so():
-    sel = select_backends(rocm_facts("gfx950"), knobs(dispatch_wire="fp8", max_tokens_per_rank=1000), A8W4, ep_size=8, num_experts=64)
+def test_v2_mtpr_rounds_up_to_a_power_of_two_and_says_so(fakes):
+    sel = v2(knobs(dispatch_wire="fp8", max_tokens_per_rank=1000), num_experts=256, shape=R1)
     assert sel.fused and sel.mtpr == 1024
     assert any("rounded up to 1024" in r for r in sel.reasons)
-
-
-def test_v2_fixed_slot_path_is_left_when_experts_per_rank_exceed_64():
-    sel = select_backends(rocm_facts("gfx950"), knobs(dispatch_wire="fp8", max_tokens_per_rank=100), A8W4, ep_size=2, num_experts=256)
-    assert sel.mtpr == 256 and any("fixed-slot" in r for r in sel.reasons)
 
 
 def test_gfx1250_mtpr_is_not_rounded():
@@ -211,7 +227,8 @@ def test_mega_dispatch_mori_on_rocm_build_without_gpu():
         select_backends(facts, knobs(transport="mori"), A8W4)
 
 
-def test_quantised_wire_with_flydsl_dispatch_switches_to_mori_and_says_so():
+def test_quantised_wire_with_flydsl_dispatch_switches_to_mori_and_says_so(fakes, monkeypatch):
+    use_scale_row_mori(fakes, monkeypatch)
     sel = select_backends(rocm_facts("gfx1250", force_a8w4="1"), loose_knobs(transport="flydsl", dispatch_wire="fp8", aiter_force_a8w4=True), A8W4)
     assert sel.dispatch_kernel == "mori"
     assert any("switched to the mori dispatch" in r and "never shipped" in r for r in sel.reasons)
@@ -268,11 +285,13 @@ def test_gfx1250_old_caps_still_fuse_bf16():
     assert GFX1250_CAPS_NEW.has_gfx1250
 
 
-def test_selection_report_for_megamoe_info():
+def test_selection_report_for_megamoe_info(fakes):
     from megamoe_backend.platform import selection_report
 
-    rep = selection_report(knobs(dispatch_wire="fp8", max_tokens_per_rank=512), A8W4, rocm_facts("gfx950"), ep_size=8, num_experts=256)
+    rep = selection_report(knobs(dispatch_wire="fp8", max_tokens_per_rank=512), A8W4, rocm_facts("gfx950"), ep_size=8,
+                           num_experts=256, rocm=rocm_ask(shape=R1))
     assert (rep["provider"], rep["transport"], rep["runtime"], rep["dispatch"]) == ("aiter", "mori", "MegaMoEV2", "flydsl")
+    assert rep["runtimes"] == ["512:compact/bf16"]
     assert any("mori: 1.2.4" in line for line in rep["platform"]) and rep["reasons"]
     bad = selection_report(knobs(transport="mori"), A8W4, cpu_facts())
     assert "amd-mori" in bad["error"] and "provider" not in bad

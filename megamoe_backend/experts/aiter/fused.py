@@ -1,18 +1,29 @@
-"""AiterFusedMoE: one MoE layer run end to end by aiter's fused MegaMoE runtime.
+"""AiterFusedMoE: one MoE layer run end to end by aiter's fused MegaMoE runtimes.
 
     x [T, H] bf16, top-k -> aiter runtime (dispatch over mori -> GEMM1 + SwiGLU -> GEMM2 ->
     combine) -> [T, H] bf16, owned by the caller
 
 The runtime owns dispatch and combine, so this object replaces the transport + experts pair of
-the unfused layer (``fused = True``); it is what ``provider == "aiter"`` means. One runtime per
-shape serves every layer (runtime.py); each layer's weights are prepared once with aiter's own
-shuffles and bound to the runtime at every forward. Three upstream facts shape the forward:
-- the runtime is an EP collective, and MegaMoEV2 refuses zero tokens (mega_moe_config.py:91), so
-  an idle rank sends one zero-weight token, as SGLang's integration does, and returns no rows;
-- its result is a view of a buffer the runtime rewrites at its next forward -- any layer's, the
+the unfused layer (``fused = True``); it is what ``provider == "aiter"`` means. Runtimes are shared
+by every layer (runtime.py); each layer's weights are prepared once with aiter's own shuffles and
+reach the runtime at every forward. What shapes the forward, from upstream:
+- MegaMoEV2 comes as the runtimes aiter's plan builder gives (``Selection.runtimes``): vLLM 0.34
+  holds a fixed-slot one for decode and one at the max and runs each step on the smallest that holds
+  the DP-wide token count (mega_moe.py:164-177, 225-238). Here that count is the engine's token
+  bound (``max_tokens_across_ranks``, the same on every rank), passed on as ``config_tokens``
+  (4d06fb8d MegaMoEV2.forward: "must agree across ranks and cover their source counts"), so every
+  rank launches the same bundle entry; without a bound, the largest runtime at its full capacity;
+- MegaMoEGfx1250 takes ``recv_token_bound`` (e4048607 mega_moe.py:335-346), the bound times top-k
+  times the EP size, as ATOM passes it (mori_v2_prepare_finalize.py:512-535, 587-590);
+- ids stay on the device (routing.py; bad ids go to the caller's status word), and entries that do
+  not run are -1 where the runtime masks them itself (``mask_invalid_slots=True``);
+- an idle rank still takes part in the collective: where the runtime refuses zero tokens (a
+  forward without ``config_tokens``: e4048607 mega_moe_config.py:91) and on gfx1250, it sends one
+  zero-weight token, as SGLang's integration does, and returns no rows;
+- the result is a view of a buffer the runtime rewrites at its next forward -- any layer's, the
   runtime being shared (mega_moe_v2.py:271-278, mega_moe_gfx1250/mega_moe.py:745-750) -- so it is
   copied out (into ``out`` when given) before the next layer can run;
-- the heap it needs is checked at construction, before anything is allocated (heap.py).
+- the heap the runtimes need is checked at construction, before anything is allocated (heap.py).
 Not run on AMD hardware.
 """
 
@@ -25,20 +36,19 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ...knobs import KnobError
-from ...platform.rocm_rules import check_gfx1250_shapes
-from ...platform.select import Selection, select_backends
+from ...platform.rocm_probes import MoEShape
+from ...platform.rocm_rules import check_gfx1250_shapes, check_v2_device
+from ...platform.select import RocmAsk, Selection, select_backends
 from ..weights import ExpertWeights
 from .routing import rank_major_ids
 from .runtime import (
     BIND_ATTRS,
     BIND_FORWARD,
-    BIND_SETTER,
     AiterRuntimeSpec,
     bind_launch_attrs,
     build_gfx1250,
     build_v2,
     cco_communicator,
-    cco_per_rank_vmm,
     get_runtime,
     normal_tensors,
     param_names,
@@ -46,6 +56,7 @@ from .runtime import (
     runtime_class,
     v2_binding,
 )
+from .heap import cco_per_rank_vmm
 from .weights import PREPARERS, AiterLayerWeights
 
 logger = logging.getLogger("megamoe")
@@ -94,46 +105,67 @@ class AiterFusedMoE:
         import_module: Callable[[str], Any] = importlib.import_module,
         dist: Any = None,
         env: Mapping[str, str] | None = None,
+        hip: Any = None,
     ) -> None:
         if selection is None:
-            if facts is None:
-                from ...platform.facts import detect_facts
+            from ...platform.facts import detect_facts
 
-                facts = detect_facts()
-            selection = select_backends(
-                facts, plan.knobs, plan.math, ep_size=plan.ep_size, num_experts=plan.placement.num_physical
-            )
+            ask = RocmAsk(shape=MoEShape(plan.hidden, plan.spec.moe_intermediate_size, plan.topk), ep_rank=plan.ep_rank,
+                          device_index=getattr(torch.device(device), "index", None) if device is not None else None)
+            selection = select_backends(facts or detect_facts(), plan.knobs, plan.math, ep_size=plan.ep_size,
+                                        num_experts=plan.placement.num_physical, rocm=ask)
         if not selection.fused:
             raise KnobError(f"aiter's fused MegaMoE cannot run this plan: {'; '.join(selection.reasons)}")
         counts = {plan.placement.num_local(r) for r in range(plan.ep_size)}
         if len(counts) != 1:
             raise KnobError(f"aiter MegaMoE needs the same expert count on every rank; placement has {sorted(counts)}")
+        self.device = torch.device(device) if device is not None else None
         if selection.runtime == "MegaMoEGfx1250":
             check_gfx1250_shapes(plan.hidden, plan.spec.moe_intermediate_size)
+        elif self.device is not None and self.device.type == "cuda":
+            wrong = check_v2_device(plan.ep_rank, self.device.index)
+            if wrong:
+                raise KnobError(f"[megamoe] {wrong}; serve with MEGA_DISPATCH=mori (unfused) on this layout")
         self.plan, self.group, self.selection = plan, group, selection
-        self.device = torch.device(device) if device is not None else None
         self.experts_per_rank = counts.pop()
         self.layer_id = layer_id
         self._import = import_module
         self._cls = runtime_class(selection.runtime, import_module)
         self._owner, self._slot = plan.placement.tables("cpu")
-        self._dist = dist
+        self._dist, self._hip = dist, hip
         self.binding = BIND_FORWARD if selection.runtime == "MegaMoEGfx1250" else v2_binding(self._cls)
-        self._runtime = None
         self._forward_params = param_names(self._cls.forward)
+        # 4d06fb8d MegaMoEV2.forward: config_tokens / mask_invalid_slots, and T = 0 is a valid call
+        self._takes_config_tokens = "config_tokens" in self._forward_params
+        self._masks_itself = "mask_invalid_slots" in self._forward_params
+        self._runtimes: dict[int, Any] = {}
         self._idle = _IdleToken()
-        self.shmem_bytes = plan_shmem(self.spec(), group, env)
+        self.specs = self._runtime_specs()
+        self.shmem_bytes = plan_shmem(self.specs, group, env)
 
-    def spec(self) -> AiterRuntimeSpec:
+    def _runtime_specs(self) -> list[AiterRuntimeSpec]:
+        """One spec per runtime the layers share, ascending capacity."""
         p, s = self.plan, self.selection
-        return AiterRuntimeSpec(
+        base = dict(
             runtime=s.runtime, rank=p.ep_rank, world_size=p.ep_size, model_dim=p.hidden,
-            inter_dim=p.spec.moe_intermediate_size, experts=p.placement.num_physical, topk=p.topk, mtpr=s.mtpr,
+            inter_dim=p.spec.moe_intermediate_size, experts=p.placement.num_physical, topk=p.topk,
             quant=p.math.quant, swiglu_limit=float(p.math.swiglu_limit or 0.0),
             dispatch_backend=s.dispatch_kernel, dispatch_wire=s.dispatch_wire,
             combine_quant=s.combine_quant or "none", a_operand=s.a_operand or "",
             device=str(self.device) if self.device is not None else "",
         )
+        if s.runtime == "MegaMoEV2":
+            return [AiterRuntimeSpec(mtpr=r.capacity, fixed_slot=r.fixed_slot, **base) for r in s.runtimes]
+        return [AiterRuntimeSpec(mtpr=s.mtpr, **base)]
+
+    @property
+    def capacity(self) -> int:
+        return self.specs[-1].mtpr
+
+    def spec_for(self, bound: int | None) -> AiterRuntimeSpec:
+        """The smallest runtime holding ``bound`` tokens per rank (the largest without a bound)."""
+        need = self.capacity if bound is None else int(bound)
+        return next(s for s in self.specs if need <= s.mtpr)
 
     def prepare_weights(self, weights: ExpertWeights) -> AiterLayerWeights:
         if weights.num_experts != self.experts_per_rank:
@@ -146,68 +178,97 @@ class AiterFusedMoE:
 
         init_mori_shmem(self.group, self.plan.ep_rank, self.plan.ep_size, shmem=self._import("mori.shmem"), dist=self._dist)
 
-    def _build(self, layer_weights: AiterLayerWeights):
-        spec = self.spec()
+    def _build(self, spec: AiterRuntimeSpec, layer_weights: AiterLayerWeights):
         if spec.runtime == "MegaMoEV2":
             return build_v2(spec, self._cls, layer_weights, self._init_shmem)
         vmm = cco_per_rank_vmm(spec.world_size, spec.model_dim, spec.mtpr)
-        comm = cco_communicator(self.group, spec.rank, spec.world_size, vmm, dist=self._dist, cco=self._import("mori.cco"))
+        comm = cco_communicator(self.group, spec.rank, spec.world_size, vmm, dist=self._dist, cco=self._import("mori.cco"),
+                                hip=self._hip)
         return build_gfx1250(spec, self._cls, comm, _AiterEnums(self._import))
 
-    def runtime(self, layer_weights: AiterLayerWeights):
-        if self._runtime is None:
-            self._runtime, created = get_runtime(self.spec(), self.group, lambda: self._build(layer_weights))
-            if created:
-                logger.info(self.startup_line())
-        return self._runtime
+    def runtime(self, layer_weights: AiterLayerWeights, bound: int | None = None):
+        """The shared runtime for a step of ``bound`` tokens per rank, built (every runtime) on first use."""
+        if not self._runtimes:
+            self.build(layer_weights)
+        return self._runtimes[self.spec_for(bound).mtpr]
 
-    def startup_line(self) -> str:
+    def build(self, layer_weights: AiterLayerWeights) -> None:
+        """Build (or find) every runtime this layer uses: at start-up, before an engine captures graphs."""
+        for spec in self.specs:
+            if spec.mtpr not in self._runtimes:
+                self._runtimes[spec.mtpr], created = get_runtime(spec, self.group, lambda s=spec: self._build(s, layer_weights))
+                if created:
+                    logger.info(self.startup_line(spec))
+                    if spec is self.specs[-1]:
+                        logger.info("[megamoe] aiter %s plan: %s", self.selection.runtime, "; ".join(self.selection.reasons))
+
+    def startup_line(self, spec: AiterRuntimeSpec | None = None) -> str:
         s = self.selection
+        spec = spec or self.specs[-1]
         extra = f" combine_quant={s.combine_quant}" if s.combine_quant else ""
         heap = f" shmem={self.shmem_bytes / (1 << 30):.2f}GiB" if self.shmem_bytes else ""
+        runtimes = f" runtimes={'+'.join(r.describe() for r in s.runtimes)}" if s.runtimes else ""
         return (
             f"[megamoe] aiter {s.runtime}: ep_rank={self.plan.ep_rank} ep_size={self.plan.ep_size} "
             f"dispatch={s.dispatch_kernel} transport={s.transport} wire={s.dispatch_wire} combine={s.combine_wire}{extra} "
-            f"a_operand={s.a_operand} mtpr={s.mtpr} weights={self.binding} shared by all layers{heap} "
-            "(not validated on AMD hardware)"
+            f"a_operand={s.a_operand} mtpr={spec.mtpr}{' fixed-slot' if spec.fixed_slot else ''}{runtimes} "
+            f"weights={self.binding} shared by all layers{heap} (not validated on AMD hardware)"
         )
 
-    def _call_runtime(self, runtime, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lw: AiterLayerWeights):
-        w = dict(w1=lw.w1, w1_scale=lw.w1_scale, w2=lw.w2, w2_scale=lw.w2_scale)
+    def _step_args(self, spec: AiterRuntimeSpec, bound: int | None) -> dict:
+        """Per-step arguments the installed class takes: the config bucket every rank agrees on, the
+        runtime's own masking of -1 slots, gfx1250's static recv bound and combine quant."""
+        p, kw = self.plan, {}
         if self.selection.runtime == "MegaMoEGfx1250":
             if "combine_quant" in self._forward_params:
-                w["combine_quant"] = self.selection.combine_quant or "none"
-            return runtime.forward(x, weights, ids, **w)
+                kw["combine_quant"] = self.selection.combine_quant or "none"
+            arena = p.ep_size * spec.mtpr
+            if bound is not None and "recv_token_bound" in self._forward_params and bound * p.topk * p.ep_size < arena:
+                kw["recv_token_bound"] = int(bound) * p.topk * p.ep_size
+            return kw
+        if self._takes_config_tokens:
+            kw["config_tokens"] = spec.mtpr if bound is None else int(bound)
+        if self._masks_itself:
+            kw["mask_invalid_slots"] = True
+        return kw
+
+    def _call_runtime(self, runtime, x, ids, weights, lw: AiterLayerWeights, step: dict):
+        w = dict(w1=lw.w1, w1_scale=lw.w1_scale, w2=lw.w2, w2_scale=lw.w2_scale)
         if self.binding == BIND_FORWARD:
-            return runtime.forward(x, weights, ids, **w)
-        if self.binding == BIND_SETTER:
-            runtime.set_weights(w["w1"], w["w1_scale"], w["w2"], w["w2_scale"])
-        elif self.binding == BIND_ATTRS:
+            return runtime.forward(x, weights, ids, **w, **step)
+        if self.binding == BIND_ATTRS:
             bind_launch_attrs(runtime, lw)
-        return runtime.forward(x, weights, ids)
+        return runtime.forward(x, weights, ids, **step)
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_weights: AiterLayerWeights,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None, bound: int | None = None,
     ) -> torch.Tensor:
-        """-> bf16 [T, H] the caller owns: ``out`` when given (bf16 [T, H]), else a new tensor."""
+        """-> bf16 [T, H] the caller owns: ``out`` when given (bf16 [T, H]), else a new tensor.
+
+        ``bound``: the engine's token bound for this step (the same on every EP rank, >= T);
+        None runs the largest runtime at its capacity."""
         if layer_weights.runtime != self.selection.runtime:
             raise ValueError(f"weights were prepared for {layer_weights.runtime}, this layer runs {self.selection.runtime}")
         t, hidden = x.shape[0], self.plan.hidden
-        if t > self.selection.mtpr:
-            raise ValueError(f"{t} tokens exceed max_tok_per_rank={self.selection.mtpr} (MEGA_MAX_TOKENS_PER_RANK)")
+        if t > self.capacity or (bound is not None and not t <= bound <= self.capacity):
+            raise ValueError(f"{t} tokens / bound {bound} exceed max_tok_per_rank={self.capacity} (MEGA_MAX_TOKENS_PER_RANK)")
         if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (t, hidden)):
             raise ValueError(f"out must be bf16 {(t, hidden)}, got {out.dtype} {tuple(out.shape)}")
-        if t == 0:  # an idle rank still takes part in the collective
+        spec = self.spec_for(bound)
+        idle = t == 0 and (self.selection.runtime == "MegaMoEGfx1250" or not self._takes_config_tokens)
+        if idle:  # an idle rank still takes part in the collective
             x, ids, weights = self._idle.get(hidden, self.plan.topk, x.device)
         else:
-            ids, weights = rank_major_ids(topk_ids, topk_weights, self._owner, self._slot, self.experts_per_rank)
+            owner, slot = self._owner.to(x.device), self._slot.to(x.device)
+            ids, weights = rank_major_ids(topk_ids, topk_weights, owner, slot, self.experts_per_rank,
+                                          keep_masked=self._masks_itself)
             x = x.to(torch.bfloat16).contiguous()
-            ids, weights = ids.to(x.device), weights.to(x.device)
-        runtime = self.runtime(layer_weights)
+        runtime = self.runtime(layer_weights, bound)
         with normal_tensors():
-            result = self._call_runtime(runtime, x, ids, weights, layer_weights)[:t]
+            result = self._call_runtime(runtime, x, ids, weights, layer_weights, self._step_args(spec, bound))[:t]
         # copied in the caller's mode: ``out`` may be an inference tensor
         return result.clone() if out is None else out.copy_(result)
 
     __call__ = forward
+

@@ -1,13 +1,15 @@
 """Building and sharing aiter's fused MegaMoE runtimes (MegaMoEV2 on gfx950, MegaMoEGfx1250 on gfx1250).
 
-One runtime serves every MoE layer of a model, as in all three upstream integrations (vLLM
+Each runtime serves every MoE layer of a model, as in all three upstream integrations (vLLM
 DeepseekV4AiterMegaMoEExperts, SGLang mega_moe_aiter.py, ATOM flydsl_mega_experts.py): its buffers
-are sized by geometry, not weights, and one MegaMoEV2 takes 0.24-2.3 GiB of mori's symmetric
-heap (heap.py), so one per layer exhausts it. The cache key holds everything the runtime fixes at
+are sized by geometry, not weights, and one MegaMoEV2 takes 0.24-4.6 GiB of mori's symmetric
+heap (heap.py), so one per layer exhausts it. MegaMoEV2 comes as the runtimes aiter's plan gives
+(``Selection.runtimes``: vLLM 0.34 holds a fixed-slot one for decode and one at the max,
+mega_moe.py:164-177), each shared. The cache key holds everything a runtime fixes at
 construction -- the dispatch wire and combine quant included, since they change the arena's
 layout -- so a layer never reuses a runtime built for another wire. Weights are per layer and
-reach the runtime at each forward (as forward arguments, through ``set_weights``, or
-by ``bind_launch_attrs``).
+reach the runtime at each forward (as forward arguments, which ROCm/aiter 4d06fb8d checks for
+numel and device, or by ``bind_launch_attrs`` where the forward takes none, as vLLM 0.34 does).
 
 Both runtimes are built and run with ``torch.inference_mode(False)`` and ``no_grad`` (as ATOM and
 SGLang do): a runtime outlives the engine phase that builds it; built inside inference mode, its
@@ -23,6 +25,8 @@ cannot drift from the knobs MegaMoE validated. Not run on AMD hardware.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import importlib
 import inspect
 import logging
@@ -38,12 +42,12 @@ from .heap import MoriHeap, v2_shmem_bytes
 
 logger = logging.getLogger("megamoe")
 
-# How each layer's weights reach the one shared runtime, best first. MegaMoEGfx1250 takes them as
-# forward arguments. MegaMoEV2 (ROCm/aiter e4048607) binds them at construction and has no setter;
-# its launches read four attributes afresh each forward (mega_moe_v2.py:237 ``_s1_w1`` /
-# ``_s1_w1_scale``, 345 ``w2`` / ``w2_scale``), which every upstream integration rebinds per layer.
+# How each layer's weights reach a shared runtime, best first. MegaMoEGfx1250 takes them as forward
+# arguments; so does MegaMoEV2 at ROCm/aiter 4d06fb8d (``supports_layer_weights``: forward(..., w1=,
+# w1_scale=, w2=, w2_scale=), checked for numel and device). Before that it bound them at construction
+# and its launches read four attributes afresh each forward (e4048607 mega_moe_v2.py:237 ``_s1_w1`` /
+# ``_s1_w1_scale``, 345 ``w2`` / ``w2_scale``), which vLLM 0.34 still rebinds per layer (mega_moe.py:277-281).
 BIND_FORWARD = "forward-args"  # forward(..., w1=, w1_scale=, w2=, w2_scale=)
-BIND_SETTER = "set_weights"  # public set_weights(w1, w1_scale, w2, w2_scale) before each forward
 BIND_ATTRS = "launch-attrs"  # the four attributes MegaMoEV2's launches read, checked then rebound
 # attribute -> our weight field; MegaMoEV2 stores w1 / w1_scale as uint8 views (mega_moe_v2.py:76-77)
 V2_LAUNCH_ATTRS = {"_s1_w1": "w1", "_s1_w1_scale": "w1_scale", "w2": "w2", "w2_scale": "w2_scale"}
@@ -68,6 +72,7 @@ class AiterRuntimeSpec:
     combine_quant: str
     a_operand: str
     device: str = ""  # the device the runtime allocates on
+    fixed_slot: bool = False  # MegaMoEV2: aiter's plan dispatches this capacity fixed-slot (rocm_probes.py)
 
     def key(self, group: Any) -> tuple:
         return astuple(self) + (id(group),)
@@ -76,7 +81,8 @@ class AiterRuntimeSpec:
         """mori symmetric-heap bytes this runtime allocates (MegaMoEV2; MegaMoEGfx1250 uses a cco arena)."""
         if self.runtime != "MegaMoEV2":
             return 0
-        return v2_shmem_bytes(self.world_size, self.model_dim, self.experts // self.world_size, self.topk, self.mtpr)
+        return v2_shmem_bytes(self.world_size, self.model_dim, self.experts // self.world_size, self.topk, self.mtpr,
+                              self.fixed_slot)
 
 
 # Documented caches (one entry per runtime shape and EP group): the runtimes, the cco
@@ -92,23 +98,44 @@ def clear_aiter_runtimes() -> None:
     _PLANNED_SHMEM.clear()
 
 
-def plan_shmem(spec: AiterRuntimeSpec, group: Any, env: Mapping[str, str] | None = None) -> int:
-    """Reserve this runtime's share of mori's heap at start-up; an error now, not in the first forward.
+def plan_shmem(specs: list[AiterRuntimeSpec], group: Any, env: Mapping[str, str] | None = None) -> int:
+    """Reserve these runtimes' share of mori's heap at start-up; an error now, not in the first forward.
 
-    Counts every distinct runtime planned in this process (normally one); returns the total.
-    mori's environment (``env``, default os.environ) is read only when the runtime uses the heap.
+    Counts every distinct runtime planned in this process (a layer's decode and max runtimes; the
+    next layer's are the same ones); returns the total. mori's environment (``env``, default
+    os.environ) is read only when a runtime uses the heap.
     """
-    need = spec.shmem_bytes()
-    if not need:
-        return 0
-    heap = MoriHeap.from_env(env)
     planned = dict(_PLANNED_SHMEM)
-    planned[spec.key(group)] = need
+    for spec in specs:
+        if spec.shmem_bytes():
+            planned[spec.key(group)] = spec.shmem_bytes()
+    if planned == _PLANNED_SHMEM:
+        return sum(planned.values())
     total = sum(planned.values())
-    what = f"{len(planned)} shared aiter MegaMoEV2 runtime(s) (EP {spec.world_size}, max_tok_per_rank {spec.mtpr})"
-    heap.check(total, what)
+    sizes = ", ".join(f"max_tok_per_rank {s.mtpr}{' fixed-slot' if s.fixed_slot else ''}" for s in specs if s.shmem_bytes())
+    what = f"{len(planned)} shared aiter MegaMoEV2 runtime(s) (EP {specs[0].world_size}: {sizes})"
+    MoriHeap.from_env(env).check(total, what)
     _PLANNED_SHMEM.update(planned)
     return total
+
+
+@functools.lru_cache(maxsize=1)
+def hip_runtime() -> Any:
+    """The HIP runtime library (documented cache: loaded once), or None where there is none (CPU, CUDA)."""
+    try:
+        return ctypes.CDLL("libamdhip64.so")
+    except OSError:
+        return None
+
+
+def clear_hip_last_error(hip: Any = None) -> None:
+    """Clear the HIP last error that mori's cco init can leave (hipErrorNotSupported from its
+    hipMemCreate probe): the next torch call that checks it would raise it. mori clears it only
+    since ROCm/mori#761 (unreleased); vLLM 0.34 does what this does after every cco init
+    (all2all.py:1127-1131, ``CudaRTLibrary().cudaGetLastError()``)."""
+    hip = hip if hip is not None else hip_runtime()
+    if hip is not None:
+        hip.hipGetLastError()
 
 
 @contextlib.contextmanager
@@ -135,8 +162,6 @@ def runtime_class(name: str, import_module: Callable[[str], Any] = importlib.imp
 def v2_binding(cls) -> str:
     if {"w1", "w1_scale", "w2", "w2_scale"} <= param_names(cls.forward):
         return BIND_FORWARD
-    if callable(getattr(cls, "set_weights", None)):
-        return BIND_SETTER
     return BIND_ATTRS
 
 
@@ -153,7 +178,7 @@ def bind_launch_attrs(runtime: Any, weights: Any) -> None:
         if not isinstance(old, torch.Tensor) or old.shape != new.shape or old.dtype != new.dtype:
             got = None if not isinstance(old, torch.Tensor) else (tuple(old.shape), old.dtype)
             raise KnobError(
-                f"the installed aiter's MegaMoEV2 takes weights neither as forward arguments nor through set_weights, "
+                f"the installed aiter's MegaMoEV2 takes no weights as forward arguments, "
                 f"and its {attr!r} is {got}, not {field_name} {tuple(new.shape)} {new.dtype} as in ROCm/aiter "
                 "e4048607: one runtime cannot serve every layer; install an aiter whose MegaMoEV2 is listed in docs/rocm.md"
             )
@@ -161,24 +186,20 @@ def bind_launch_attrs(runtime: Any, weights: Any) -> None:
         setattr(runtime, attr, getattr(weights, field_name))
 
 
-def cco_communicator(group: Any, rank: int, world_size: int, per_rank_vmm: int, dist: Any = None, cco: Any = None):
-    """One mori cco Communicator per EP group: the group's first rank mints the id and broadcasts it."""
+def cco_communicator(group: Any, rank: int, world_size: int, per_rank_vmm: int, dist: Any = None, cco: Any = None,
+                     hip: Any = None):
+    """One mori cco Communicator per EP group: the group's first rank mints the id and broadcasts it;
+    the HIP last error cco init may leave is cleared before anything else runs (clear_hip_last_error)."""
     hit = _CCO.get(id(group))
     if hit is not None:
         return hit
     cco = cco or importlib.import_module("mori.cco")
     uid = broadcast_from_group_root(cco.Communicator.get_unique_id() if rank == 0 else None, group, dist)
     comm = cco.Communicator.init(world_size, rank, uid, per_rank_vmm=per_rank_vmm)
+    clear_hip_last_error(hip)
     comm.barrier()
     _CCO[id(group)] = comm
     return comm
-
-
-def cco_per_rank_vmm(world_size: int, hidden: int, mtpr: int) -> int:
-    """Symmetric VMM per rank: worst case every rank sends all its bf16 tokens to one peer, twice
-    (tokens and combine staging), plus slack -- the sizing ATOM uses for the same arena."""
-    window = world_size * mtpr * hidden * 2 * 2 + (1 << 24)
-    return 2 * window + (1 << 28)
 
 
 def build_v2(spec: AiterRuntimeSpec, cls, first_weights, init_shmem: Callable[[], Any]):

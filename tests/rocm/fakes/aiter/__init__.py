@@ -1,6 +1,7 @@
 """Fake of ``aiter`` (ROCm/aiter), for CPU contract tests only.
 
-Restates the public names MegaMoE uses, from ROCm/aiter e4048607 (2026-08-22): ActivationType and
+Restates the public names MegaMoE uses, from ROCm/aiter e4048607 (2026-08-22; MegaMoEV2 and its plan
+builder from 4d06fb8d): ActivationType and
 QuantType (csrc/include/aiter_enum.h), dtypes, aiter.jit.utils.chip_info.get_gfx,
 aiter.ops.shuffle, aiter.ops.flydsl.moe_common.GateMode and the two MegaMoE runtimes.
 Every call is appended to CALL_LOG.
@@ -12,6 +13,9 @@ from . import dtypes  # noqa: F401
 
 CALL_LOG: list = []
 FAKE_GFX = {"arch": "gfx950"}
+# The fake has no GPUs: this is the device index the process runs on (torch.cuda.current_device()),
+# where CPU tensors count as living (mega_moe_v2.fake_device_of).
+FAKE_GPU = {"current": 0}
 
 
 class ActivationType(enum.IntEnum):
@@ -36,3 +40,4 @@ class QuantType(enum.IntEnum):
 def reset(arch: str = "gfx950") -> None:
     CALL_LOG.clear()
     FAKE_GFX["arch"] = arch
+    FAKE_GPU["current"] = 0

@@ -36,3 +36,13 @@ def local_moe(x, wts, ids, w1, s1, w2, s2, *, rank: int, experts_per_rank: int, 
             gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
         out[t] += float(wts[t, k]) * (w2f[slot] @ (torch.nn.functional.silu(gate) * up))
     return out
+
+
+def fp8_blockwise_1x32(y: torch.Tensor) -> torch.Tensor:
+    """fp32 [T, H] through an fp8 e4m3 wire with one power-of-two scale per 1x32 block (what MegaMoEV2's
+    fp8_blockwise_1x32 P2P combine carries), back to fp32."""
+    t, h = y.shape
+    blocks = y.view(t, h // 32, 32)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    scale = torch.exp2(torch.ceil(torch.log2(torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)))))
+    return ((blocks / scale).to(torch.float8_e4m3fn).float() * scale).view(t, h)

@@ -1,4 +1,10 @@
-"""Fake mori.cco: Communicator as published in mori/cco/communicator.py (1.2.4)."""
+"""Fake mori.cco: Communicator as published in mori/cco/communicator.py (1.2.4).
+
+``Communicator.init`` leaves hipErrorNotSupported as the HIP last error, as mori's cco does where
+fabric handles are unsupported (cleared in mori only since ROCm/mori#761; fakes/fake_hip.py).
+"""
+
+import fake_hip
 
 from . import CALL_LOG
 
@@ -25,6 +31,7 @@ class Communicator:
             raise TypeError("fake cco: unique_id must be the UniqueId made on rank 0 and broadcast")
         comm = cls()
         comm._rank, comm._nranks, comm.per_rank_vmm = rank, nranks, per_rank_vmm
+        fake_hip.LAST_ERROR["code"] = fake_hip.HIP_ERROR_NOT_SUPPORTED  # the hipMemCreate probe's leftover
         return comm
 
     @property

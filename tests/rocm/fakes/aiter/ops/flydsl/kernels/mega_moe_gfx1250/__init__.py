@@ -15,12 +15,19 @@ the ones that fail quietly upstream fail the same way here:
   (grouped_moe_gfx1250.py:991-996). Otherwise fused_moe's generic path runs, ignores
   stage2_scatter, and the combine returns the buffer as the last step left it (zeros at first);
 - the mori dispatch variant zeroes ``_total_recv`` in place each forward (mega_moe.py:628): built
-  inside torch.inference_mode, that is an inference tensor, and a later forward outside it fails.
+  inside torch.inference_mode, that is an inference tensor, and a later forward outside it fails;
+- construction allocates (its arena and buffers, mega_moe.py:462-500): a HIP last error left by cco
+  init (fakes/fake_hip.py) is raised there, as torch's next error check raises it;
+- a quantised wire on the mori dispatch builds a mori EPv2 op with a per-token scale row: a mori
+  without ROCm/mori#593 refuses it (fakes/mori/ops/dispatch_combine_v2.py: RuntimeError at build);
+- ``forward(..., recv_token_bound=None)`` (e4048607 mega_moe.py:335-346): a Python int capping the
+  recv slots the GEMM sees, never below the received count; recorded per call.
 forward computes this rank's experts' share (fakes/aiter/_moe_math.py).
 """
 
 import os
 
+import fake_hip
 import torch
 from aiter import CALL_LOG, ActivationType, QuantType, dtypes
 from aiter._moe_math import local_moe
@@ -54,6 +61,7 @@ class _Base:
         backend = dispatch_backend if dispatch_backend is not None else os.environ.get("MEGA_DISPATCH", "flydsl")
         if backend not in _DISPATCH_BACKENDS:
             raise ValueError(f"dispatch_backend must be one of {_DISPATCH_BACKENDS}, got {backend!r}")
+        fake_hip.raise_if_pending("MegaMoEGfx1250.__init__ (first allocation)")
         self.rank, self.experts_per_rank = rank, experts // world_size
         self.model_dim, self.inter_dim, self.topk, self.mtpr = model_dim, inter_dim, topk, max_tokens_per_rank
         self.swiglu_limit = swiglu_limit
@@ -74,6 +82,10 @@ class _Base:
             with torch.inference_mode():  # a kernel's write
                 self._combine_output[: t * self.model_dim].view(torch.bfloat16).copy_(y.to(torch.bfloat16).view(-1))
         return self._combine_output[: t * self.model_dim].view(torch.bfloat16).view(t, self.model_dim)
+
+    def _check_recv_bound(self, bound) -> None:
+        if bound is not None and (not isinstance(bound, int) or bound < 1):
+            raise ValueError(f"recv_token_bound must be a positive python int, got {bound!r}")
 
     def _check_forward(self, hidden_states, topk_weights, topk_ids, w1, w2, w1_scale, w2_scale):
         if hidden_states.dtype != torch.bfloat16 or not hidden_states.is_contiguous():
@@ -118,8 +130,9 @@ class MegaMoEGfx1250_e4048607(_Base):
     def forward(self, hidden_states, topk_weights, topk_ids, *, w1, w2, w1_scale, w2_scale, bias1=None, bias2=None,
                 a1_scale=None, a2_scale=None, recv_token_bound=None):
         t = self._check_forward(hidden_states, topk_weights, topk_ids, w1, w2, w1_scale, w2_scale)
+        self._check_recv_bound(recv_token_bound)
         self.forward_calls.append(dict(x=hidden_states, wts=topk_weights, ids=topk_ids, w1=w1, w2=w2,
-                                       w1_scale=w1_scale, w2_scale=w2_scale))
+                                       w1_scale=w1_scale, w2_scale=w2_scale, recv_token_bound=recv_token_bound))
         return self._run(hidden_states, topk_weights, topk_ids, w1, w2, w1_scale, w2_scale, t)
 
     __call__ = forward
@@ -146,6 +159,13 @@ class MegaMoEGfx1250_22f2e2dc(_Base):
             raise ValueError(f"combine_quant must be one of {_COMBINE_QUANT_MODES}, got {cq!r}")
         if stage1_fused and (backend != "flydsl" or wire == "bf16"):
             raise ValueError("stage1_fused requires dispatch_backend='flydsl' and an fp8 or fp4 dispatch wire")
+        if backend == "mori" and wire != "bf16":  # the sender-quantised rows travel with their E8M0 scale row
+            import mori.ops.dispatch_combine_v2 as v2
+
+            v2.EpDispatchCombineOp(v2.EpDispatchCombineConfig(
+                rank=rank, world_size=world_size, hidden_dim=model_dim, max_num_inp_token_per_rank=max_tokens_per_rank,
+                num_experts_per_rank=experts // world_size, num_experts_per_token=topk, scale_dim=model_dim // 32,
+                scale_type_size=1), communicator)
         self.config = dict(dispatch_backend=backend, dispatch_wire=wire, combine_quant=cq)
         CALL_LOG.append(("MegaMoEGfx1250", dict(rank=rank, world_size=world_size, model_dim=model_dim,
                          inter_dim=inter_dim, experts=experts, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
@@ -159,8 +179,10 @@ class MegaMoEGfx1250_22f2e2dc(_Base):
         step = combine_quant or "none"
         if step != "none" and step != self.config["combine_quant"]:
             raise ValueError(f"combine_quant={step!r} was not built at construction ({self.config['combine_quant']!r})")
+        self._check_recv_bound(recv_token_bound)
         self.forward_calls.append(dict(x=hidden_states, wts=topk_weights, ids=topk_ids, w1=w1, w2=w2,
-                                       w1_scale=w1_scale, w2_scale=w2_scale, combine_quant=step))
+                                       w1_scale=w1_scale, w2_scale=w2_scale, combine_quant=step,
+                                       recv_token_bound=recv_token_bound))
         return self._run(hidden_states, topk_weights, topk_ids, w1, w2, w1_scale, w2_scale, t)
 
     __call__ = forward

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import CALL_LOG
+from .. import CALL_LOG
 
 TOPK_IDX_DTYPE = torch.int32
 _DTYPE_SUFFIX = {
