@@ -1,12 +1,12 @@
-"""Time the sm_90a CUDA frag8 GEMMs (experts/cuda) alone, per build variant, on synthetic fragment weights.
+"""Time the sm_90a CUDA frag8 GEMMs (cuda_gemms/, research code) alone, per build variant, on synthetic fragment weights.
 
 Research probe (not the bench): each GEMM launch captured in a CUDA graph and replayed back to back,
 µs = median over rounds of (total / replays); useful TFLOP/s = 2 x pairs x K x N / time. Variants are
 preprocessor switches of frag8_sm90.cu (``--defines``), so a hypothesis costs one build (seconds).
 Weights / activations are random bytes in the kernels' formats (timing only; correctness is
-tests/kernels/test_gpu_cuda_gemms.py). ``--ncu`` runs one GEMM1 launch for Nsight Compute to profile.
+cuda_gemms/test_gpu_cuda_gemms.py). ``--ncu`` runs one GEMM1 launch for Nsight Compute to profile.
 
-    PYTHONPATH=. python3 benchmarks/research/cuda_gemm_probe.py --experts 192 48 --tokens 1024 8192 \\
+    PYTHONPATH=.:benchmarks/research python3 benchmarks/research/cuda_gemm_probe.py --experts 192 48 --tokens 1024 8192 \\
         --variants base MM_NO_PROXY_FENCE --json out.json
 """
 
@@ -19,8 +19,9 @@ import statistics
 import torch
 
 from megamoe_backend.bench.bench_experts import capture_graph
-from megamoe_backend.experts.cuda.gemms import Sm90Frag8Gemms
 from megamoe_backend.experts.triton.layout import build_layout
+
+from cuda_gemms.gemms import Sm90Frag8Gemms
 
 HIDDEN, INTER, TOPK = 7168, 3072, 6
 

@@ -47,11 +47,16 @@ def profile_step(emu, routes, bound, replays: int = 5) -> dict:
             "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["busy_us"] - kv[1]["gap_before_us"]))}
 
 
+MTPR = 8192
+
+
 def emulated_dsv4(ep: int, experts: int, device):
     """(spec, EmulatedEP) of DSV4-Pro scaled to ep x experts (A8W4 + fp8 wire, bf16 combine, MTPR 8192):
-    the one setup this probe, persistent_grid_ab.py and bounded_grid_ab.py time."""
+    the one setup this probe, persistent_grid_ab.py and bounded_grid_ab.py time. Its providers are this
+    probe's own TritonExperts (as the layer would build them), so gemm_round can hand them a GridPolicy."""
     from megamoe_backend.bench.bench_experts import make_weights
     from megamoe_backend.bench.bench_layer import SCHEMES
+    from megamoe_backend.experts.triton import TritonExperts
     from megamoe_backend.knobs import Knobs
     from megamoe_backend.parallel.emulated_ep import EmulatedEP
     from megamoe_backend.plan import build_plan
@@ -59,13 +64,20 @@ def emulated_dsv4(ep: int, experts: int, device):
 
     spec = preset("dsv4-pro").scaled(n_routed_experts=ep * experts)
     weights = [make_weights(experts, spec.hidden_size, spec.moe_intermediate_size, device, 1 + r)[0] for r in range(ep)]
-    knobs = Knobs(dispatch_wire=SCHEMES["a8w4"], combine_wire="bf16", max_tokens_per_rank=8192, transport="ipc")
+    knobs = Knobs(dispatch_wire=SCHEMES["a8w4"], combine_wire="bf16", max_tokens_per_rank=MTPR, transport="ipc")
     plans = [build_plan(spec, knobs, r, ep, quant="a8w4", backends=("triton", "ipc")) for r in range(ep)]
-    return spec, EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device)
+    capacity = MTPR * spec.num_experts_per_tok * ep  # what registry.make_provider gives the layer's own provider
+    return spec, EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device,
+                            provider_for=lambda r: TritonExperts(capacity=capacity))
 
 
-def gemm_round(label: str, emu, routes, bound) -> dict:
-    """One profiled step of an A/B probe: its span per rank and its GEMM kernels, printed on one line."""
+def gemm_round(label: str, emu, routes, bound, grids=None) -> dict:
+    """One profiled step of an A/B probe: its span per rank and its GEMM kernels, printed on one line.
+    ``grids``: the launch_plan.GridPolicy the ranks' providers run this step with (None: the defaults)."""
+    from megamoe_backend.experts.triton.launch_plan import DEFAULT_GRIDS
+
+    for layer in emu.layers:  # the probe's own providers (emulated_dsv4): the policy is theirs, not a global
+        layer.provider.grids = grids or DEFAULT_GRIDS
     spans = profile_step(emu, routes, bound)
     gemm = {n: k for n, k in spans["kernels"].items() if "gemm" in n}
     print(f"{label:36s} span {spans['span_us_per_rank']:8.1f} us/rank  "

@@ -48,7 +48,7 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
     from megamoe_backend.experts.triton.config import reduction_block
     from megamoe_backend.experts.triton.gemm1 import gemm1_swiglu_kernel
     from megamoe_backend.experts.triton.gemm2 import gemm2_weighted_kernel
-    from megamoe_backend.experts.triton.provider import whole_weight_tiles
+    from megamoe_backend.experts.triton.launch_plan import whole_weight_tiles
 
     a_ty = "*fp8e4nv" if decoder == "frag8" else "*bf16"
     o_ty = "*u8" if decoder == "frag8" else "*bf16"  # frag8: GEMM1 writes A2 in the MX wire format
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from megamoe_backend.experts.triton.config import BUCKETS, FRAG8_BUCKETS, FRAG_BUCKETS
 
-    from megamoe_backend.experts.triton.provider import tile_passes
+    from megamoe_backend.experts.triton.launch_plan import tile_passes
 
     tables = (("frag", FRAG_BUCKETS), ("frag8", FRAG8_BUCKETS), ("split", BUCKETS))  # split: row-major MXFP4 the frag layout refuses
     rows = [report(which, cfg, decoder, p) for decoder, table in tables for _, cfg in table

@@ -154,6 +154,22 @@ def _check_scales(name: str, scales: torch.Tensor, kind: str) -> None:
         raise ValueError(f"{name}_scale: E8M0 byte 255 (NaN); the frag8 decoder folds scales into e4m3 weights")
 
 
+class FoldSpanError(ValueError):
+    """A weight row whose block scales span more binades than the frag8 decoder folds exactly: the
+    tensor, expert, row and block found first, and the spread (row max over that block, in binades),
+    so a caller that falls back to another decoder can say what it fell back for."""
+
+    def __init__(self, name: str, expert: int, row: int, block: int, block_exp: int, row_max_exp: int) -> None:
+        self.tensor, self.expert, self.row, self.block = name, expert, row, block
+        self.block_exp, self.row_max_exp = block_exp, row_max_exp
+        self.spread = row_max_exp - block_exp  # binades between the row's largest block scale and this one
+        super().__init__(
+            f"{name}_scale: expert {expert} row {row} has block scales spanning more than {FP8_S_MAX} binades "
+            f"(block {block}: 2**{block_exp} vs row max 2**{row_max_exp}); the frag8 decoder "
+            "folds them into e4m3 weights exactly only within that span: use decoder='frag' for these weights"
+        )
+
+
 def _fp8_row_fold(name: str, codes: torch.Tensor, scales: torch.Tensor, expert0: int) -> tuple[torch.Tensor, torch.Tensor]:
     """codes int [E, N, K], E8M0 [E, N, K/32] -> (S uint8 [E, N, K/32], row_scale fp32 [E, N]) of the fp8 kind."""
     s = scales.to(torch.int32)
@@ -163,11 +179,8 @@ def _fp8_row_fold(name: str, codes: torch.Tensor, scales: torch.Tensor, expert0:
     fold = torch.where(live, s - ref + 5, 0)  # <= FP8_S_MAX by the choice of ref; < 0: span too wide
     if fold.numel() and int(fold.min()) < 0:
         bad = (fold < 0).nonzero()[0].tolist()
-        raise ValueError(
-            f"{name}_scale: expert {expert0 + bad[0]} row {bad[1]} has block scales spanning more than {FP8_S_MAX} binades "
-            f"(block {bad[2]}: 2**{int(s[tuple(bad)]) - 127} vs row max 2**{int(top[bad[0], bad[1], 0]) - 127}); the frag8 decoder "
-            "folds them into e4m3 weights exactly only within that span: use decoder='frag' for these weights"
-        )
+        raise FoldSpanError(name, expert0 + bad[0], bad[1], bad[2], int(s[tuple(bad)]) - 127,
+                            int(top[bad[0], bad[1], 0]) - 127)
     return fold.to(torch.uint8), torch.pow(2.0, (ref[..., 0] - 127).double()).float()
 
 

@@ -1,4 +1,5 @@
-"""Transports by name, imported lazily (symmetric memory needs CUDA, mori needs ROCm)."""
+"""Transports of the torch forward by name, imported lazily (mori needs ROCm). MEGA_DISPATCH=symm | ipc
+are the device P2P forward (layer/device/p2p.py over transport/peer_arena.py), not transports here."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from .base import Transport
 from .torch_dist import LocalTransport, TorchDistTransport
 
 TRANSPORTS = {
-    "symm": "megamoe_backend.transport.symm_mem:SymmMemTransport",
     "mori": "megamoe_backend.transport.mori:MoriTransport",
 }
 
@@ -25,9 +25,9 @@ def make_transport(plan: LayerPlan, group: Any, device: torch.device) -> Transpo
         return LocalTransport()
     if name in ("gloo", "nccl"):
         return TorchDistTransport(group, device)
-    if name == "ipc":
+    if name in ("ipc", "symm"):
         raise ValueError(
-            f"MEGA_DISPATCH=ipc is the device P2P forward: it needs CUDA and the triton experts (this layer: device "
+            f"MEGA_DISPATCH={name} is the device P2P forward: it needs CUDA and the triton experts (this layer: device "
             f"{device}, experts {plan.backends.provider}); use MEGA_DISPATCH=nccl (or gloo on CPU) otherwise")
     try:
         target = TRANSPORTS[name]

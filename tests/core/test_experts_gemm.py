@@ -1,50 +1,52 @@
-"""The MEGA_EXPERTS_GEMM knob and the sm_90a CUDA GEMMs' build (experts/cuda) on a machine without a GPU."""
+"""MEGA_EXPERTS_GEMM: read once by Knobs, handed to the Triton provider by the registry (nothing else
+reads the environment), and ``cuda`` (the sm_90a CUDA GEMMs, now research code) refused by name."""
 
 from __future__ import annotations
 
 import pytest
 
-from megamoe_backend.experts.cuda import jit
-from megamoe_backend.experts.cuda.gemms import describe_choice
+from megamoe_backend.experts.registry import describe_experts_gemm, make_provider
+from megamoe_backend.experts.triton import TritonExperts
 from megamoe_backend.knobs import KnobError, Knobs
+from megamoe_backend.layer import MegaMoELayer
+from megamoe_backend.plan import build_plan
+from megamoe_backend.spec import preset
+from megamoe_backend.workload import ProblemConfig, make_problem
+
+SPEC = preset("dsv4-pro").scaled(hidden_size=128, moe_intermediate_size=128, n_routed_experts=8)
 
 
 def test_knob_values():
     assert Knobs.from_env({}).experts_gemm == "auto"
-    assert Knobs.from_env({"MEGA_EXPERTS_GEMM": "CUDA"}).experts_gemm == "cuda"
-    with pytest.raises(KnobError, match="MEGA_EXPERTS_GEMM"):
+    assert Knobs.from_env({"MEGA_EXPERTS_GEMM": "Triton"}).experts_gemm == "triton"
+    with pytest.raises(KnobError, match="MEGA_EXPERTS_GEMM='cutlass' is not valid; allowed values: auto | triton"):
         Knobs.from_env({"MEGA_EXPERTS_GEMM": "cutlass"})
 
 
+@pytest.mark.parametrize("build", [
+    lambda: Knobs.from_env({"MEGA_EXPERTS_GEMM": "CUDA"}),
+    lambda: Knobs(experts_gemm="cuda"),
+    lambda: TritonExperts(gemm="cuda"),
+], ids=["env", "knobs", "provider"])
+def test_cuda_is_refused_naming_the_knob_and_where_the_code_went(build):
+    with pytest.raises(KnobError, match=r"MEGA_EXPERTS_GEMM=cuda: .* benchmarks/research/cuda_gemms/\. Unset MEGA_EXPERTS_GEMM"):
+        build()
+
+
 def test_info_line_names_what_runs():
-    assert describe_choice("auto", "triton", "cuda").startswith("Triton (auto")
-    assert describe_choice("triton", "triton", "cuda").startswith("Triton")
-    assert "unavailable" in describe_choice("cuda", "triton", "cpu")  # this machine has no GPU
-    assert describe_choice("cuda", "torch", "cpu").startswith("torch provider")
+    assert describe_experts_gemm("auto", "triton").startswith("Triton (MEGA_EXPERTS_GEMM=auto")
+    assert describe_experts_gemm("triton", "torch").startswith("torch provider")
 
 
-def test_wrappers_cover_every_token_side():
-    src = jit.full_source()
-    for n in jit.WGMMA_NS:
-        assert f"m64n{n}k32.f32.e4m3.e4m3" in src and f"mm_wgmma_rs<{n}>" in src
-    assert jit.full_source(("MM_STAGES=5",)).startswith("#define MM_STAGES 5\n")
-
-
-def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGA_CUDA_CACHE_DIR", str(tmp_path))
-    with pytest.raises(RuntimeError, match="nvcc"):
-        jit.build(nvcc=str(tmp_path / "no-such-nvcc"))
-
-
-@pytest.mark.skipif(jit.nvcc_path() is None, reason="no nvcc on this machine: the sm_90a build is checked where one is")
-def test_builds_for_sm90a_without_spills_and_caches(tmp_path, monkeypatch):
-    """nvcc needs no GPU to build sm_90a code: the kernels compile, ptxas reports no spill (the producer
-    spilled at 40 / 56 registers before its addresses were hoisted), and the second build is the cache's."""
-    monkeypatch.setenv("MEGA_CUDA_CACHE_DIR", str(tmp_path))
-    first = jit.build()
-    assert first.compiled and first.cubin.exists() and first.cubin.parent == tmp_path
-    spills = [line for line in first.ptxas_log.splitlines() if "spill stores" in line]
-    assert len(spills) == 2 and all(line.strip().startswith("0 bytes stack frame, 0 bytes spill stores") for line in spills), spills
-    assert "serialized" not in first.ptxas_log  # ptxas would say so if the wgmmas could not stay in flight
-    again = jit.build()
-    assert again.cubin == first.cubin and not again.compiled
+def test_the_layer_hands_its_plans_knob_to_the_provider(monkeypatch):
+    """The environment set after import reaches the provider through Knobs.from_env -> the plan -> the
+    registry (the provider itself never reads os.environ: a value it read would be ignored here)."""
+    monkeypatch.setenv("MEGA_EXPERTS_GEMM", "triton")
+    knobs = Knobs.from_env()
+    assert make_provider("triton", 8, knobs).gemm == "triton"
+    monkeypatch.setenv("MEGA_EXPERTS_GEMM", "auto")  # the provider must not look again
+    p = make_problem(ProblemConfig(SPEC, 4, 1, seed=1))
+    plan = build_plan(SPEC, knobs, quant="a8w4", backends=("triton", "local"))
+    layer = MegaMoELayer(plan, p.expert_weights("a8w4"), device="cpu", device_path=False)
+    assert isinstance(layer.provider, TritonExperts) and layer.provider.gemm == "triton"
+    assert make_provider("triton", 8).gemm == "auto"  # no knobs: the defaults, not the environment

@@ -129,10 +129,28 @@ def test_transport_cache_keys_on_layout_and_wire() -> None:
 
 
 def test_output_scale_is_applied_in_fp32_before_rounding() -> None:
+    """output_scale multiplies the fp32 top-k sum, and the output is rounded to bf16 once: its bits are
+    ``(fp32_sum * 2.5).bfloat16()``. fp32_sum is rebuilt outside the layer: the reference experts' rows
+    for every live (token, k) pair, through the plan's combine wire, summed over k in fp32 (its bf16
+    rounding is the unscaled layer's output, bit for bit, which pins the rebuild).
+
+    Planted mutation, run once (tree 2377c6c + this test): the torch forward rounding to bf16 before
+    scaling (``(summed.to(torch.bfloat16) * output_scale).to(torch.bfloat16)`` in
+    layer/forwards/torch_path.py) fails the second assert (2.5 x a bf16 needs more than bf16's 8 bits);
+    the assert_close(rtol=8e-3) this replaces passed that mutant bit for bit.
+    """
     layer, p = layer_for("bf16")
+    plan, hidden = layer.plan, SPEC.hidden_size
     plain = layer(p.x, p.topk_ids, p.topk_weights)
     scaled = layer(p.x, p.topk_ids, p.topk_weights, output_scale=2.5)
-    torch.testing.assert_close(scaled.float(), plain.float() * 2.5, rtol=8e-3, atol=1e-6)
+    token, k = (p.topk_ids >= 0).nonzero(as_tuple=True)  # ep_size 1, no replicas: physical id = local slot
+    pairs = ExpertPairs(token, p.topk_ids[token, k].to(torch.int64), p.topk_weights[token, k].float())
+    wire_rows = TorchReferenceExperts().forward_wire(p.x, pairs, layer.weights, plan.math, plan.combine)
+    per_topk = torch.zeros(*p.topk_ids.shape, hidden, dtype=torch.float32)
+    per_topk[token, k] = plan.combine.decode_fp32(wire_rows, hidden)
+    fp32_sum = per_topk.sum(dim=1)
+    assert torch.equal(plain.view(torch.int16), fp32_sum.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(scaled.view(torch.int16), (fp32_sum * 2.5).to(torch.bfloat16).view(torch.int16))
 
 
 class _WireSpy(TorchReferenceExperts):

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from megamoe_backend.layer.device.status import BAD_EXPERT_ID, NONFINITE_INPUT, PEER_TIMEOUT, InputStatus
-from megamoe_backend.layer.device.watchdog import EXIT_STATUS, Watchdog, process_watchdog, watch
+from megamoe_backend.layer.device.process_end import EXIT_STATUS
+from megamoe_backend.layer.device.watchdog import Watchdog, process_watchdog, watch
 from megamoe_backend.transport import PeerTimeoutError
 
 ROOT = Path(__file__).resolve().parents[2]

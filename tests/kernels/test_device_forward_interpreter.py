@@ -28,6 +28,7 @@ from megamoe_backend.plan import build_plan  # noqa: E402
 from megamoe_backend.transport import PeerInputError, clear_transport_cache  # noqa: E402
 from megamoe_backend.workload import ProblemConfig, make_problem  # noqa: E402
 
+from quantised_twin import assert_rows_near, torch_emulated_layer  # noqa: E402
 from small_layer import GATES, K, SPEC, fresh_transport_cache  # noqa: E402, F401 (the fixture is autouse)
 
 
@@ -111,6 +112,21 @@ def test_device_forward_equals_torch_forward_bit_for_bit(quant, wire, combine) -
     ref = fp32_reference_moe(p.x, p.topk_ids, p.topk_weights, *p.expert_weights(quant).dequantized(), "interleaved",
                              SPEC.swiglu_limit)
     assert rel_l2(got.float(), ref) < GATES[quant]
+
+
+@pytest.mark.parametrize("quant, wire, combine", CASES)
+def test_device_forward_rows_stay_near_the_torch_emulated_quantised_layer(quant, wire, combine) -> None:
+    """The CPU twin of test_gpu_layer.py's check: every output row of the device forward (Triton
+    experts) within quantised_twin.ROW_TOL of the torch-emulated quantised layer (same plan, reference
+    experts); measured here: 0.0 on every row of every case (the interpreter's fp32 dot at K = 128).
+    Planted mutations, each run once (tree 2377c6c + issue 46's split, this test), each failing here:
+    output x1.05 (gemm2._gemm2_store: route weight x 1.05; bf16 case, worst row 5.1e-2), a wrong scale
+    exponent (gather._rowscale_row: the last 32-block of every frag8 A / A2 row read one binade high;
+    a8w4 case, 1.7), a dropped pair (layer/device/route.py: (token 1, k 0) given no slot; bf16, 0.45)."""
+    device, _, p = layers(quant, wire, combine, tokens=8)
+    twin = torch_emulated_layer(device, p.expert_weights(quant), "cpu")
+    got = device(p.x, p.topk_ids, p.topk_weights)
+    assert_rows_near(got, twin(p.x, p.topk_ids, p.topk_weights), f"{quant}/{wire}/{combine}", combine)
 
 
 def test_layers_of_one_shape_share_one_workspace() -> None:

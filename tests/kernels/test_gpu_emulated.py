@@ -88,6 +88,11 @@ def ep1(case, weights, inputs):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_emulated_ep_equals_ep1_bound_or_not(world, case, weights):
+    """Bits against the ep_size-1 device forward with the same wires (the exact twin), the gate as the
+    accuracy claim. Planted mutations of the P2P dispatch (layer/device/p2p.py: the route weights x 1.05 as dispatched, the first E8M0 block of every dispatched fp8 row one binade
+    high, and the pair of (rank 0, token 1, k 0) sent with no slot)
+    were run once (tree 2377c6c + issue 46) against this check's CPU twin,
+    test_live_interpreter.py::test_emulated_ep_equals_the_ep1_device_forward: each failed its bit check."""
     emu = emulated(world, case, weights)
     inputs = inputs_for(TOKENS[world], seed=world)
     bound = max(TOKENS[world])
@@ -125,7 +130,8 @@ def test_prefill_sized_dispatch_in_wider_pieces_equals_narrow_pieces(case, weigh
     emu = emulated(2, case, weights, mtpr=1100)
     inputs = inputs_for(tokens, seed=11)
     wide = torch.cat(emu.forward(inputs, max(tokens)))
-    monkeypatch.setattr(p2p, "PIECE_BLOCKS", (8,))
+    pick = p2p.blocks_per_program  # the dispatch asks it for its width: offer the narrowest only
+    monkeypatch.setattr(p2p, "blocks_per_program", lambda tokens, hidden: pick(tokens, hidden, widths=(8,)))
     narrow = torch.cat(emu.forward(inputs, max(tokens)))
     emu.raise_if_bad_input()
     assert torch.equal(wide.view(torch.int16), narrow.view(torch.int16)), case

@@ -1,7 +1,7 @@
 """The status word's stream-ordered clear and the watchdog over a real device forward, under the
 Triton interpreter (CPU). On a GPU: tests/kernels/test_gpu_watchdog.py (graphs, a dead peer).
 
-- the clear kernel (status_clear_kernel.py) follows the rule of status_clear.py: zero the word and
+- the clear kernel (status_clear_kernel.py) follows the rule of status.clear_reported: zero the word and
   bump seq iff seq == ack, else touch nothing;
 - a bad expert id in a device forward is reported once by a watchdog (layer, token, value), the
   next forward neither raises it again nor keeps it in the word, and the problem after it is seen.
@@ -21,7 +21,7 @@ require_interpreter("tests/kernels/test_gpu_watchdog.py")
 from megamoe_backend.experts.triton import TritonExperts  # noqa: E402
 from megamoe_backend.knobs import Knobs  # noqa: E402
 from megamoe_backend.layer import MegaMoELayer  # noqa: E402
-from megamoe_backend.layer.device.status_clear import clear_reported  # noqa: E402
+from megamoe_backend.layer.device.status import clear_reported  # noqa: E402
 from megamoe_backend.layer.device.status_clear_kernel import clear_reported_kernel  # noqa: E402
 from megamoe_backend.layer.device.watchdog import Watchdog  # noqa: E402
 from megamoe_backend.plan import build_plan  # noqa: E402

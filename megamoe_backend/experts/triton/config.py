@@ -48,7 +48,7 @@ class TileConfig:
         """ptxas register cap of one launch (0: the compiler's choice). The short-tile launch holds a
         smaller accumulator than the full one, so it gets its own cap: a cap sized for the full tile
         (3 CTAs per SM) leaves the short one a few registers above the 4-CTA line. A persistent launch
-        (the EP forward without a bound) runs a fixed grid whatever the pass (provider.persistent_grid) and its
+        (the EP forward without a bound) runs a fixed grid whatever the pass (launch_plan.persistent_grid) and its
         tile loop needs registers of its own: capped it spilled (frag8 mid short pass: 1056 bytes at 128,
         136 at 168; tests/kernels/test_sass.py), so it runs uncapped."""
         if persistent:

@@ -14,7 +14,7 @@ copy every ~50 ms and reports what it finds; an eager forward still checks at it
 problem is reported ONCE, by whichever of the two sees it first (``claim``), and then cleared in
 stream order, never by the host racing a kernel: the reporter writes the problem's sequence
 number into a pinned ``ack`` word, and every ``publish`` (also inside graphs) first copies ``ack``
-to the device and clears the word if it still holds that problem (status_clear.py), bumping the
+to the device and clears the word if it still holds that problem (``clear_reported``), bumping the
 sequence so the next problem is a new one.
 
 Layout, int64 [6] on the device and (copied) in pinned host memory: (code, layer_id, value, row)
@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from ...transport.base import PeerTimeoutError, TransportError
+from .process_end import end_process
 
 OK = 0
 BAD_EXPERT_ID = 2  # same number as the transports' status 2 ("expert id out of range")
@@ -51,7 +52,7 @@ class InputStatus:
 
     ``layer_names`` (the workspace's, filled as layers register) names the layer in reports;
     ``on_peer_timeout`` is MEGA_ON_PEER_TIMEOUT: "exit" ends the process on a peer timeout
-    (``end_process``, watchdog.py), "raise" raises at the next eager check (the default of a bare
+    (``end_process``, process_end.py), "raise" raises at the next eager check (the default of a bare
     status, as before the watchdog).
     """
 
@@ -69,15 +70,13 @@ class InputStatus:
         self._ack = torch.full((1,), -1, dtype=torch.int64, pin_memory=pin)  # the last reported problem's seq
         self._lock = threading.Lock()
         self._claimed = -1  # the highest seq reported so far (by the watchdog or an eager check)
-        self.end_process: Callable[[str], None] | None = None  # None: watchdog.end_process (tests inject)
+        self.end_process: Callable[[str], None] | None = None  # None: process_end.end_process (tests inject)
 
     def publish(self) -> None:
         """Clear a reported problem, then enqueue the copy of the device word into host memory.
 
         Stream-ordered and without a wait, so capturable (pinned memory): the copy of ``ack`` and
         the clear run where the stream is, after every kernel of the forward that could record."""
-        from .status_clear import clear_reported
-
         cuda = self.device.type == "cuda"
         self._words[ACK:].copy_(self._ack, non_blocking=cuda)
         clear_reported(self._words)
@@ -164,6 +163,23 @@ class InputStatus:
         if self.end_process is not None:
             self.end_process(message)
             return
-        from .watchdog import end_process
-
         end_process(message)
+
+
+def clear_reported(words: torch.Tensor) -> None:
+    """Clear a reported problem from the int64 [6] words (code, layer, value, row, seq, ack), in
+    stream order: if seq == ack the host reported this problem, so zero the first four words and
+    bump seq (the next problem recorded is a new one); a word already cleared (seq moved on) is left
+    alone, and ack is only ever a seq the host saw with a problem, so a clean word is never touched.
+
+    On CUDA one Triton program does it (one graph node per forward, beside the two copies); on CPU
+    (the interpreter tests' forwards, fake status words) plain tensor ops do the same on host memory.
+    """
+    if words.is_cuda:
+        from .status_clear_kernel import clear_reported_kernel
+
+        clear_reported_kernel[(1,)](words, WORDS=WORDS, num_warps=1)
+        return
+    if int(words[SEQ]) == int(words[ACK]):
+        words[:WORDS].zero_()
+        words[SEQ] += 1

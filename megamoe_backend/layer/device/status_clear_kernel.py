@@ -1,4 +1,4 @@
-"""The CUDA form of status_clear.clear_reported: one program, capturable (status_clear.py has the rule)."""
+"""The CUDA form of status.clear_reported: one program, capturable (status.py has the rule)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ this thread exclusive):
   (``counts``). Then it acknowledges the problem, so the next ``publish`` clears the word in stream
   order and the next problem is recorded.
 - a peer timeout: logged (layer, this rank, the peer, the barrier), then the process ends with exit
-  status ``EXIT_STATUS``, as torch's NCCL watchdog ends it with async error handling: the EP group
+  status ``process_end.EXIT_STATUS``, as torch's NCCL watchdog ends it with async error handling: the EP group
   cannot continue and every later step would be wrong. With MEGA_ON_PEER_TIMEOUT=raise it is logged
   once and left to the eager check, which raises it as before.
 A copy read while the DMA writes it could be torn: a problem is acted on once two polls in a row
@@ -31,7 +31,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -39,31 +38,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .process_end import end_process
 from .status import OK, PEER_TIMEOUT, PROBLEMS, InputStatus
 
 PERIOD_S = 0.05
 RATE_LIMIT_S = 10.0
-EXIT_STATUS = 70  # EX_SOFTWARE: what a process ended by the watchdog returns
 
 logger = logging.getLogger("megamoe")
-
-
-def end_process(message: str) -> None:
-    """Log a peer timeout and end this process at once (no Python cleanup: the EP group is broken, and
-    a clean shutdown could wait on the dead peer). Flushes the log first."""
-    logger.error(f"{message} Ending this process (exit status {EXIT_STATUS}, MEGA_ON_PEER_TIMEOUT=exit; "
-                 "MEGA_ON_PEER_TIMEOUT=raise raises at the next eager forward instead).")
-    for handler in logger.handlers + logging.getLogger().handlers:
-        try:
-            handler.flush()
-        except Exception:  # noqa: BLE001 - nothing may keep the process alive now
-            pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    os._exit(EXIT_STATUS)
 
 
 @dataclass

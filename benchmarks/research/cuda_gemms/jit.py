@@ -1,11 +1,11 @@
 """Build the sm_90a expert GEMMs (frag8_sm90.cu) with the machine's nvcc at first use, cached on disk.
 
 Why JIT: the kernels need the sm_90a target (wgmma, setmaxnreg) and nothing else of the CUDA toolkit,
-so the package ships source, as DeepGEMM and FlashInfer do, and a GPU host compiles it once (a few
+so this research code ships source, as DeepGEMM and FlashInfer do, and a GPU host compiles it once (a few
 seconds); the cubin is cached under ``MEGA_CUDA_CACHE_DIR`` (default ``~/.cache/megamoe/cuda``) by a
 hash of the source, the generated wrappers and the nvcc version. ``MEGA_NVCC`` names the compiler
-(default: ``$CUDA_HOME/bin/nvcc``, else ``nvcc`` on PATH). A build that fails returns None with the
-reason, and the caller keeps the Triton GEMMs (provider.py logs it once).
+(default: ``$CUDA_HOME/bin/nvcc``, else ``nvcc`` on PATH). A build that fails raises RuntimeError with
+the reason (gemms.py hands it to experts.CudaFrag8Experts, which raises it).
 """
 
 from __future__ import annotations

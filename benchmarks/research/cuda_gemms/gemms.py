@@ -1,8 +1,9 @@
 """The sm_90a frag8 GEMMs (frag8_sm90.cu) as two launch calls with the Triton frag8 launches' arguments.
 
 ``Sm90Frag8Gemms.for_device`` builds (jit.py) and loads (driver.py) the kernels once per device, or
-returns None with the reason (not an sm_90 GPU, no nvcc, a failed build), so the provider keeps its
-Triton GEMMs. The layout they read must use ``BLOCK_M`` token rows per tile and no short tiles.
+returns the reason they cannot run (not an sm_90 GPU, no nvcc, a failed build), which
+experts.CudaFrag8Experts raises. The layout they read must use ``BLOCK_M`` token rows per tile and
+no short tiles. Research code (experts.py says why it left the package).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from . import jit
 from .driver import Kernel, get_function, load_module
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("megamoe")
 
 BLOCK_M = 128  # token rows per tile (frag8_sm90.cu BM): the layout's block_m
 BLOCK_N = 256  # weight rows per CTA (BN, MM_BN): GEMM1's 2 * intermediate and GEMM2's hidden must be multiples
@@ -76,7 +77,7 @@ class Sm90Frag8Gemms:
             cls._by_device[index] = cls._load(torch.device("cuda", index))
             got = cls._by_device[index]
             if isinstance(got, str):
-                log.warning("megamoe: sm_90a CUDA expert GEMMs unavailable on cuda:%d (%s); the Triton GEMMs run", index, got)
+                log.warning("megamoe: sm_90a CUDA expert GEMMs unavailable on cuda:%d (%s)", index, got)
             elif got.build.compiled:
                 log.info("megamoe: built the sm_90a CUDA expert GEMMs in %.1f s (%s)", got.build.seconds, got.build.cubin)
         return cls._by_device[index]
@@ -138,23 +139,3 @@ class Sm90Frag8Gemms:
         p.num_m_tiles, p.n_tiles, p.group_m = layout.num_tiles, p.N // self.block_n, GROUP_M
         kernel.launch(layout.num_tiles * p.n_tiles, p, torch.cuda.current_stream(device).cuda_stream)
 
-
-def describe_choice(choice: str, provider: str, device: str) -> str:
-    """What ``megamoe info`` says runs the frag8 expert GEMMs for MEGA_EXPERTS_GEMM=``choice`` (nothing is built)."""
-    if provider != "triton":
-        return f"{provider} provider (MEGA_EXPERTS_GEMM applies to the triton provider's frag8 GEMMs)"
-    if choice == "triton":
-        return "Triton (MEGA_EXPERTS_GEMM=triton)"
-    if choice == "auto":
-        return "Triton (auto: no bucket where the sm_90a CUDA GEMMs were measured faster; MEGA_EXPERTS_GEMM=cuda opts in)"
-    nvcc = jit.nvcc_path()
-    why = None
-    if not device.startswith("cuda") or not torch.cuda.is_available():
-        why = "no CUDA device"
-    elif torch.cuda.get_device_capability() != (9, 0):
-        why = "not an sm_90 GPU"
-    elif not nvcc:
-        why = "no nvcc (set MEGA_NVCC or CUDA_HOME)"
-    if why:
-        return f"Triton: sm_90a CUDA requested but unavailable here ({why}; logged once at the first forward)"
-    return f"sm_90a CUDA (MEGA_EXPERTS_GEMM=cuda; built at first use by {nvcc}, cached in {jit.cache_dir()})"
