@@ -1,42 +1,33 @@
 #!/usr/bin/env bash
-# `vllm bench serve` with the standard workload against a running server (e.g. one started by
-# scripts/serve_vllm_*.sh): random prompts, ISL/OSL 8192/1024, range ratio 1.0, ignore EOS, seed 0.
-#   MODEL=... CONCURRENCY=64 scripts/bench_vllm_serve.sh [--dry-run] [-- extra bench flags]
-# Environment: MODEL (required: the served model name), HOST (127.0.0.1), PORT (8000), ISL (8192),
-# OSL (1024), CONCURRENCY (64), NUM_PROMPTS (4 x CONCURRENCY), RESULT_DIR (benchmarks/results),
-# VLLM (the vllm executable).
+# Benchmark a running vLLM server (e.g. one started by scripts/serve_vllm_*.sh) with `vllm bench serve`,
+# or check its accuracy (DATASET=gsm8k: lm_eval through /v1/completions).
+#   scripts/bench_vllm_serve.sh [--help] [--dry-run] [extra bench flags]
+#   MODEL=/models/DeepSeek-V4-Pro PRESET=reference scripts/bench_vllm_serve.sh
+#   MODEL=/models/DeepSeek-V4-Pro DATASET=gsm8k scripts/bench_vllm_serve.sh
+# VLLM: the vllm executable (default vllm). Variables (the same as the SGLang script's): --help.
 set -euo pipefail
-
-DRY_RUN=0
-PASSTHROUGH=()
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --dry-run) DRY_RUN=1 ;;
-    --) shift; PASSTHROUGH=("$@"); break ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
-    *) echo "unknown argument: $1 (use --dry-run, or pass bench flags after --)" >&2; exit 2 ;;
-  esac
-  shift
+source "$(dirname "${BASH_SOURCE[0]}")/_bench_common.sh"
+bench_parse_args "$@"
+bench_resolve || exit 2
+host=${HOST:-127.0.0.1} port=${PORT:-8000}
+BENCH_LINES=()
+for point in "${POINTS[@]}"; do
+  c=${point%%:*} n=${point##*:}
+  name=vllm_${BACKEND}_${DATASET}_c${c}_${STAMP}
+  if [[ $DATASET == gsm8k ]]; then
+    bench_gsm8k_cmd "http://$host:$port" "$c" "$RESULT_DIR/$name"
+  else
+    BENCH_CMD=("${VLLM:-vllm}" bench serve --backend vllm --model "$MODEL" --host "$host" --port "$port")
+    if [[ $DATASET == random ]]; then
+      # 0.0 = fixed lengths on vLLM's scale ([L(1-r), L(1+r)], r in [0, 1)): the reference's "1.0" on SGLang's
+      BENCH_CMD+=(--dataset-name random --random-input-len "$ISL" --random-output-len "$OSL" --random-range-ratio 0.0)
+    else
+      BENCH_CMD+=(--dataset-name sharegpt --dataset-path "$DATASET_PATH")
+    fi
+    BENCH_CMD+=(--ignore-eos --seed "$SEED" --request-rate "$RATE" --num-warmups "$WARMUPS"
+                --max-concurrency "$c" --num-prompts "$n"
+                --save-result --result-dir "$RESULT_DIR" --result-filename "$name.json" "${EXTRA[@]}")
+  fi
+  BENCH_LINES+=("$(shell_line "${BENCH_CMD[@]}")")
 done
-
-: "${MODEL:?set MODEL to the served model name}"
-HOST=${HOST:-127.0.0.1}
-PORT=${PORT:-8000}
-ISL=${ISL:-8192}
-OSL=${OSL:-1024}
-CONCURRENCY=${CONCURRENCY:-64}
-NUM_PROMPTS=${NUM_PROMPTS:-$((4 * CONCURRENCY))}
-RESULT_DIR=${RESULT_DIR:-benchmarks/results}
-VLLM=${VLLM:-vllm}
-
-CMD=("$VLLM" bench serve --backend vllm --model "$MODEL" --host "$HOST" --port "$PORT"
-     --dataset-name random --random-input-len "$ISL" --random-output-len "$OSL" --random-range-ratio 1.0
-     --ignore-eos --seed 0 --num-prompts "$NUM_PROMPTS" --max-concurrency "$CONCURRENCY"
-     --save-result --result-dir "$RESULT_DIR" "${PASSTHROUGH[@]}")
-
-if [ "$DRY_RUN" = 1 ]; then
-  printf '%q ' "${CMD[@]}"; echo
-  exit 0
-fi
-mkdir -p "$RESULT_DIR"
-exec "${CMD[@]}"
+bench_run

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # DeepSeek-V4-Pro (MXFP4 routed experts, SwiGLU limit 10) on vLLM with MegaMoE: DP attention + EP.
-#   WIRE=fp4 DP=8 scripts/serve_vllm_dsv4_pro_ep.sh [--dry-run] [-- extra vllm serve flags]
-# WIRE defaults to fp4 (V4 experts run A4W4); WIRE=fp8 needs AITER_FORCE_A8W4=1 (A8W4), bf16 always works.
-# See scripts/serve_vllm_common.sh for MODEL / DP / HOST / PORT / MAX_MODEL_LEN / VLLM.
+#   scripts/serve_vllm_dsv4_pro_ep.sh [--help] [--dry-run] [extra vllm serve flags]
+#   MODEL=/models/DeepSeek-V4-Pro PRESET=reference scripts/serve_vllm_dsv4_pro_ep.sh
+#   BACKEND=default ...: the same command with vLLM's own MoE backend (the A/B)
+# WIRE unset: the plugin follows vLLM's reading (0.33+: A8W4 on the fp8 wire; 0.32: A4W4 on bf16).
+set -euo pipefail
 MODEL_DEFAULT=deepseek-ai/DeepSeek-V4-Pro
-WIRE_DEFAULT=fp4
-SERVE_EXTRA=(--trust-remote-code --kv-cache-dtype fp8 --max-num-batched-tokens 8192)
+MODEL_PRESET=dsv4-pro
+KV_DEFAULT=fp8
 source "$(dirname "${BASH_SOURCE[0]}")/serve_vllm_common.sh"
+serve_vllm "$@"

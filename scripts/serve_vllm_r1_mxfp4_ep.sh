@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # DeepSeek-R1 Quark MXFP4 (A4W4 routed experts) on vLLM with MegaMoE: DP attention + EP.
-#   WIRE=fp4 DP=8 scripts/serve_vllm_r1_mxfp4_ep.sh [--dry-run] [-- extra vllm serve flags]
-# WIRE must match the checkpoint's A operand (fp4 for A4W4, fp8 for A8W4) or be bf16; a mismatch
-# stops the server at startup with the reason. See scripts/serve_vllm_common.sh for the other knobs.
+#   scripts/serve_vllm_r1_mxfp4_ep.sh [--help] [--dry-run] [extra vllm serve flags]
+#   MODEL=/models/DeepSeek-R1-0528-MXFP4 WIRE=fp4 PRESET=reference scripts/serve_vllm_r1_mxfp4_ep.sh
+#   BACKEND=default ...: the same command with vLLM's own MoE backend (the A/B)
+# WIRE must carry the checkpoint's activations (fp4 for A4W4, fp8 for A8W4: AITER_FORCE_A8W4=1) or be
+# bf16; the check (`megamoe info`) refuses a mismatch before anything starts.
+set -euo pipefail
 MODEL_DEFAULT=amd/DeepSeek-R1-0528-MXFP4
-WIRE_DEFAULT=fp4
-SERVE_EXTRA=(--trust-remote-code --max-num-batched-tokens 8192)
+MODEL_PRESET=r1-mxfp4
+KV_DEFAULT=auto
 source "$(dirname "${BASH_SOURCE[0]}")/serve_vllm_common.sh"
+serve_vllm "$@"

@@ -25,6 +25,13 @@ Baseline ("torch_grouped_mm"): sort + gather, torch._grouped_mm on the DEQUANTIS
 SwiGLU in torch, torch._grouped_mm, route weight, scatter into rows of the same output format
 (bf16: the fp32 product rounded once; fp8 wire: WireFormat.encode); timed the same way.
 
+Peers (``--peers``, bench/peers.py): after the project's cases of each bucket, the MoE kernels a user
+would run instead (FlashInfer CUTLASS Humming / W4A16, triton_kernels matmul_ogs), on the same routing
+and the same MXFP4 weights, timed the same way; each peer's whole MoE call (one route-weighted row per
+token) beside this bench's experts half, relL2 per token against the same fp32 reference
+(``rel_l2_tokens`` is the project's on that footing), ratios to the project's figures and to the run's
+measured ceilings (JSON ``peers``; peers that cannot run here: ``meta.peers.skipped`` with the reason).
+
 Under TRITON_INTERPRET=1 on CPU this runs tiny shapes eagerly (no graph, no baseline): a smoke test.
 """
 
@@ -46,8 +53,9 @@ import torch
 
 from ..experts import ExpertMath, ExpertPairs, ExpertWeights, swiglu
 from ..experts.triton.config import TileConfig, bucket_class, default_config, interpreting
-from ..formats import MX_BLOCK, dequantize_mx, fake_quantize
+from ..formats import MX_BLOCK, dequantize_mx
 from ..formats.wire import combine_wire
+from . import peers as peer_bench
 from .floor import (
     H200_HBM_BYTES_PER_S,
     H200_MMA_FLOPS_PER_S,
@@ -57,13 +65,14 @@ from .floor import (
     weight_bytes_per_expert,
 )
 from .gpu_clock import ClockSampler
+from .references import check_subset, check_tokens, rel_l2, subset_reference, token_reference  # noqa: F401 - re-exported
+from .timing import CEILING_GEMM_N, capture_graph, graph_or_eager, measure_ceilings, time_fn, time_isolated  # noqa: F401 - re-exported
 
 # Datasheet ceilings of an H200 SXM (dense; floor.py), in the units the JSON and tables print; the run
 # also measures a copy, a bf16 GEMM and an FP8 GEMM (measure_ceilings).
 HBM_TBS = H200_HBM_BYTES_PER_S / 1e12
 BF16_TFLOPS = H200_MMA_FLOPS_PER_S["bf16"] / 1e12
 FP8_TFLOPS = H200_MMA_FLOPS_PER_S["fp8"] / 1e12
-CEILING_GEMM_N = 8192  # the ceilings' GEMMs: N x N x N, bf16 and e4m3
 
 SCHEMES = {  # name -> (ExpertMath.quant, weight format)
     "a8w4": ("a8w4", "mxfp4"),
@@ -98,6 +107,9 @@ FLOOR_META = {
     "floor_measured_us": "this run's measured ceilings (meta.ceilings measured_copy_tbs, measured_*_gemm_tflops)",
     "mma_peak": "fp8 for MX activations on MXFP4 weights (A8W4, A4W4: FP8 MMA on Hopper), bf16 otherwise "
                 "(A16W4, bf16, the torch baseline); per case: floor_peak",
+    "ratios": "x_copy_measured = us / (MXFP4 bytes of the experts hit at this run's measured copy rate); "
+              "x_fp8_gemm_measured = us / (6 P H I FLOPs at this run's measured cuBLAS FP8 rate, torch._scaled_mm "
+              "8192^3): the same two for every figure, the project's and the peers' (ceiling_ratios)",
 }
 
 OUTPUTS = ("bf16", "fp8_blockwise_1x32", "fp32")  # --combine-wire choices; --variants times the default tile with each
@@ -115,13 +127,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", action="store_true", help="also time alternative tile configs / decoders / outputs (a8w4)")
     parser.add_argument("--combine-wire", default="bf16", choices=list(OUTPUTS),
                         help="what a forward returns: the layer's combine wire rows (forward_wire) or fp32 rows (forward)")
-    parser.add_argument("--gemm", default=None, choices=["auto", "triton", "cuda"],
-                        help="who runs the frag8 GEMMs of the main configs (default: MEGA_EXPERTS_GEMM, else auto)")
+    parser.add_argument("--gemm", default="auto", choices=["auto", "triton"],
+                        help="who runs the frag8 GEMMs of the main configs (MEGA_EXPERTS_GEMM's values; the sm_90a "
+                             "CUDA GEMMs are research code: benchmarks/research/cuda_gemms)")
     parser.add_argument("--no-baseline", action="store_true", help="skip torch._grouped_mm")
     parser.add_argument("--check-pairs", type=int, default=256, help="pairs sampled for the relL2 checks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write results JSON here")
     parser.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument("--replot", default=None, metavar="JSON", help="only draw --plot from a saved JSON (no GPU)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no new (experts, tokens) group after this many seconds (the JSON lists what did not run)")
+    peer_bench.add_arguments(parser)
 
 
 @dataclass
@@ -156,6 +173,9 @@ class Case:
     mma_peak_frac: float = float("nan")  # tflops / the floor_peak datasheet peak
     rel_l2_fp32: float = float("nan")
     rel_l2_ref: float = float("nan")
+    rel_l2_tokens: float = float("nan")  # per-token sums of the pairs vs fp32: the peers' relL2 (references.token_reference)
+    x_copy_measured: float = float("nan")  # ceiling_ratios: us / weight bytes at the measured copy rate
+    x_fp8_gemm_measured: float = float("nan")  # ceiling_ratios: us / FLOPs at the measured cuBLAS FP8 rate
     clock: dict = field(default_factory=dict)  # gpu_clock.ClockSampler.stats() while timed ({}: no NVML)
     error: str = ""
 
@@ -206,39 +226,6 @@ def act_bytes(hidden: int, fmt: str | None) -> float:
     return {None: 2.0 * hidden, "fp8": hidden * (1 + 1 / 32), "fp4": hidden * (0.5 + 1 / 32)}[fmt]
 
 
-# ------------------------------------------------------------------------------------ references
-def subset_reference(x, pairs: ExpertPairs, sel: torch.Tensor, wd: ExpertWeights, math: ExpertMath, exact: bool) -> torch.Tensor:
-    """Outputs of the pairs ``sel``. exact=True: the kernels' math (A / A2 quantised, fp64 GEMMs);
-    exact=False: fp32 math on the same (dequantised) weights with unquantised activations."""
-    dtype = torch.float64 if exact else torch.float32
-    rows = x[pairs.row[sel]].float()
-    if exact:
-        rows = fake_quantize(rows, math.a_format)
-    out = torch.empty(sel.numel(), wd.hidden, dtype=torch.float32, device=x.device)
-    slots = pairs.slot[sel]
-    for e in torch.unique(slots).tolist():
-        idx = torch.nonzero(slots == e).squeeze(1)
-        h = (rows[idx].to(dtype) @ wd.w1[e].to(dtype).T).float()
-        act = swiglu(h, wd.gate_up_layout, math.swiglu_limit)
-        if exact:
-            act = fake_quantize(act, math.a_format)
-        out[idx] = (act.to(dtype) @ wd.w2[e].to(dtype).T).float() * pairs.weight[sel][idx, None]
-    return out
-
-
-def check_subset(pairs: ExpertPairs, limit: int, seed: int, n_experts: int = 8) -> torch.Tensor:
-    """Pairs of a few random experts (<= limit): the fp64 references then touch few weight matrices."""
-    g = torch.Generator().manual_seed(seed)
-    slot = pairs.slot.cpu()
-    chosen = torch.unique(slot[torch.randperm(slot.numel(), generator=g)[:n_experts]])
-    sel = torch.nonzero(torch.isin(slot, chosen)).squeeze(1)[:limit]
-    return sel.to(pairs.slot.device)
-
-
-def rel_l2(y: torch.Tensor, r: torch.Tensor) -> float:
-    return float((y.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30))
-
-
 # -------------------------------------------------------------------------------------- baseline
 def grouped_mm_forward(x: torch.Tensor, pairs: ExpertPairs, wd: ExpertWeights, limit: float | None,
                        out_fmt: str = "fp32") -> torch.Tensor:
@@ -263,6 +250,33 @@ def grouped_mm_forward(x: torch.Tensor, pairs: ExpertPairs, wd: ExpertWeights, l
     return out
 
 
+class TokenCheck:
+    """relL2 per token of the sampled ``tokens`` against references.token_reference (fp32 on the
+    dequantised weights, computed once on first use): of a peer's token rows (``of_tokens``) and of the
+    project's pair rows summed per token (``of_pairs``), so the two figures read the same reference."""
+
+    def __init__(self, x: torch.Tensor, pairs: ExpertPairs, wd: ExpertWeights, limit: float | None, tokens: torch.Tensor):
+        self.x, self.pairs, self.wd, self.limit, self.tokens = x, pairs, wd, limit, tokens
+        self._ref = None
+
+    def reference(self) -> torch.Tensor:
+        if self._ref is None:
+            t = self.x.shape[0]
+            self._ref = token_reference(self.x, self.pairs.slot.view(t, -1), self.pairs.weight.view(t, -1), self.wd,
+                                        self.limit, self.tokens)
+        return self._ref
+
+    def of_tokens(self, y: torch.Tensor) -> float:
+        return rel_l2(y[self.tokens].float(), self.reference())
+
+    def of_pairs(self, y: torch.Tensor, out_fmt: str) -> float:
+        rows = torch.nonzero(torch.isin(self.pairs.row, self.tokens)).squeeze(1)
+        values = output_values(y[rows], out_fmt, self.wd.hidden)
+        sums = torch.zeros(self.tokens.numel(), self.wd.hidden, dtype=torch.float32, device=values.device)
+        sums.index_add_(0, torch.searchsorted(self.tokens, self.pairs.row[rows]), values)
+        return rel_l2(sums, self.reference())
+
+
 def output_values(y: torch.Tensor, out_fmt: str, hidden: int) -> torch.Tensor:
     """fp32 values of a forward's output (fp32 rows, or combine wire rows decoded)."""
     return y.float() if out_fmt == "fp32" else combine_wire(out_fmt).decode_fp32(y, hidden)
@@ -271,122 +285,6 @@ def output_values(y: torch.Tensor, out_fmt: str, hidden: int) -> torch.Tensor:
 def out_bytes(hidden: int, out_fmt: str) -> int:
     """Bytes of one pair's output row."""
     return 4 * hidden if out_fmt == "fp32" else combine_wire(out_fmt).row_bytes(hidden)
-
-
-# ---------------------------------------------------------------------------------------- timing
-def capture_graph(fn) -> torch.cuda.CUDAGraph:
-    """One call of fn captured as a CUDA graph, after a warm-up call on a side stream (so lazy
-    allocations and autotuning happen outside the capture)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def graph_or_eager(fn) -> tuple:
-    """(call, graphed): fn's CUDA-graph replay (capturing also proves the forward is capturable), or fn
-    itself where capture fails (reported; the case records graphed=False) or there is no GPU."""
-    if not torch.cuda.is_available() or interpreting():
-        return fn, False
-    try:
-        return capture_graph(fn).replay, True
-    except Exception as exc:  # noqa: BLE001 - fall back to eager timing, recorded in the case
-        print(f"  graph capture failed ({type(exc).__name__}: {exc}); timing eagerly", file=sys.stderr)
-        torch.cuda.synchronize()
-        return fn, False
-
-
-def time_fn(fn, use_graph: bool) -> tuple[float, bool]:
-    """Median µs per call; CUDA-graph replays when possible (graph_or_eager)."""
-    if not torch.cuda.is_available() or interpreting():
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6, False
-    fn()
-    torch.cuda.synchronize()
-    call, graphed = graph_or_eager(fn) if use_graph else (fn, False)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    call()
-    end.record()
-    torch.cuda.synchronize()
-    one = max(start.elapsed_time(end), 1e-3)
-    reps = int(min(200, max(3, 60.0 / one)))
-    samples = []
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            call()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / reps)
-    samples.sort()
-    return samples[len(samples) // 2], graphed
-
-
-def time_isolated(replay, n: int = 10, idle_s: float = 0.0) -> list[float]:
-    """µs of each of n single calls, each after ``idle_s`` of host sleep (the GPU idles) and queued
-    behind a ~3 ms GPU sleep (so the timing holds no launch latency): the whole forward near full
-    clock, with the gaps between its kernels, and a tight figure for A/B of launch structure, which
-    sums of kernel times cannot see. Not the bench's headline figure: a serving GPU runs forwards back
-    to back, power-capped on the H200 here (docs/triton.md, "Sustained runs are power-capped")."""
-    out = []
-    for _ in range(n):
-        if idle_s:
-            time.sleep(idle_s)
-        torch.cuda._sleep(6_000_000)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        replay()
-        e1.record()
-        torch.cuda.synchronize()
-        out.append(round(e0.elapsed_time(e1) * 1e3, 1))
-    return out
-
-
-def measure_ceilings(device: torch.device) -> dict:
-    """What this GPU reaches, timed like a case (back to back): a bf16 GEMM, an FP8 GEMM and a copy.
-
-    The FP8 GEMM is ``torch._scaled_mm`` on N x N e4m3 matrices (per-tensor scales, bf16 out) with
-    fast accumulation, as Triton's FP8 ``tl.dot`` runs on sm_90 by default (its
-    max_num_imprecise_acc is unbounded there); the precise-accumulation figure is beside it. An
-    FP8 GEMM that fails (no FP8 MMA: pre-Hopper, ROCm's e4m3fnuz) leaves its error instead."""
-    if device.type != "cuda" or interpreting():
-        return {}
-    out = {}
-    n = CEILING_GEMM_N
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    with ClockSampler(device) as clock:
-        us, _ = time_fn(lambda: a @ b, use_graph=False)
-    out["measured_bf16_gemm_tflops"] = 2 * n**3 / us / 1e6
-    out["bf16_gemm_clock"] = clock.stats()
-    try:
-        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # B column-major, as _scaled_mm wants
-        one = torch.ones((), device=device, dtype=torch.float32)
-        for key, fast in (("measured_fp8_gemm_tflops", True), ("measured_fp8_gemm_precise_tflops", False)):
-            with ClockSampler(device) as clock:
-                us, _ = time_fn(lambda fast=fast: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16,
-                                                                   use_fast_accum=fast), use_graph=False)
-            out[key] = 2 * n**3 / us / 1e6
-            out[key.replace("_tflops", "_clock")] = clock.stats()
-        del a8, b8
-    except Exception as exc:  # noqa: BLE001 - no FP8 GEMM on this GPU: the datasheet peak stays the only one
-        out["fp8_gemm_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    with ClockSampler(device) as clock:
-        us, _ = time_fn(lambda: dst.copy_(src), use_graph=False)
-    out["measured_copy_tbs"] = 2 * src.numel() / us / 1e6
-    out["copy_clock"] = clock.stats()
-    del a, b, src, dst
-    torch.cuda.empty_cache()
-    return out
 
 
 # ------------------------------------------------------------------------------------------- run
@@ -427,6 +325,21 @@ def case_floors(ceilings: dict | None, **shape) -> dict:
     return out
 
 
+def ceiling_ratios(us: float, ceilings: dict | None, *, experts_hit: int, pairs: int, hidden: int, intermediate: int,
+                   weight_fmt: str = "mxfp4") -> dict:
+    """A figure against the ceilings measured at the start of the run (meta.ceilings; issue 48): x_copy =
+    us / (the weights of the experts hit streamed at the measured copy rate), x_fp8_gemm = us / (its
+    FLOPs at the measured cuBLAS FP8 rate). NaN where the run measured none (CPU, an older JSON)."""
+    ceilings = ceilings or {}
+    out = {"x_copy_measured": float("nan"), "x_fp8_gemm_measured": float("nan")}
+    if ceilings.get("measured_copy_tbs"):
+        stream_us = experts_hit * weight_bytes_per_expert(hidden, intermediate, weight_fmt) / (ceilings["measured_copy_tbs"] * 1e6)
+        out["x_copy_measured"] = us / stream_us if stream_us else float("nan")
+    if ceilings.get("measured_fp8_gemm_tflops"):
+        out["x_fp8_gemm_measured"] = us / (expert_flops(pairs, hidden, intermediate) / (ceilings["measured_fp8_gemm_tflops"] * 1e6))
+    return out
+
+
 def fill_metrics(c: Case, hidden: int, inter: int, wfmt: str, a_fmt: str | None, ceilings: dict | None = None) -> None:
     """Bytes, FLOPs, floors (case_floors; ``ceilings``: meta.ceilings, for the measured floor) and the
     rates of a timed case."""
@@ -444,6 +357,30 @@ def fill_metrics(c: Case, hidden: int, inter: int, wfmt: str, a_fmt: str | None,
         c.hbm_tbs = c.hbm_bytes / c.us / 1e6
         c.tflops = c.flops / c.us / 1e6
         c.mma_peak_frac = c.tflops * 1e12 / H200_MMA_FLOPS_PER_S[c.floor_peak]
+        for key, value in ceiling_ratios(c.us, ceilings, experts_hit=c.active_experts, pairs=c.pairs, hidden=hidden,
+                                         intermediate=inter, weight_fmt=wfmt).items():
+            setattr(c, key, value)
+
+
+def peer_ratios(r, cases: list[Case], ceilings: dict, active: int, hidden: int, inter: int) -> None:
+    """A peer's figure against the run's ceilings (ceiling_ratios; x_floor_measured: the A8W4 floor at the
+    measured ceilings) and the project's figures of the same routing (``<scheme>_over_peer`` = project
+    µs / peer µs: below 1, the project is faster; ``naive_torch_over_peer`` likewise;
+    ``<scheme>_over_peer_gemms``: over the peer's two GEMMs alone, where its API times them, stages_us)."""
+    if r.us != r.us:
+        return
+    stages = [r.stages_us.get(k) for k in ("gemm1", "gemm2")]
+    gemms_us = sum(stages) if all(isinstance(v, float) and v == v for v in stages) else None
+    r.ratios.update(ceiling_ratios(r.us, ceilings, experts_hit=active, pairs=r.pairs, hidden=hidden, intermediate=inter))
+    floor = case_floors(ceilings, experts_hit=active, pairs=r.pairs, hidden=hidden, intermediate=inter,
+                        weight_fmt="mxfp4", a_fmt="fp8")["floor_measured_us"]
+    r.ratios["x_floor_measured"] = r.us / floor
+    for c in cases:
+        if (c.experts, c.tokens) == (r.experts, r.tokens) and not c.error and c.us == c.us:
+            name = "naive_torch" if c.provider == "torch_grouped_mm" else c.scheme
+            r.ratios[f"{name}_over_peer"] = c.us / r.us
+            if gemms_us and name != "naive_torch":
+                r.ratios[f"{name}_over_peer_gemms"] = c.us / gemms_us
 
 
 def forward_call(prov, a, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, out_fmt: str):
@@ -457,7 +394,7 @@ def forward_call(prov, a, pairs: ExpertPairs, weights: ExpertWeights, math: Expe
 def run_case(c: Case, fn, check) -> Case:
     try:
         y = fn()
-        c.rel_l2_fp32, c.rel_l2_ref = check(y)
+        c.rel_l2_fp32, c.rel_l2_ref, c.rel_l2_tokens = check(y)
         del y
         call, c.graph = graph_or_eager(fn)  # one capture serves both timings
         with ClockSampler(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")) as clock:
@@ -475,6 +412,8 @@ def run(args: argparse.Namespace) -> int:
     from ..experts.triton.provider import STORAGE_OF, TritonExperts
     from ..experts.triton.quant import quantize_rows
 
+    if args.replot:
+        return replot(args.replot, args.plot)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not interpreting():
         print("bench experts needs a CUDA GPU (or TRITON_INTERPRET=1 for a CPU smoke run)", file=sys.stderr)
@@ -489,6 +428,12 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({k: v for k, v in meta["ceilings"].items() if not k.endswith("_clock")}))
     cases: list[Case] = []
     variants: list[Case] = []
+    peer_results: list[peer_bench.PeerResult] = []
+    ready_peers = []
+    if args.peers is not None:
+        ready_peers, skipped = peer_bench.select(args.peers, args.peer_tune_cache)
+        meta["peers"] = peer_bench.describe(ready_peers, skipped)
+    meta["not_run"] = []  # (experts, tokens) groups left out by --budget-s
     max_e = max(args.experts)
     fp4_all, bf16_all = make_weights(max_e, hidden, inter, device, args.seed)
     # the layer calls prepare_weights once per layer with its math: "auto" re-lays MXFP4 weights as FP8
@@ -515,10 +460,15 @@ def run(args: argparse.Namespace) -> int:
         kinds = {st: slice_weights(w, n_exp) for st, w in by_kind.items()}
         bf16 = slice_weights(bf16_all, n_exp)
         for tokens in args.tokens:
+            if args.budget_s is not None and time.time() - t_start > args.budget_s:
+                meta["not_run"].append({"experts": n_exp, "tokens": tokens})
+                print(f"  --budget-s {args.budget_s:.0f} spent: E{n_exp} T{tokens} not run", file=sys.stderr)
+                continue
             x, pairs = make_routing(tokens, n_exp, topk, hidden, device, args.seed + tokens)
             p = len(pairs)
             active = experts_hit(pairs.slot)
             sel = check_subset(pairs, args.check_pairs, args.seed)
+            tokens_check = TokenCheck(x, pairs, bf16, limit, check_tokens(tokens, peer_bench.CHECK_TOKENS, args.seed, device))
             refs = {}
 
             def checker(math: ExpertMath, out_fmt: str):
@@ -531,7 +481,7 @@ def run(args: argparse.Namespace) -> int:
                     ys = output_values(y[sel], out_fmt, hidden)
                     if out_fmt != "fp32":  # the exact result in the same output format: relL2 ref stays the kernels' error
                         rex = output_values(combine_wire(out_fmt).encode(rex), out_fmt, hidden)
-                    return rel_l2(ys, r32), rel_l2(ys, rex)
+                    return rel_l2(ys, r32), rel_l2(ys, rex), tokens_check.of_pairs(y, out_fmt)
                 return check
 
             for scheme in args.schemes:
@@ -560,11 +510,6 @@ def run(args: argparse.Namespace) -> int:
                     c = Case(n_exp, tokens, p, scheme, "triton", mode, describe(used), out=out_fmt,
                              active_experts=active)
                     run_case(c, forward_call(prov, a, pairs, weights, math, out_fmt), checker(math, out_fmt))
-                    if prov.last_gemm == "cuda":  # the sm_90a CUDA GEMMs ran (experts/cuda), not the Triton tiles
-                        from ..experts.cuda import gemms as cg
-
-                        c.provider = "triton+cuda"
-                        c.config = f"cuda_sm90 BM{cg.BLOCK_M} BN{cg.BLOCK_N} BK{cg.BLOCK_K} s{cg.STAGES}"
                     fill_metrics(c, hidden, inter, wfmt, a_fmt, meta["ceilings"])
                     (cases if i == 0 else variants).append(c)
                     print_case(c)
@@ -578,24 +523,34 @@ def run(args: argparse.Namespace) -> int:
                 cases.append(c)
                 print_case(c)
                 save(args.json, meta, cases, variants)
-            del x, pairs
+            if ready_peers:
+                shape = peer_bench.PeerShape(hidden, inter, topk, limit)
+                ids, route_w = pairs.slot.view(tokens, topk), pairs.weight.view(tokens, topk)
+                for r in peer_bench.run_peers(ready_peers, fp4, shape, x, ids, route_w, tokens_check.of_tokens,
+                                              max_tokens=max(args.tokens)):
+                    peer_ratios(r, cases, meta["ceilings"], active, hidden, inter)
+                    peer_results.append(r)
+                save(args.json, meta, cases, variants, peer_results)
+            del x, pairs, tokens_check
     meta["wall_s"] = round(time.time() - t_start, 1)
-    meta["complete"] = True
+    meta["complete"] = not meta["not_run"]
     print_table(cases, variants)
-    save(args.json, meta, cases, variants)
+    print_peer_table(peer_results)
+    save(args.json, meta, cases, variants, peer_results)
     if args.json:
         print(f"wrote {args.json}")
     if args.plot:
-        plot(cases, args.plot)
+        plot(cases, args.plot, peer_results)
     return 0
 
 
-def save(path: str | None, meta: dict, cases: list[Case], variants: list[Case]) -> None:
+def save(path: str | None, meta: dict, cases: list[Case], variants: list[Case], peers: list | None = None) -> None:
     """(Re)write the JSON after every case, so a run cut short still leaves its numbers."""
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    result = {"meta": meta, "results": [asdict(c) for c in cases], "variants": [asdict(c) for c in variants]}
+    result = {"meta": meta, "results": [asdict(c) for c in cases], "variants": [asdict(c) for c in variants],
+              "peers": [asdict(r) for r in peers or []]}
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)
 
@@ -696,7 +651,40 @@ def print_table(cases: list[Case], variants: list[Case]) -> None:
         Console(width=220).print(t)
 
 
-def plot(cases: list[Case], path: str) -> None:
+def print_peer_table(results: list) -> None:
+    """The peers of the run beside the project's figures of the same routing (peer_ratios)."""
+    if not results:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="peers, same run, same routing (whole MoE call; project / peer < 1: the project is faster)")
+    for col in ("E", "T", "peer", "µs", "µs isolated", "relL2", "a8w4 / peer", "a4w4 / peer", "naive / peer",
+                "a8w4 / peer GEMMs", "x copy", "x FP8 GEMM", "graph", "first call s", "tactic", "error"):
+        t.add_column(col, justify="right")
+    for r in results:
+        q = r.ratios
+        t.add_row(str(r.experts), str(r.tokens), r.peer, f"{r.us:.1f}", f"{r.us_isolated:.1f}", f"{r.relL2:.4f}",
+                  f"{q.get('a8w4_over_peer', float('nan')):.3f}", f"{q.get('a4w4_over_peer', float('nan')):.3f}",
+                  f"{q.get('naive_torch_over_peer', float('nan')):.3f}", f"{q.get('a8w4_over_peer_gemms', float('nan')):.3f}",
+                  f"{q.get('x_copy_measured', float('nan')):.2f}",
+                  f"{q.get('x_fp8_gemm_measured', float('nan')):.2f}", "y" if r.graph else "n", f"{r.first_call_s:.1f}",
+                  r.tactic[:40], r.error[:60])
+    Console(width=220).print(t)
+
+
+def replot(path: str, target: str | None) -> int:
+    """Draw the PNG of a saved JSON (no GPU): the cases and the peers it holds."""
+    with open(path) as f:
+        saved = json.load(f)
+    cases = [Case(**{k: v for k, v in c.items() if k in Case.__dataclass_fields__}) for c in saved["results"]]
+    fields = peer_bench.PeerResult.__dataclass_fields__
+    peers = [peer_bench.PeerResult(**{k: v for k, v in r.items() if k in fields}) for r in saved.get("peers", [])]
+    plot(cases, target or path.replace(".json", ".png"), peers)
+    return 0
+
+
+def plot(cases: list[Case], path: str, peers: list | None = None) -> None:
     try:
         import matplotlib
 
@@ -712,6 +700,10 @@ def plot(cases: list[Case], path: str) -> None:
         for key in sorted({(c.provider, c.scheme) for c in rows}):
             pts = sorted((c.tokens, c.us) for c in rows if (c.provider, c.scheme) == key)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[1]} ({key[0]})")
+        ok_peers = [r for r in peers or [] if r.experts == e and not r.error]
+        for name in sorted({r.peer for r in ok_peers}):
+            pts = sorted((r.tokens, r.us) for r in ok_peers if r.peer == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="--", marker="^", label=f"{name} (peer, whole MoE)")
         fl = sorted({(c.tokens, c.floor_us) for c in rows if c.scheme == "a8w4" and c.provider == "triton"})
         if fl:
             ax.plot([p[0] for p in fl], [p[1] for p in fl], "k--", label="A8W4 floor (MXFP4 bytes / FP8 MMA)")

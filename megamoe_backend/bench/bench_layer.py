@@ -20,6 +20,12 @@ A8W4 + fp8 dispatch wire and A4W4 + fp4 wire, both combine wires. Per case, all 
   chain_glue_us_per_layer  the same chain with the MoE layers left out (RMSNorm + residual alone), so
                       chain - glue is what the MoE layer costs inside the chain
 
+  layer_rel_l2        per token against fp32 on the dequantised weights (references.token_reference)
+  peers_us            with ``--peers`` (bench/peers.py): each peer's whole MoE call on the same routing and
+                      weights, timed the same way; layer_over_peer / experts_over_peer = layer_us /
+                      experts_us over it (below 1: the project is faster); the peers' own results,
+                      relL2 on the same reference, in the JSON's ``peers``
+
 JSON (``--json``), a table, and a PNG (``--plot``).
 """
 
@@ -28,14 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..experts import ExpertPairs, ExpertWeights, swiglu
+from ..experts import ExpertPairs, ExpertWeights
 from ..knobs import Knobs
 from ..plan import build_plan
 from ..spec import preset
@@ -46,6 +51,7 @@ from .bench_experts import (
     FP8_TFLOPS,
     HBM_TBS,
     case_floors,
+    ceiling_ratios,
     environment,
     floor_text,
     graph_or_eager,
@@ -54,12 +60,11 @@ from .bench_experts import (
     slice_weights,
     time_fn,
 )
+from . import peers as peer_bench
 from .floor import experts_hit
 from .gpu_clock import ClockSampler
-
-SCHEMES = {"a8w4": "fp8", "a4w4": "fp4"}  # quant -> its dispatch wire
-COMBINES = ("bf16", "fp8_blockwise_1x32")
-CHAIN_LAYERS = 61
+from .layer_common import CHAIN_LAYERS, COMBINES, SCHEMES, Routes, naive_torch_layer, replay_us, rms_norm  # noqa: F401 - re-exported
+from .references import check_tokens, rel_l2, token_reference
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--replot", default=None, metavar="JSON", help="only draw --plot from a saved JSON (no GPU)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no new case after this many seconds (the JSON lists what did not run)")
+    peer_bench.add_arguments(parser)
 
 
 @dataclass
@@ -110,60 +118,14 @@ class LayerCase:
     chain_x_layer: float = float("nan")
     graphed: bool = False
     active_experts: int = 0
+    layer_rel_l2: float = float("nan")  # per token vs fp32 on the dequantised weights: what the peers' relL2 reads
+    layer_x_floor_measured: float = float("nan")  # layer_us / floor_measured_us
+    ratios: dict = field(default_factory=dict)  # layer_* / experts_*: bench_experts.ceiling_ratios (measured copy, FP8 GEMM)
+    peers_us: dict = field(default_factory=dict)  # peer -> µs of its whole MoE on this case's routing (same run)
+    layer_over_peer: dict = field(default_factory=dict)  # peer -> layer_us / peer µs (below 1: the layer is faster)
+    experts_over_peer: dict = field(default_factory=dict)  # peer -> experts_us / peer µs
     clock: dict = field(default_factory=dict)
     error: str = ""
-
-
-class Routes:
-    """Static tokens + routing tensors, refilled in place (graphs read their addresses)."""
-
-    def __init__(self, tokens: int, n_exp: int, topk: int, hidden: int, device: torch.device, seed: int) -> None:
-        self.g = torch.Generator(device=device).manual_seed(seed)
-        self.x = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
-        self.ids = torch.empty(tokens, topk, dtype=torch.int64, device=device)
-        self.w = torch.empty(tokens, topk, dtype=torch.float32, device=device)
-        self.n_exp, self.topk = n_exp, topk
-        self.refill()
-
-    def refill(self) -> None:
-        t = self.x.shape[0]
-        self.x.copy_(torch.randn(self.x.shape, generator=self.g, device=self.x.device))
-        self.ids.copy_(torch.rand(t, self.n_exp, generator=self.g, device=self.x.device).topk(self.topk, dim=1).indices)
-        w = torch.rand(t, self.topk, generator=self.g, device=self.x.device)
-        self.w.copy_(w / w.sum(1, keepdim=True))
-
-
-def naive_torch_layer(x, ids, w, wd: ExpertWeights, limit):
-    """argsort + gather + two bf16 torch._grouped_mm + SwiGLU + route weight + index_add (capturable)."""
-    t, k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(wd.num_experts, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    rows = order // k
-    h = torch._grouped_mm(x[rows], wd.w1.transpose(1, 2), offs=offs)
-    act = swiglu(h.float(), wd.gate_up_layout, limit).to(torch.bfloat16)
-    y = torch._grouped_mm(act, wd.w2.transpose(1, 2), offs=offs).float() * w.reshape(-1)[order, None]
-    return torch.zeros(t, wd.hidden, dtype=torch.float32, device=x.device).index_add_(0, rows, y).to(torch.bfloat16)
-
-
-def rms_norm(h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=eps)
-
-
-def replay_us(graph: torch.cuda.CUDAGraph, n: int = 5) -> float:
-    """Median µs of n back-to-back replays of a long graph (after one warm replay)."""
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def experts_alone(layer, routes: Routes):
@@ -196,6 +158,11 @@ def run_case(c: LayerCase, args, weights: ExpertWeights, bf16_weights: ExpertWei
                                   a_fmt=plan.math.a_format).items():
         setattr(c, key, value)
 
+    tokens = check_tokens(c.tokens, peer_bench.CHECK_TOKENS, args.seed, device)
+    y = layer(routes.x, routes.ids, routes.w)
+    c.layer_rel_l2 = rel_l2(y[tokens].float(), token_reference(routes.x, routes.ids, routes.w, bf16_weights,
+                                                                spec.swiglu_limit, tokens))
+    del y
     layer_call, c.graphed = graph_or_eager(lambda: layer(routes.x, routes.ids, routes.w))
     with ClockSampler(device) as clock:
         c.layer_us, _ = time_fn(layer_call, use_graph=False)
@@ -214,7 +181,37 @@ def run_case(c: LayerCase, args, weights: ExpertWeights, bf16_weights: ExpertWei
     c.layer_minus_experts_us = c.layer_us - c.experts_us
     c.chain_moe_us_per_layer = c.chain_us_per_layer - c.chain_glue_us_per_layer
     c.chain_x_layer = c.chain_moe_us_per_layer / c.layer_us
+    c.layer_x_floor_measured = c.layer_us / c.floor_measured_us
+    shape = dict(experts_hit=c.active_experts, pairs=c.tokens * plan.topk, hidden=plan.hidden,
+                 intermediate=spec.moe_intermediate_size)
+    for what, us in (("layer", c.layer_us), ("experts", c.experts_us)):
+        c.ratios.update({f"{what}_{k}": v for k, v in ceiling_ratios(us, ceilings, **shape).items()})
     return c
+
+
+def run_peers_for(n_exp: int, tokens: int, ready: list, fp4: ExpertWeights, bf16: ExpertWeights, args, device,
+                  ceilings: dict, cases: list[LayerCase]) -> list:
+    """The peers on the routing every case of (n_exp, tokens) ran (Routes with the same seed), each case
+    then holding their µs and its ratios to them (peers_us, layer_over_peer, experts_over_peer)."""
+    spec = preset("dsv4-pro")
+    hidden, inter, topk = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok
+    routes = Routes(tokens, n_exp, topk, hidden, device, args.seed)
+    sample = check_tokens(tokens, peer_bench.CHECK_TOKENS, args.seed, device)
+    ref = token_reference(routes.x, routes.ids, routes.w, bf16, spec.swiglu_limit, sample)
+    shape = peer_bench.PeerShape(hidden, inter, topk, spec.swiglu_limit)
+    results = peer_bench.run_peers(ready, fp4, shape, routes.x, routes.ids, routes.w,
+                                   lambda y: rel_l2(y[sample].float(), ref), max_tokens=max(args.tokens))
+    active = experts_hit(routes.ids)
+    for r in results:
+        if r.us != r.us:
+            continue
+        r.ratios.update(ceiling_ratios(r.us, ceilings, experts_hit=active, pairs=r.pairs, hidden=hidden, intermediate=inter))
+        for c in cases:
+            if (c.experts, c.tokens) == (n_exp, tokens) and not c.error:
+                c.peers_us[r.peer] = r.us
+                c.layer_over_peer[r.peer] = c.layer_us / r.us
+                c.experts_over_peer[r.peer] = c.experts_us / r.us
+    return results
 
 
 def chain_us(first, c: LayerCase, args, device, glue_only: bool = False) -> float:
@@ -259,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             plot([LayerCase(**c) for c in saved["cases"]], target)
         return 0
+    if args.peers is not None and args.ep > 1 and not args.emulate:
+        print("--peers runs with ep_size 1 and --emulate (one process); not with --ep N rank processes", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench layer needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -281,12 +281,28 @@ def run(args: argparse.Namespace) -> int:
     spec = preset("dsv4-pro")
     fp4_all, bf16_all = make_weights(max(args.experts), spec.hidden_size, spec.moe_intermediate_size, device, args.seed)
     cases: list[LayerCase] = []
+    peer_results: list = []
+    ready_peers = []
+    if args.peers is not None:
+        ready_peers, skipped = peer_bench.select(args.peers, args.peer_tune_cache)
+        meta["peers"] = peer_bench.describe(ready_peers, skipped)
+    meta["not_run"] = []  # cases left out by --budget-s
     t0 = time.time()
-    for n_exp in sorted(args.experts, reverse=True):
+
+    def spent(what: dict) -> bool:
+        if args.budget_s is None or time.time() - t0 <= args.budget_s:
+            return False
+        meta["not_run"].append(what)
+        print(f"  --budget-s {args.budget_s:.0f} spent: {what} not run", file=sys.stderr)
+        return True
+
+    for n_exp in args.experts:  # in the order given (the default is 192 then 48)
         fp4, bf16 = slice_weights(fp4_all, n_exp), slice_weights(bf16_all, n_exp)
         for scheme in args.schemes:
             for combine in args.combine_wires:
                 for tokens in args.tokens:
+                    if spent({"experts": n_exp, "tokens": tokens, "scheme": scheme, "combine_wire": combine}):
+                        continue
                     c = LayerCase(n_exp, tokens, scheme, SCHEMES[scheme], combine)
                     try:
                         run_case(c, args, fp4, bf16, device, meta["ceilings"])
@@ -296,7 +312,13 @@ def run(args: argparse.Namespace) -> int:
                     torch.cuda.empty_cache()
                     cases.append(c)
                     print(line(c), flush=True)
-                    save(args.json, meta, cases, time.time() - t0)
+                    save(args.json, meta, cases, time.time() - t0, peer_results)
+        for tokens in args.tokens if ready_peers else ():
+            if not spent({"experts": n_exp, "tokens": tokens, "peers": [p.name for p in ready_peers]}):
+                peer_results += run_peers_for(n_exp, tokens, ready_peers, fp4, bf16, args, device, meta["ceilings"], cases)
+                save(args.json, meta, cases, time.time() - t0, peer_results)
+    meta["complete"] = not meta["not_run"]
+    save(args.json, meta, cases, time.time() - t0, peer_results)
     print_table(cases)
     if args.plot:
         plot(cases, args.plot)
@@ -310,13 +332,13 @@ def line(c: LayerCase) -> str:
             f"- glue {c.chain_glue_us_per_layer:.1f} (x{c.chain_x_layer:.3f}) {'graph' if c.graphed else 'EAGER'} {c.error[:120]}")
 
 
-def save(path, meta, cases, seconds) -> None:
+def save(path, meta, cases, seconds, peers: list | None = None) -> None:
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"meta": {**meta, "seconds": round(seconds, 1)}, "cases": [asdict(c) for c in cases]}, f, indent=1,
-                  default=str)
+        json.dump({"meta": {**meta, "seconds": round(seconds, 1)}, "cases": [asdict(c) for c in cases],
+                   "peers": [asdict(r) for r in peers or []]}, f, indent=1, default=str)
 
 
 def print_table(cases: list[LayerCase]) -> None:
@@ -325,15 +347,17 @@ def print_table(cases: list[LayerCase]) -> None:
 
     t = Table(title="MegaMoE layer, ep_size 1, one GPU (µs)")
     for col in ("E", "T", "scheme", "combine", "layer", "experts", "x", "naive torch", "floor", "experts x floor",
-                "chain/layer", "glue", "x"):
+                "chain/layer", "glue", "x", "relL2", "best peer µs", "layer / peer"):
         t.add_column(col, justify="right")
     for c in cases:
+        best = min(c.peers_us, key=c.peers_us.get) if c.peers_us else None
         t.add_row(str(c.experts), str(c.tokens), c.scheme, c.combine_wire[:4], f"{c.layer_us:.1f}", f"{c.experts_us:.1f}",
                   f"{c.layer_x_experts:.3f}", f"{c.naive_torch_us:.1f}",
                   floor_text(c), f"{c.experts_x_floor:.2f}",
                   f"{c.chain_us_per_layer:.1f}",
-                  f"{c.chain_glue_us_per_layer:.1f}", f"{c.chain_x_layer:.3f}")
-    Console(width=160).print(t)
+                  f"{c.chain_glue_us_per_layer:.1f}", f"{c.chain_x_layer:.3f}", f"{c.layer_rel_l2:.4f}",
+                  f"{c.peers_us[best]:.1f} {best}" if best else "-", f"{c.layer_us / c.peers_us[best]:.3f}" if best else "-")
+    Console(width=200).print(t)
 
 
 def plot(cases: list[LayerCase], path: str) -> None:
@@ -358,6 +382,8 @@ def plot(cases: list[LayerCase], path: str) -> None:
                                        ("naive_torch_us", "x-", "naive torch"),
                                        ("floor_us", "k--", f"floor (HBM / {peak} MMA)")):
                 ax.plot(tok, [getattr(c, attr) for c in pts], style, label=label, markersize=4)
+            for name in sorted({n for c in pts for n in c.peers_us}):  # the peers on the same routing (--peers)
+                ax.plot(tok, [c.peers_us.get(name, float("nan")) for c in pts], "v-.", label=f"{name} (peer)", markersize=4)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{e} experts, {scheme}, combine {'fp8' if combine != 'bf16' else 'bf16'}", fontsize=9)

@@ -19,6 +19,12 @@ while the host enqueues it, so CUDA events around each rank's launches see no ho
   naive_torch_us   one rank's share in naive torch: the pairs routed to rank 0, argsort + bf16
                    torch._grouped_mm of its local experts + index_add (graph replay)
   floor_us         the slowest rank's floor (bench/floor.py: its experts hit / HBM, its FLOPs / FP8 peak)
+  weight_stream_us the busiest rank's weights (its experts hit) streamed at the copy rate measured at
+                   the start of the run (meta.ceilings); rank_x_weight_stream = rank_us / it (issue 48)
+  floor_measured_us the slowest rank's floor at the run's measured copy / FP8 GEMM ceilings
+  peers_us         with --peers: each peer on the slowest rank's share (its local experts, the tokens that
+                   reach it, their global top-k ids; bench/peers.py), the same routing; rank_over_peer /
+                   experts_over_peer = rank_us / experts_us over it (below 1: the project is faster)
 
 Cases: EP x local experts x tokens per rank x scheme x combine wire x bound (max_tokens_across_ranks
 passed or not) x routing ("uniform", "zipf": expert popularity ~ 1 / rank^ZIPF_S, hot experts spread
@@ -66,6 +72,16 @@ class EmulatedCase:
     floor_bound: str = ""
     live_pairs_by_rank: list = field(default_factory=list)
     tokens_by_rank: list = field(default_factory=list)
+    experts_hit_by_rank: list = field(default_factory=list)
+    weight_stream_us: float = float("nan")
+    rank_x_weight_stream: float = float("nan")
+    floor_measured_us: float = float("nan")
+    rank_x_floor_measured: float = float("nan")
+    peer_rank: int = -1  # the rank whose share the peers ran (the slowest of the first case of these routes)
+    peers_us: dict = field(default_factory=dict)
+    rank_over_peer: dict = field(default_factory=dict)
+    experts_over_peer: dict = field(default_factory=dict)
+    peers_error: str = ""  # a failure around the peers (never the project's case: ``error`` is its own)
     error: str = ""
 
 
@@ -118,6 +134,39 @@ def rank_share(routes, rank: int, experts: int):
     here = (ids // experts) == rank
     tok, j = here.nonzero(as_tuple=True)
     return xs, (ids[tok, j] - rank * experts), ws[tok, j].float(), tok
+
+
+def rank_token_share(routes, rank: int, experts: int):
+    """(x rows, global ids [U, k], route weights [U, k]) of the U tokens (of all ranks) with at least one
+    pair on ``rank``: what a fused MoE that takes EP ranks natively runs there (bench/peers.py)."""
+    xs, ids, ws = (torch.cat([r[i] for r in routes]) for i in range(3))
+    tok = ((ids // experts) == rank).any(dim=1).nonzero().squeeze(1)
+    return xs[tok], ids[tok], ws[tok]
+
+
+def run_rank_peers(ready, routes, rank: int, ep: int, experts: int, weights, spec, args, ceilings: dict) -> list:
+    """The peers on ``rank``'s share (rank_token_share), relL2 per token against the fp32 reference of
+    its local pairs (references.token_reference on the rank's dequantised experts)."""
+    from .bench_experts import ceiling_ratios
+    from .peers import CHECK_TOKENS, PeerShape, run_peers
+    from .references import check_tokens, rel_l2, token_reference
+
+    x, ids, w = rank_token_share(routes, rank, experts)
+    if not x.shape[0]:
+        return []
+    here = (ids // experts) == rank
+    local = torch.where(here, ids - rank * experts, -1)
+    sample = check_tokens(x.shape[0], CHECK_TOKENS, args.seed, x.device)
+    ref = token_reference(x, local, w, weights[rank], spec.swiglu_limit, sample)
+    shape = PeerShape(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok, spec.swiglu_limit)
+    results = run_peers(ready, weights[rank], shape, x, ids, w, lambda y: rel_l2(y[sample].float(), ref),
+                        max_tokens=x.shape[0], ep_size=ep, ep_rank=rank)
+    hit = int(torch.unique(local[here]).numel())
+    for r in results:
+        if r.us == r.us:
+            r.ratios.update(ceiling_ratios(r.us, ceilings, experts_hit=hit, pairs=r.pairs, hidden=spec.hidden_size,
+                                           intermediate=spec.moe_intermediate_size))
+    return results
 
 
 def naive_rank_layer(xs, local_ids, weights, rows, wd, limit):
@@ -175,16 +224,17 @@ def step_graph_us(emu, inputs, bound) -> float:
     return a.elapsed_time(b) * 1e3 / 5 / emu.ep
 
 
-def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict, save) -> None:
+def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict, save, ready_peers=(),
+              peer_results=None, t0: float = 0.0) -> None:
     """Every case of one (EP, local experts): rank weights made once, one emulated EP per wire set."""
     from ..knobs import Knobs
     from ..parallel.emulated_ep import EmulatedEP
     from ..plan import build_plan
     from ..spec import preset
     from ..transport import clear_transport_cache
-    from .bench_experts import graph_or_eager, make_weights, time_fn
-    from .bench_layer import SCHEMES
-    from .floor import H200_HBM_BYTES_PER_S, H200_MMA_FLOPS_PER_S, expert_floor
+    from .bench_experts import graph_or_eager, make_weights, measured_peaks, time_fn
+    from .layer_common import SCHEMES
+    from .floor import H200_HBM_BYTES_PER_S, H200_MMA_FLOPS_PER_S, expert_floor, weight_bytes_per_expert
 
     device = torch.device("cuda")
     spec = preset("dsv4-pro").scaled(n_routed_experts=ep * experts)
@@ -208,6 +258,10 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
                     toks = rank_tokens(routing, tokens, ep)
                     routes = make_routes(routing, toks, ep * experts, topk, hidden, device, args.seed + tokens)
                     for bounded in (True, False):
+                        if args.budget_s is not None and time.time() - t0 > args.budget_s:
+                            meta["not_run"].append({"ep": ep, "tokens": tokens, "scheme": scheme, "combine_wire": combine,
+                                                    "routing": routing, "bounded": bounded})
+                            continue
                         c = EmulatedCase(ep, experts, tokens, scheme, SCHEMES[scheme], combine, routing, bounded,
                                          tokens_by_rank=toks)
                         try:
@@ -225,6 +279,7 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
                             for r in range(ep):
                                 _, lid, _, _ = rank_share(routes, r, experts)
                                 c.live_pairs_by_rank.append(int(lid.numel()))
+                                c.experts_hit_by_rank.append(int(torch.unique(lid).numel()))
                                 floors.append(expert_floor(experts_hit=int(torch.unique(lid).numel()), pairs=int(lid.numel()),
                                                            hidden=hidden, intermediate=inter, weight_fmt="mxfp4",
                                                            a_fmt=plans[0].math.a_format,
@@ -232,6 +287,24 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
                                                            mma_flops_per_s=H200_MMA_FLOPS_PER_S))
                             worst = max(floors, key=lambda f: f.us)
                             c.floor_us, c.floor_bound = worst.us, worst.bound
+                            measured = measured_peaks(meta.get("ceilings", {}))
+                            if measured is not None:
+                                c.weight_stream_us = (max(c.experts_hit_by_rank) * weight_bytes_per_expert(hidden, inter, "mxfp4")
+                                                      / measured[0] * 1e6)
+                                c.rank_x_weight_stream = c.rank_us / c.weight_stream_us
+                                if "fp8" in measured[1]:
+                                    _, lid, _, _ = rank_share(routes, slowest, experts)
+                                    c.floor_measured_us = expert_floor(
+                                        experts_hit=c.experts_hit_by_rank[slowest], pairs=int(lid.numel()), hidden=hidden,
+                                        intermediate=inter, weight_fmt="mxfp4", a_fmt=plans[0].math.a_format,
+                                        hbm_bytes_per_s=measured[0], mma_flops_per_s=measured[1]).us
+                                    c.rank_x_floor_measured = c.rank_us / c.floor_measured_us
+                            if ready_peers:
+                                try:
+                                    link_peers(c, cases, ready_peers, routes, slowest, ep, experts, weights, spec, args,
+                                               meta, peer_results)
+                                except Exception as exc:  # noqa: BLE001 - the project's figures of the case stand
+                                    c.peers_error = f"{type(exc).__name__}: {str(exc)[:400]}"
                             if not args.no_baseline and bounded:
                                 share = rank_share(routes, 0, experts)
                                 if share[1].numel():
@@ -248,6 +321,26 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
             del emu
             clear_transport_cache()
             torch.cuda.empty_cache()
+
+
+def link_peers(c: EmulatedCase, cases: list[EmulatedCase], ready, routes, slowest: int, ep: int, experts: int, weights,
+               spec, args, meta: dict, peer_results: list) -> None:
+    """The peers' µs for ``c``: run on the slowest rank's share once per routes (ep, routing, tokens; the
+    first case of them picks the rank), reused by the other schemes / wires / bound of the same routes."""
+    key = (c.ep, c.routing, c.tokens)
+    done = next((o for o in cases if (o.ep, o.routing, o.tokens) == key and o.peer_rank >= 0), None)
+    if done is not None:
+        c.peer_rank, c.peers_us = done.peer_rank, dict(done.peers_us)
+    else:
+        c.peer_rank = slowest
+        for r in run_rank_peers(ready, routes, slowest, ep, experts, weights, spec, args, meta.get("ceilings", {})):
+            peer_results.append(r)
+            if r.us == r.us:
+                c.peers_us[r.peer] = r.us
+    rank = c.peer_rank
+    rank_us, experts_us = c.rank_us_by_rank[rank], c.experts_us_by_rank[rank]
+    c.rank_over_peer = {name: rank_us / us for name, us in c.peers_us.items()}
+    c.experts_over_peer = {name: experts_us / us for name, us in c.peers_us.items()}
 
 
 def line(c: EmulatedCase) -> str:
@@ -277,11 +370,19 @@ def summary(cases: list[EmulatedCase]) -> dict:
         c = find(ep, 8192, True)
         if c:
             out[f"ep{ep}_t8192_rank_over_experts"] = c.rank_us / c.experts_us
+            for name, ratio in c.rank_over_peer.items():
+                out[f"ep{ep}_t8192_rank_over_{name}"] = ratio
+    for t in (8, 128):  # issue 48: the slowest rank against the busiest rank's weight stream at the measured copy rate
+        c = find(8, t, True)
+        if c and c.rank_x_weight_stream == c.rank_x_weight_stream:
+            out[f"ep8_t{t}_bounded_rank_x_weight_stream"] = c.rank_x_weight_stream
     return out
 
 
 def run_emulated(args: argparse.Namespace) -> int:
-    from .bench_experts import environment
+    from .bench_experts import BF16_TFLOPS, FP8_TFLOPS, HBM_TBS, environment
+    from .peers import describe, select
+    from .timing import measure_ceilings
 
     if not torch.cuda.is_available():
         print("bench layer --emulate needs a CUDA GPU", file=sys.stderr)
@@ -294,6 +395,13 @@ def run_emulated(args: argparse.Namespace) -> int:
                             "note": "a model, not a measurement: dispatch + combine bytes to other ranks / bandwidth + "
                                     "2 barriers x latency, the slowest rank"}
     meta["zipf_s"] = ZIPF_S
+    meta["ceilings"] = {"hbm_tbs": HBM_TBS, "bf16_tflops": BF16_TFLOPS, "fp8_tflops": FP8_TFLOPS,
+                        **measure_ceilings(torch.device("cuda"))}
+    meta["not_run"] = []  # cases left out by --budget-s
+    ready_peers, peer_results = [], []
+    if args.peers is not None:
+        ready_peers, skipped = select(args.peers, args.peer_tune_cache)
+        meta["peers"] = describe(ready_peers, skipped)
     cases: list[EmulatedCase] = []
     t0 = time.time()
 
@@ -301,12 +409,14 @@ def run_emulated(args: argparse.Namespace) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"meta": {**meta, "seconds": round(time.time() - t0, 1)}, "summary": summary(cases),
-                           "cases": [asdict(c) for c in cases]}, f, indent=1, default=str)
+                           "cases": [asdict(c) for c in cases], "peers": [asdict(r) for r in peer_results]},
+                          f, indent=1, default=str)
 
     eps = [args.ep] if args.ep > 1 else [8, 2]
     for ep in eps:
         experts = args.experts_total // ep
-        run_group(ep, experts, args, cases, meta, save)
+        run_group(ep, experts, args, cases, meta, save, ready_peers, peer_results, t0)
+    meta["complete"] = not meta["not_run"]
     save()
     print(json.dumps(summary(cases), indent=1))
     if args.plot:
@@ -333,6 +443,9 @@ def plot_emulated(cases: list[EmulatedCase], path: str) -> None:
         for attr, style, label in (("experts_us", "s--", "its experts alone"), ("naive_torch_us", "x-", "naive torch (its share)"),
                                    ("floor_us", "k--", "floor"), ("nvlink_model_us", "g-.", "NVLink (model)")):
             ax.plot(tok, [getattr(c, attr) for c in pts], style, label=label, markersize=4)
+        for name in sorted({n for c in pts for n in c.peers_us}):  # --peers: on the same rank's share
+            ax.plot(tok, [c.peers_us.get(name, float("nan")) for c in pts], "v-.", label=f"{name} (peer, EP rank)",
+                    markersize=4)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"EP {key[0]} ({cases[0].experts * cases[0].ep // key[0]} local), {key[1]}, combine {key[2][:4]}",

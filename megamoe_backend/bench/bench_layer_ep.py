@@ -73,7 +73,7 @@ def _rank_worker(rank: int, world: int, cases: list[dict], mtpr: int, seed: int)
     from ..spec import preset
     from ..transport import clear_transport_cache
     from .bench_experts import capture_graph, make_weights
-    from .bench_layer import Routes
+    from .layer_common import Routes
 
     gpu = rank if torch.cuda.device_count() >= world else 0
     torch.cuda.set_device(gpu)
@@ -136,7 +136,7 @@ def _baselines(c: EPLayerCase, device, seed: int) -> None:
     """naive torch and floor of the whole step (all ranks' tokens and experts) in this process."""
     from ..spec import preset
     from .bench_experts import BF16_TFLOPS, HBM_TBS, graph_or_eager, make_weights, time_fn, weight_bytes_per_expert
-    from .bench_layer import Routes, naive_torch_layer
+    from .layer_common import Routes, naive_torch_layer
 
     spec = preset("dsv4-pro")
     n_exp, tokens = c.experts_per_rank * c.ep, c.tokens * c.ep
@@ -156,7 +156,7 @@ def _baselines(c: EPLayerCase, device, seed: int) -> None:
 def run_ep(args: argparse.Namespace) -> int:
     from ..parallel.spawn import spawn_ranks
     from .bench_experts import environment
-    from .bench_layer import COMBINES, SCHEMES
+    from .layer_common import COMBINES, SCHEMES
 
     device = torch.device("cuda")
     ep = args.ep

@@ -72,13 +72,12 @@ class MoESpec:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | str | Path, name: str = "") -> "MoESpec":
-        """Build from a config.json mapping or path (a nested ``text_config`` is used when present)."""
+        """Build from a config.json mapping, its path or its checkpoint folder (a nested ``text_config``
+        is used when present)."""
+        where = "config.json"
         if isinstance(config, (str, Path)):
-            path = Path(config)
-            try:
-                config = json.loads(path.read_text())
-            except FileNotFoundError as exc:
-                raise ConfigError(f"config file not found: {path}") from exc
+            path = resolve_config_path(config)
+            config, where = read_config(path), str(path)
             name = name or path.parent.name or path.stem
         cfg = dict(config)
         quant_cfg = cfg.get("quantization_config")
@@ -86,9 +85,7 @@ class MoESpec:
             text = dict(cfg["text_config"])
             quant_cfg = text.get("quantization_config", quant_cfg)
             cfg = text
-        missing = [k for k in REQUIRED_KEYS if k not in cfg]
-        if missing:
-            raise ConfigError(f"config.json is missing required MoE key(s): {', '.join(missing)}")
+        check_deepseek_moe(cfg, where)
         n_group = cfg.get("n_group") or 1
         topk_group = cfg.get("topk_group") or 1
         limit = cfg.get("swiglu_limit")
@@ -111,6 +108,78 @@ class MoESpec:
             model_type=str(cfg.get("model_type") or ""),
             name=name,
         )
+
+
+# Routed-expert counts other MoE families name (Qwen2/3-MoE, OLMoE: num_experts; Mixtral, Llama 4, GPT-OSS:
+# num_local_experts; ...): a config with one of them but no n_routed_experts is a MoE MegaMoE does not model.
+OTHER_MOE_EXPERT_KEYS = ("num_experts", "num_local_experts", "moe_num_experts", "n_experts", "num_routed_experts")
+CONFIG_HINT = "point --model at the checkpoint's config.json (or a local folder holding one)"
+
+
+def resolve_config_path(model: str | Path) -> Path:
+    """The config.json that ``model`` names: the file itself, or ``<folder>/config.json``.
+
+    Why here: ``megamoe info --model`` takes either, and a Hugging Face id (``deepseek-ai/DeepSeek-V4-Pro``)
+    is not downloaded: the error says which path was tried and how to point at a config.json.
+    """
+    path = Path(model)
+    if path.is_dir():
+        candidate = path / "config.json"
+        if not candidate.is_file():
+            raise ConfigError(f"no config.json in the folder {path} (tried {candidate}); {CONFIG_HINT}")
+        return candidate
+    if not path.exists():
+        looks_like_id = not path.is_absolute() and len(path.parts) == 2 and not path.suffix
+        hint = (f"{model!r} looks like a Hugging Face model id, which is not downloaded here: fetch its config.json "
+                f"(e.g. `huggingface-cli download {model} config.json --local-dir DIR`) and pass DIR, or "
+                if looks_like_id else "")
+        raise ConfigError(f"config file not found: tried {path.resolve()}; {hint}{CONFIG_HINT}")
+    return path
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The JSON object in ``path``; an unreadable file or bad JSON is a ConfigError naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}; {CONFIG_HINT}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                          f"{CONFIG_HINT}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} holds a JSON {type(config).__name__}, not an object; {CONFIG_HINT}")
+    return config
+
+
+def check_deepseek_moe(cfg: Mapping[str, Any], where: str = "config.json") -> None:
+    """Refuse what is not a DeepSeek-style MoE config, saying which kind of model it is.
+
+    A dense model (Llama: no expert keys at all) and another MoE family (Qwen3-MoE's ``num_experts``,
+    Mixtral's ``num_local_experts``) are named as such; a DeepSeek config missing a key names the key.
+    """
+    model_type = str(cfg.get("model_type") or "?")
+    missing = [k for k in REQUIRED_KEYS if k not in cfg]
+    if not missing:
+        return
+    if "n_routed_experts" in missing:
+        other = [k for k in OTHER_MOE_EXPERT_KEYS if k in cfg]
+        if other:
+            raise ConfigError(
+                f"{where}: model_type={model_type!r} is a MoE model ({other[0]}={cfg[other[0]]}) but not a "
+                "DeepSeek-style one: only DeepSeek-style MoE (n_routed_experts, DeepSeek V3 / R1 / V4 routing) is "
+                "supported; serve it with the engine's own MoE backend"
+            )
+        if not any(k in cfg for k in ("moe_intermediate_size", "num_experts_per_tok")):
+            raise ConfigError(
+                f"{where}: model_type={model_type!r} is not a MoE model (no routed experts: n_routed_experts, "
+                "moe_intermediate_size and num_experts_per_tok are absent); MegaMoE serves DeepSeek-style MoE layers "
+                "only: serve it without --moe-backend megamoe_ep / --moe-a2a-backend megamoe_ep"
+            )
+    raise ConfigError(f"{where} (model_type={model_type!r}) is missing required MoE key(s): {', '.join(missing)}; "
+                      "a DeepSeek-style MoE config has all of " + ", ".join(REQUIRED_KEYS))
 
 
 def quant_scheme_from_config(quant_cfg: Mapping[str, Any] | None, expert_dtype: Any = None, model_type: str = "") -> str:

@@ -1,6 +1,14 @@
-"""Named shapes of the models the backend is built for, so ``megamoe info --preset`` needs no download."""
+"""Named shapes of the models the backend is built for, so ``megamoe info --preset`` needs no download.
+
+``PRESET_CONFIGS`` holds, per preset, the config.json keys an engine's quant method reads the experts'
+activation format from (``engine_reading.reading_for_config``), as the published checkpoints have them, so
+``megamoe info --preset dsv4-pro --engine vllm-0.33`` (and the serve scripts' check of a Hugging Face id
+they cannot read) answers what that engine runs for the checkpoint.
+"""
 
 from __future__ import annotations
+
+from typing import Any, Mapping
 
 from .moe_spec import MoESpec
 
@@ -42,8 +50,34 @@ PRESETS: dict[str, MoESpec] = {
 }
 
 
+# deepseek-ai/DeepSeek-V4-Pro: block-FP8 config, MXFP4 routed experts (expert_dtype fp4);
+# amd/DeepSeek-R1-0528-MXFP4: Quark MXFP4 weights and activations (A4W4).
+_MXFP4_GROUP = {"qscheme": "per_group", "group_size": 32, "ch_axis": -1, "scale_format": "e8m0"}
+PRESET_CONFIGS: dict[str, Mapping[str, Any]] = {
+    "dsv4-pro": {
+        "model_type": "deepseek_v4",
+        "expert_dtype": "fp4",
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    },
+    "r1-mxfp4": {
+        "model_type": "deepseek_v3",
+        "quantization_config": {"quant_method": "quark", "global_quant_config": {
+            "weight": {"dtype": "fp4", **_MXFP4_GROUP, "is_dynamic": False},
+            "input_tensors": {"dtype": "fp4", **_MXFP4_GROUP, "is_dynamic": True}}},
+    },
+}
+
+
+def preset_config(name: str) -> Mapping[str, Any]:
+    """The config.json keys of preset ``name``'s checkpoint that an engine's reading looks at."""
+    preset(name)  # the same error for an unknown name
+    return PRESET_CONFIGS[name]
+
+
 def preset(name: str) -> MoESpec:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}") from None
+        raise ValueError(f"--preset {name!r} is not a preset; available: {', '.join(sorted(PRESETS))} "
+                         "(or --model CONFIG.json for another checkpoint)") from None

@@ -55,7 +55,7 @@ def test_info_with_redundant_experts(fixtures) -> None:
 
 @pytest.mark.parametrize("env, needle", [
     ({"MEGA_DISPATCH_WIRE": "int4"}, "MEGA_DISPATCH_WIRE='int4' is not valid"),
-    ({"MEGA_DISPATCH_WIRE": "fp8"}, "does not match the expert GEMM's A operand"),
+    ({"MEGA_DISPATCH_WIRE": "fp8"}, "MEGA_DISPATCH_WIRE=fp8 does not match the experts: quant=a4w4"),
     ({"MEGA_WIRE": "fp4", "MEGA_DISPATCH_WIRE": "bf16"}, "MEGA_WIRE"),
 ])
 def test_info_bad_env_exits_nonzero(env, needle) -> None:

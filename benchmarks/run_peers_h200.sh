@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The project beside the MoE kernels a user would run instead (FlashInfer CUTLASS Humming / W4A16,
+# triton_kernels matmul_ogs, naive torch), in ONE device call on one H200, same run, same routing
+# (issues 45 item 1, 48 item 4): `megamoe bench experts --peers` and `megamoe bench layer --peers`.
+#
+# Before the call, on the machine with the checkout (once):
+#     mkdir -p .peers && cp -r ../shared/peers/* .peers/ && echo /.peers/ >> .git/info/exclude
+# Device call (carry [".peers"]), one of:
+#     bash benchmarks/run_peers_h200.sh --smoke      # one bucket of each bench, all peers: checks it all runs (~2 min)
+#     bash benchmarks/run_peers_h200.sh              # 192 and 48 local experts x 8 / 128 / 1024 / 8192 tokens,
+#                                                    #   A8W4 + A4W4: experts + ep_size-1 layer (<= 9 min)
+#     bash benchmarks/run_peers_h200.sh --emulated   # the emulated EP 8 / EP 2 rank with the peers on its share
+#     bash benchmarks/run_peers_h200.sh --experts-only | --layer-only   # one half of the default run
+# Environment: OUT (default out/peers), PY (python3), DEADLINE_S (530), PEER_LIST (default: all peers,
+# e.g. "flashinfer_humming triton_kernels"). FlashInfer's tactic cache lives in /tmp (kept while the
+# device stays warm, so a later call skips the autotuning) and is copied to $OUT.
+# Writes JSON + PNG + logs to $OUT. Each step runs under the time left of DEADLINE_S (default 530 s):
+# a bench starts no new case past its --budget-s (the JSON lists what did not run, meta.not_run) and
+# is stopped by `timeout` past the deadline; every JSON is rewritten after each case and a missing PNG
+# is redrawn from it. Peers that cannot be imported are listed in meta.peers.skipped with the reason.
+set -u
+MODE=full
+case "${1:-}" in
+  --smoke) MODE=smoke ;;
+  --emulated) MODE=emulated ;;
+  --experts-only) MODE=experts ;;
+  --layer-only) MODE=layer ;;
+  "" ) ;;
+  -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+  *) echo "run_peers_h200.sh: unknown argument '$1' (expected --smoke, --emulated, --experts-only, --layer-only or nothing; --help)" >&2
+     exit 2 ;;
+esac
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/peers}
+PY=${PY:-python3}
+DEADLINE_S=${DEADLINE_S:-530}
+mkdir -p "$OUT"
+T0=$SECONDS
+
+if [ -f .peers/flashinfer/setup_device.sh ]; then
+  # shellcheck disable=SC1091
+  . .peers/flashinfer/setup_device.sh .peers/flashinfer || echo "FlashInfer setup failed (rc $?): its peers will be listed as skipped" >&2
+else
+  echo "no .peers/flashinfer (copy ../shared/peers into .peers and carry it): FlashInfer peers will be listed as skipped" >&2
+fi
+export PYTHONPATH="$PWD/.peers/triton_kernels:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+echo "setup $((SECONDS - T0)) s; mode $MODE; out $OUT"
+nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1 || true
+
+TUNE=/tmp/megamoe_flashinfer_autotune.json  # FlashInfer's tactic cache: a later bench reuses the first one's tuning
+# shellcheck disable=SC2206
+PEERS=(--peers ${PEER_LIST:-} --peer-tune-cache "$TUNE")
+status=0
+
+# step NAME SHARE CMD...: run CMD with --budget-s (SHARE % of the time left, minus a margin for the last
+# case) under `timeout` of the time left; log to $OUT/NAME.log
+step() {
+  local name=$1 share=$2; shift 2
+  local left=$((DEADLINE_S - (SECONDS - T0)))
+  if [ "$left" -le 30 ]; then echo "$name: no time left, not run" | tee "$OUT/$name.log"; status=1; return; fi
+  local budget=$(( left * share / 100 - 90 )); [ "$budget" -lt 20 ] && budget=20
+  local limit=$(( left * share / 100 )); [ "$share" -ge 100 ] && limit=$left
+  echo "== $name: budget $budget s, limit $limit s"
+  timeout -k 20 -s INT "$limit" "$PY" -u "$@" --budget-s "$budget" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -ne 0 ] && { echo "$name: rc $rc" >&2; status=1; }
+}
+
+# a PNG the bench did not get to draw (stopped by timeout) is drawn from its JSON
+replot() {  # replot MODULE JSON
+  local png=${2%.json}.png
+  [ -f "$2" ] && [ ! -f "$png" ] && "$PY" -m "$1" --replot "$2" --plot "$png" || true
+}
+
+if [ "$MODE" = smoke ]; then
+  step experts_smoke 45 -m megamoe_backend.bench.bench_experts --experts 48 --tokens 128 --schemes a8w4 a4w4 "${PEERS[@]}" \
+    --json "$OUT/smoke_experts.json" --plot "$OUT/smoke_experts.png"
+  step layer_smoke 50 -m megamoe_backend.bench.bench_layer --experts 48 --tokens 128 --schemes a8w4 --combine-wires bf16 \
+    --no-chain "${PEERS[@]}" --json "$OUT/smoke_layer.json" --plot "$OUT/smoke_layer.png"
+  step emulated_smoke 100 -m megamoe_backend.bench.bench_layer --emulate --ep 2 --experts-total 96 --tokens 128 \
+    --routings uniform --schemes a8w4 --combine-wires bf16 "${PEERS[@]}" --json "$OUT/smoke_emulated.json" \
+    --plot "$OUT/smoke_emulated.png"
+elif [ "$MODE" = emulated ]; then
+  step emulated 100 -m megamoe_backend.bench.bench_layer --emulate --tokens 8 128 1024 8192 --routings uniform \
+    --schemes a8w4 a4w4 --combine-wires bf16 "${PEERS[@]}" --json "$OUT/h200_layer_ep_emulated_peers.json" \
+    --plot "$OUT/h200_layer_ep_emulated_peers.png"
+  replot megamoe_backend.bench.bench_layer "$OUT/h200_layer_ep_emulated_peers.json"
+else
+  # 48 experts first: one EP 8 rank's share of DSV4-Pro, the issues' headline figures
+  share=62; [ "$MODE" = experts ] && share=100
+  if [ "$MODE" != layer ]; then
+    step experts $share -m megamoe_backend.bench.bench_experts --experts 48 192 --tokens 8 128 1024 8192 \
+      --schemes a8w4 a4w4 "${PEERS[@]}" --json "$OUT/h200_experts_peers.json" --plot "$OUT/h200_experts_peers.png"
+    replot megamoe_backend.bench.bench_experts "$OUT/h200_experts_peers.json"
+  fi
+  if [ "$MODE" != experts ]; then
+    step layer 100 -m megamoe_backend.bench.bench_layer --experts 48 192 --tokens 8 128 1024 8192 --schemes a8w4 a4w4 \
+      --combine-wires bf16 --no-chain "${PEERS[@]}" --json "$OUT/h200_layer_peers.json" --plot "$OUT/h200_layer_peers.png"
+    replot megamoe_backend.bench.bench_layer "$OUT/h200_layer_peers.json"
+  fi
+fi
+[ -f "$TUNE" ] && cp "$TUNE" "$OUT/flashinfer_autotune.json"
+echo "done in $((SECONDS - T0)) s (status $status); $OUT:"
+ls -la "$OUT"
+exit $status

@@ -1,0 +1,512 @@
+"""The MoE kernels a user would run instead of this project, timed beside its figures in the same run.
+
+What a vLLM / SGLang user serving MXFP4 experts on Hopper gets when they do not pick ``megamoe_ep``:
+
+- ``flashinfer_humming``: FlashInfer's CUTLASS SM90 fused MoE, ``CutlassHummingConfig`` (MXFP4 weights x
+  FP8 activations quantised per token inside the call), through ``flashinfer.fused_moe.MoELayer``;
+- ``flashinfer_w4a16``: the same with ``CutlassW4A16Config`` (MXFP4 weights x bf16 activations);
+- ``triton_kernels``: OpenAI triton_kernels ``matmul_ogs`` with its ragged routing metadata, as vLLM's
+  Triton MXFP4 MoE path calls it (GEMM1 gathers the token rows and fuses the SwiGLU, GEMM2 scatters
+  with the route weights, then the top-k reduce), on the Hopper value / scale swizzles.
+
+Each is timed the way its users run it: FlashInfer autotuned on the first call of each token bucket
+(``flashinfer.autotune(True)``, optionally with its tactic cache file), then captured in one CUDA graph
+and replayed; matmul_ogs (heuristic tile flags, no autotuner) JIT-compiled on the first call, then
+graphed. The call timed is the peer's whole MoE: bf16 token rows and precomputed top-k (ids, weights)
+in, one bf16 route-weighted row per token out, as the project's layer; where FlashInfer's API allows,
+its two GEMMs are also timed alone through the GEMM profiler its autotuner uses (``stages_us``: at the
+same token count, on that profiler's own routing).
+
+Weights: the bench's own MXFP4 weights, moved byte for byte into each peer's logical layout
+(bench/peer_weights.py), then through the peer's own device-side preparation (Humming's E8M0 range
+clamp and the SM90 interleaves; triton_kernels' ``convert_layout``), so relL2 against the bench's fp32
+reference measures the peer's arithmetic.
+
+An EP rank (``bench layer --emulate``): the peer holds that rank's local experts and runs the tokens
+that reach the rank with their global top-k ids, the pairs on other ranks left out (FlashInfer's flat
+``cutlass_fused_moe`` with ``ep_size`` / ``ep_rank``, as vLLM calls it under EP: ``MoELayer``'s CUTLASS
+runners take no EP shard; matmul_ogs with those slots marked -1, as vLLM's expert map does), returning
+the rank's partial sum per token.
+
+Why one module, and lazy imports: a peer that is not importable (no FlashInfer on this host, no GPU, a
+CPU CI) is listed as skipped with the reason and nothing else changes; FlashInfer and triton_kernels
+are imported only by the peers' constructors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..experts import ExpertWeights
+from .gpu_clock import ClockSampler
+from .peer_weights import to_flashinfer, to_triton_kernels
+from .timing import graph_or_eager, time_fn, time_isolated
+
+PEER_NAMES = ("flashinfer_humming", "flashinfer_w4a16", "triton_kernels")
+PEERS_README = "../shared/peers/README.md"
+HUMMING_EPILOGUE_COMPENSATION = 64.0  # FlashInfer: residual x 2^6 into quant-scale slots 1 / 4 (prepare.py)
+PREPARE_CHUNK_EXPERTS = 8  # Humming's payload rewrite widens codes to int64: bound its temporaries
+CHECK_TOKENS = 32  # tokens a peer's relL2 reads (all their pairs)
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer that cannot run here; the message is the reason the bench records."""
+
+
+@dataclass(frozen=True)
+class PeerShape:
+    hidden: int
+    intermediate: int
+    topk: int
+    swiglu_limit: float | None  # DeepSeek V4: 10.0
+
+
+@dataclass
+class Skipped:
+    peer: str
+    reason: str
+
+
+@dataclass
+class PeerResult:
+    """One peer timed on one routing. ``relL2``: against the bench's fp32 reference, per token."""
+
+    peer: str
+    experts: int  # local experts the call holds
+    tokens: int  # token rows passed in
+    pairs: int  # (token, local expert) pairs it computes
+    ep_size: int = 1
+    ep_rank: int = 0
+    us: float = float("nan")  # median of back-to-back replays (timing.time_fn), as the project's figures
+    us_isolated: float = float("nan")  # median of single replays after the GPU idled
+    relL2: float = float("nan")  # noqa: N815 - the JSON field the issues name
+    relL2_scope: str = "tokens: route-weighted sum over each sampled token's pairs vs fp32 on the dequantised weights"  # noqa: N815
+    version: str = ""
+    config: str = ""
+    tactic: str = ""
+    scope: str = ""  # what the timed call contains
+    graph: bool = False
+    first_call_s: float = float("nan")  # first call of the bucket: FlashInfer's autotune / Triton's JIT
+    stages_us: dict = field(default_factory=dict)  # FlashInfer: GEMM1 / GEMM2 alone (its GEMM profiler)
+    ratios: dict = field(default_factory=dict)  # the bench's: to the run's ceilings, to the project's figures
+    clock: dict = field(default_factory=dict)
+    error: str = ""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peers", nargs="*", choices=PEER_NAMES, default=None,
+                        help="also time the peers a user would run instead (all importable ones without names; "
+                             f"{PEERS_README} says how to carry them to the GPU); absent ones are listed as skipped")
+    parser.add_argument("--peer-tune-cache", default=None, metavar="JSON",
+                        help="FlashInfer's autotune cache file (flashinfer.autotune(cache=...)): read on entry, "
+                             "written after each tuned bucket, so a later bench of the same run reuses the tactics")
+
+
+# ------------------------------------------------------------------------------------ the peers
+class Peer:
+    """One peer: ``load`` the weights once per weight set, ``bind`` a call to one routing, ``warm`` it
+    the way its users do, then the bench times the call (``time_peer``)."""
+
+    name = ""
+    version = ""
+    config = ""
+    scope = ""
+
+    def __init__(self) -> None:
+        self.loaded_key = None
+        self.experts = 0
+        self.ep_size, self.ep_rank = 1, 0
+
+    def load(self, weights: ExpertWeights, shape: PeerShape, *, max_tokens: int, ep_size: int = 1,
+             ep_rank: int = 0) -> None:
+        raise NotImplementedError
+
+    def bind(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """A no-argument callable running the peer's whole MoE on these tensors (kept alive by it)."""
+        raise NotImplementedError
+
+    def warm(self, call) -> torch.Tensor:
+        """The first call, as the peer's users make it (autotune / JIT); returns its output."""
+        return call()
+
+    def tactic(self, tokens: int) -> str:
+        return ""
+
+    def stages_us(self, x: torch.Tensor) -> dict:
+        return {}
+
+
+def _require_cuda(peer: str) -> torch.device:
+    if not torch.cuda.is_available():
+        raise PeerUnavailable(f"{peer}: no CUDA GPU here (torch.cuda.is_available() is False); "
+                              "the peer runs on the GPU device only")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def weights_key(w: ExpertWeights) -> tuple:
+    """Which weight set a peer holds converted: the tensors' addresses and shapes (the benches keep every
+    set they pass alive while it is in use, so an address names one set)."""
+    return (w.w1.data_ptr(), tuple(w.w1.shape), w.w1_scale.data_ptr() if w.w1_scale is not None else 0, w.w1.device)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (max(1, n) - 1).bit_length())
+
+
+class FlashInferCutlass(Peer):
+    """FlashInfer's CUTLASS SM90 fused MoE, Humming (MXFP4 x FP8) or W4A16 (MXFP4 x bf16)."""
+
+    def __init__(self, kind: str, tune_cache: str | None = None) -> None:
+        super().__init__()
+        if kind not in ("humming", "w4a16"):
+            raise ValueError(f"FlashInferCutlass kind={kind!r}; expected 'humming' or 'w4a16'")
+        self.kind, self.name, self.tune_cache = kind, f"flashinfer_{kind}", tune_cache
+        try:
+            import flashinfer
+            from flashinfer import fused_moe
+        except Exception as exc:  # noqa: BLE001 - any import failure is the reason to skip
+            raise PeerUnavailable(f"{self.name}: import flashinfer failed ({type(exc).__name__}: {str(exc)[:200]}); on the "
+                                  f"H200 device source .peers/flashinfer/setup_device.sh ({PEERS_README})") from None
+        self.fi, self.fm = flashinfer, fused_moe
+        self.version = f"flashinfer-python {flashinfer.__version__}"
+        self.backend_cfg = fused_moe.CutlassHummingConfig() if kind == "humming" else fused_moe.CutlassW4A16Config()
+        self.device = _require_cuda(self.name)
+        major, minor = torch.cuda.get_device_capability(self.device)
+        if not type(self.backend_cfg).supported(major * 10 + minor):
+            raise PeerUnavailable(f"{self.name}: {self.backend_cfg!r} does not run on sm_{major}{minor} (SM90 only)")
+        self.config = (f"MoELayer({self.backend_cfg!r}), SwiGLU(alpha=1, beta=0, limit), autotuned per bucket "
+                       "(flashinfer.autotune(True) on the first call), one CUDA graph; EP rank: flat cutlass_fused_moe "
+                       "(ep_size, ep_rank)")
+        self.scope = ("whole MoE call: permute + " + ("FP8 per-token quant + " if kind == "humming" else "")
+                      + "GEMM1 + SwiGLU + GEMM2 + finalize (bf16 token rows in and out)")
+        self.view: dict | None = None
+        self.layer = None
+        self.layer_state = None
+
+    # weights: FlashInfer's own device-side preparation on the bench's bytes
+    def _native_view(self, w: ExpertWeights) -> dict:
+        fi = to_flashinfer(w.to(self.device))
+        fm = self.fm
+        if self.kind == "w4a16":
+            return {"fc1_expert_weights": fm.interleave_moe_weights_for_sm90_mixed_gemm(fi.w1, "fp4"),
+                    "fc2_expert_weights": fm.interleave_moe_weights_for_sm90_mixed_gemm(fi.w2, "fp4"),
+                    "fc1_expert_scales": fm.interleave_moe_scales_for_sm90_mixed_gemm(fi.w1_scale),
+                    "fc2_expert_scales": fm.interleave_moe_scales_for_sm90_mixed_gemm(fi.w2_scale)}
+        view = {}
+        for gemm, (codes, scales) in (("fc1", (fi.w1, fi.w1_scale)), ("fc2", (fi.w2, fi.w2_scale))):
+            parts = [fm.preprocess_moe_weights_for_sm90_mixed_gemm_humming(codes[a:a + PREPARE_CHUNK_EXPERTS],
+                                                                            scales[a:a + PREPARE_CHUNK_EXPERTS])
+                     for a in range(0, codes.shape[0], PREPARE_CHUNK_EXPERTS)]  # the range clamp is per expert
+            view[f"{gemm}_expert_weights"] = torch.cat([p[0] for p in parts])
+            view[f"{gemm}_expert_scales"] = torch.cat([p[1] for p in parts])
+            view[f"{gemm}_residual_scale"] = (torch.cat([p[2] for p in parts]) * HUMMING_EPILOGUE_COMPENSATION).contiguous()
+        view["fc2_act_global"] = torch.ones((), dtype=torch.float32, device=self.device)
+        return view
+
+    def load(self, weights, shape, *, max_tokens, ep_size=1, ep_rank=0):
+        key = weights_key(weights)
+        if key != self.loaded_key:
+            self.view = self.layer = None  # free the previous set before the next one is made
+            torch.cuda.empty_cache()
+            self.view = self._native_view(weights)
+            self.loaded_key = key
+        state = (key, shape, max(8192, _next_pow2(max_tokens)), ep_size, ep_rank)
+        if state == self.layer_state:
+            return  # the same MoELayer: its per-bucket winners (the autotuned tactics) stay
+        self.experts, self.shape, self.ep_size, self.ep_rank = weights.num_experts, shape, ep_size, ep_rank
+        self.ceiling, self.layer_state = state[2], state
+        fm = self.fm
+        self.activation = (fm.SwiGLU(alpha=1.0, beta=0.0, limit=float(shape.swiglu_limit))
+                           if shape.swiglu_limit is not None else fm.SwiGLU())
+        self.layer = None
+        if ep_size == 1:
+            quant = (fm.QuantConfig(weight=fm.QuantFormat.MXFP4, activation=fm.QuantFormat.FP8PerTensor)
+                     if self.kind == "humming" else fm.QuantConfig(weight=fm.QuantFormat.MXFP4))
+            config = fm.MoEConfig(routing=fm.RoutingConfig(num_experts=self.experts, top_k=shape.topk), quant=quant,
+                                  experts=fm.ExpertConfig(intermediate_size=shape.intermediate),
+                                  activation=self.activation, backend=fm.BackendOptions(candidates=(self.backend_cfg,)),
+                                  execution=fm.ExecutionConfig(tune_max_num_tokens=self.ceiling))
+            self.layer = fm.MoELayer(config, device=self.device)
+            self.pack = fm.MoEWeightPack()
+            self.pack.prepare_for(self.layer.runners[0].backend_key, self.view)
+
+    def bind(self, x, ids, weights):
+        ids32, w32 = ids.to(torch.int32).contiguous(), weights.float().contiguous()
+        if self.layer is not None:
+            act = self.fm.MoEActivationPack(x.contiguous(), None, ids32, w32)
+            return lambda: self.layer(act, self.pack)
+        return self._flat_call(x.contiguous(), ids32, w32)
+
+    def _flat_call(self, x, ids32, w32):
+        """An EP rank: ``cutlass_fused_moe`` with ``ep_size`` / ``ep_rank`` (global ids in, the rank's
+        local experts' partial sums out), its workspace and output allocated once here."""
+        fm, v, n = self.fm, self.view, self.experts
+        humming = self.kind == "humming"
+        scales = ([v["fc1_expert_scales"].view(torch.int32), v["fc1_residual_scale"], v["fc2_act_global"],
+                   v["fc2_expert_scales"].view(torch.int32), v["fc2_residual_scale"]] if humming else
+                  [v["fc1_expert_scales"].view(torch.int32), v["fc2_expert_scales"].view(torch.int32)])
+        act = {k: torch.full((n,), val, dtype=torch.float32, device=self.device)
+               for k, val in (("swiglu_alpha", self.activation.alpha), ("swiglu_beta", self.activation.beta),
+                              ("swiglu_limit", self.activation.limit))}
+        ws = torch.empty(fm.cutlass_fused_moe_workspace_size(
+            x.shape[0], self.shape.hidden, self.shape.intermediate, n * self.ep_size, self.shape.topk,
+            x_dtype=torch.bfloat16, weight_dtype=torch.uint8, ep_size=self.ep_size, ep_rank=self.ep_rank,
+            use_w4_group_scaling=True, use_wfp4afp8_humming=humming, device=self.device),
+            dtype=torch.uint8, device=self.device)
+        out = torch.empty(x.shape[0], self.shape.hidden, dtype=torch.bfloat16, device=self.device)
+
+        def call():
+            fm.cutlass_fused_moe(x, ids32, w32, v["fc1_expert_weights"], v["fc2_expert_weights"], torch.bfloat16, scales,
+                                 ep_size=self.ep_size, ep_rank=self.ep_rank, output=out, use_w4_group_scaling=True,
+                                 use_wfp4afp8_humming=humming, tune_max_num_tokens=self.ceiling, workspace_buffer=ws, **act)
+            return out
+
+        return call
+
+    def warm(self, call):
+        with (self.fi.autotune(True, cache=self.tune_cache) if self.tune_cache else self.fi.autotune(True)):
+            return call()
+
+    def _winner(self, tokens: int):
+        if self.layer is None:
+            return None
+        from flashinfer.fused_moe.utils import map_to_hybrid_bucket
+
+        bucket = map_to_hybrid_bucket(tokens, self.ceiling)
+        for key, (runner, tactic) in self.layer._winners.items():  # MoELayer's per-bucket winner cache
+            if key[0] == bucket:
+                return runner, tactic
+        return None
+
+    def tactic(self, tokens):
+        won = self._winner(tokens)
+        if won is None:
+            return "flat cutlass_fused_moe: tactics chosen by flashinfer.autotune (not exposed)" if self.layer is None else ""
+        return f"{won[0].backend_key} (gemm1, gemm2) = {won[1]}"
+
+    def stages_us(self, x):
+        """GEMM1 and GEMM2 alone at this token count with the winning tactics, through the GEMM profiler
+        FlashInfer's autotuner times them with (its own balanced routing, not the bench's)."""
+        won = self._winner(x.shape[0])
+        if won is None or not isinstance(won[1], (tuple, list)):
+            return {}
+        runner, (t1, t2) = won
+        inner, v = runner._inner, self.view
+        inputs = [x, v["fc1_expert_weights"], None, v["fc2_expert_weights"], None]
+        out = {"routing": "FlashInfer's GEMM profiler (balanced), same token count"}
+        for stage, tactic in ((1, t1), (2, t2)):
+            inner.forward(inputs, tactic=tactic, do_preparation=True, gemm_idx=stage)
+            out[f"gemm{stage}"], _ = time_fn(lambda s=stage, t=tactic: inner.forward(inputs, tactic=t, gemm_idx=s),
+                                             use_graph=False)
+        return out
+
+
+@dataclass(frozen=True)
+class SortedRouting:
+    """The pairs of [T, k] local ids sorted by expert, as matmul_ogs' routing metadata indexes them: its
+    bitmatrix metadata's ``col_sorted_indx`` (``combine``) and ``row_sorted_indx`` (``dispatch``)."""
+
+    hist: torch.Tensor  # int32 [E]: pairs per local expert
+    combine: torch.Tensor  # int32 [T*k]: sorted position -> flat pair index t*k + j (-1 past the local pairs)
+    dispatch: torch.Tensor  # int32 [T*k]: flat pair index -> sorted position (-1: the pair is on another rank)
+    gate_scal: torch.Tensor  # fp32 [T*k]: route weights in sorted order
+
+
+def sorted_routing(local_ids: torch.Tensor, weights: torch.Tensor, n_exp: int) -> SortedRouting:
+    """SortedRouting of ``local_ids`` [T, k] (-1: a pair on another rank), built on the device without a
+    host sync (stable sort by expert, scatter-add counts), so the whole MoE call stays capturable.
+
+    matmul_ogs reads it as: GEMM1 row s = x[combine[s] // k] (GatherIndx(src=combine, dst=dispatch));
+    GEMM2 writes row s to pair slot combine[s], times gate_scal[s] (ScatterIndx(src=dispatch,
+    dst=combine)); the top-k reduce sums the k slots of a token where dispatch != -1. Why not the
+    snapshot's own ``SparseMatrix`` path: its bitmatrix metadata kernel needs a power-of-2 top-k
+    (``tl.arange(0, 32 * k)``), DeepSeek's is 6 (vLLM patches that kernel; a peer is run as shipped)."""
+    flat = local_ids.reshape(-1)
+    key = torch.where(flat < 0, n_exp, flat)
+    order = torch.sort(key, stable=True).indices  # sorted position -> flat pair index
+    hist = torch.zeros(n_exp + 1, dtype=torch.int32, device=flat.device).scatter_add_(
+        0, key, torch.ones_like(key, dtype=torch.int32))[:n_exp]
+    combine = torch.where(key[order] < n_exp, order, -1).to(torch.int32)
+    dispatch = torch.empty_like(combine).scatter_(0, order, torch.arange(flat.numel(), dtype=torch.int32,
+                                                                          device=flat.device))
+    dispatch = torch.where(flat < 0, -1, dispatch)
+    return SortedRouting(hist, combine, dispatch, weights.reshape(-1).float()[order])
+
+
+class TritonKernelsOGS(Peer):
+    """OpenAI triton_kernels ``matmul_ogs`` MoE, as vLLM's Triton MXFP4 path calls it (module docstring)."""
+
+    name = "triton_kernels"
+
+    def __init__(self) -> None:
+        super().__init__()
+        try:
+            import triton
+            from triton_kernels import matmul_ogs as ogs
+            from triton_kernels import tensor as tkt
+            from triton_kernels.numerics import InFlexData
+            from triton_kernels.tensor_details import layout
+        except Exception as exc:  # noqa: BLE001 - any import failure is the reason to skip
+            raise PeerUnavailable(f"{self.name}: import triton_kernels failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                                  f"put .peers/triton_kernels on PYTHONPATH ({PEERS_README})") from None
+        self.ogs, self.tkt, self.layout, self.InFlexData = ogs, tkt, layout, InFlexData
+        self.version = f"triton_kernels of triton {triton.__version__}"
+        self.device = _require_cuda(self.name)
+        self.config = ("matmul_ogs x bf16 / w MXFP4 on make_default_matmul_mxfp4_w(_scale)_layout(mx_axis=1, num_warps=8); "
+                       "GEMM1 gather + fused DeepSeek SwiGLU (FnSpecs epilogue), GEMM2 scatter + route weights + top-k "
+                       "reduce; routing metadata: stable sort by expert + make_ragged_tensor_metadata (the snapshot's "
+                       "bitmatrix path needs a power-of-2 top-k)")
+        self.scope = "whole MoE call: routing metadata + GEMM1 + SwiGLU + GEMM2 + top-k reduce (bf16 token rows in and out)"
+
+    def _swizzled(self, t: torch.Tensor, layout_pair, dtype=None):
+        cls, opts = layout_pair
+        return self.tkt.convert_layout(self.tkt.wrap_torch_tensor(t, dtype=dtype), cls, **opts)
+
+    def load(self, weights, shape, *, max_tokens, ep_size=1, ep_rank=0):
+        key = weights_key(weights)
+        if key != self.loaded_key:
+            self.w1 = self.w2 = self.pc1 = self.pc2 = None
+            torch.cuda.empty_cache()
+            tk = to_triton_kernels(weights.to(self.device))
+            value = self.layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+            scale = self.layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=8)
+            fp4 = self.tkt.FP4
+            self.w1, self.w2 = self._swizzled(tk.w1, value, fp4), self._swizzled(tk.w2, value, fp4)
+            flex = self.ogs.FlexCtx(rhs_data=self.InFlexData())
+            self.pc1 = self.ogs.PrecisionConfig(weight_scale=self._swizzled(tk.w1_scale, scale), flex_ctx=flex)
+            self.pc2 = self.ogs.PrecisionConfig(weight_scale=self._swizzled(tk.w2_scale, scale), flex_ctx=flex)
+            self.loaded_key = key
+        from .peer_swiglu import fused_activation
+
+        self.experts, self.shape, self.ep_size, self.ep_rank = weights.num_experts, shape, ep_size, ep_rank
+        self.activation = fused_activation(shape.swiglu_limit)
+
+    def routing(self, local_ids: torch.Tensor, weights: torch.Tensor):
+        """(RoutingData, GatherIndx, ScatterIndx) of [T, k] local ids (sorted_routing) with the peer's
+        ragged metadata: what vLLM builds from its bitmatrix, with the same index conventions."""
+        r = sorted_routing(local_ids, weights, self.experts)
+        ragged = self.tkt.make_ragged_tensor_metadata(r.hist, local_ids.numel())
+        rd = self.ogs.RoutingData(r.gate_scal, r.hist, self.experts, local_ids.shape[1], ragged)
+        return rd, self.ogs.GatherIndx(r.combine, r.dispatch), self.ogs.ScatterIndx(r.dispatch, r.combine)
+
+    def bind(self, x, ids, weights):
+        lo = self.ep_rank * self.experts
+        here = (ids >= lo) & (ids < lo + self.experts)
+        local = torch.where(here, ids - lo, -1).contiguous()
+        w = weights.float().contiguous()
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.shape.hidden, dtype=torch.bfloat16, device=x.device)
+        ogs = self.ogs
+
+        def call():
+            rd, gather, scatter = self.routing(local, w)
+            inter = ogs.matmul_ogs(x, self.w1, None, rd, gather_indx=gather, precision_config=self.pc1,
+                                   fused_activation=self.activation)
+            return ogs.matmul_ogs(inter, self.w2, None, rd, scatter_indx=scatter, precision_config=self.pc2,
+                                  gammas=rd.gate_scal, y=out)
+
+        return call
+
+    def tactic(self, tokens):
+        return "matmul_ogs opt_flags heuristics (no autotuner)"
+
+
+def run_peers(ready: list[Peer], weights: ExpertWeights, shape: PeerShape, x: torch.Tensor, ids: torch.Tensor,
+              route_weights: torch.Tensor, check, *, max_tokens: int, ep_size: int = 1, ep_rank: int = 0) -> list[PeerResult]:
+    """Each ready peer loaded with ``weights`` (a no-op when it holds them already) and timed on one
+    routing (time_peer); a peer whose weights fail to load gets a result with the error."""
+    out = []
+    for peer in ready:
+        try:
+            peer.load(weights, shape, max_tokens=max_tokens, ep_size=ep_size, ep_rank=ep_rank)
+        except Exception as exc:  # noqa: BLE001 - recorded in the JSON
+            r = PeerResult(peer.name, weights.num_experts, x.shape[0], 0, ep_size, ep_rank, version=peer.version,
+                           config=peer.config, scope=peer.scope, error=f"load: {type(exc).__name__}: {str(exc)[:400]}")
+            peer.loaded_key = None
+            print(peer_line(r), flush=True)
+            out.append(r)
+            continue
+        out.append(time_peer(peer, x, ids, route_weights, check))
+    return out
+
+
+def make_peer(name: str, tune_cache: str | None = None) -> Peer:
+    """The peer ``name`` (PEER_NAMES), or PeerUnavailable saying why it cannot run here."""
+    if name == "flashinfer_humming":
+        return FlashInferCutlass("humming", tune_cache)
+    if name == "flashinfer_w4a16":
+        return FlashInferCutlass("w4a16", tune_cache)
+    if name == "triton_kernels":
+        return TritonKernelsOGS()
+    raise ValueError(f"unknown peer {name!r}; expected one of {PEER_NAMES}")
+
+
+def select(names: list[str] | None, tune_cache: str | None = None) -> tuple[list[Peer], list[Skipped]]:
+    """The peers asked for (``names``: [] or None = all) that can run here, and the others with the reason."""
+    ready, skipped = [], []
+    for name in names or PEER_NAMES:
+        try:
+            ready.append(make_peer(name, tune_cache))
+        except PeerUnavailable as exc:
+            skipped.append(Skipped(name, str(exc)))
+    for s in skipped:
+        print(f"  peer skipped: {s.reason}", file=sys.stderr)
+    return ready, skipped
+
+
+def describe(ready: list[Peer], skipped: list[Skipped]) -> dict:
+    """What meta.peers records: each peer that ran (version, config, scope) and each skipped one's reason."""
+    return {"ran": [{"peer": p.name, "version": p.version, "config": p.config, "scope": p.scope} for p in ready],
+            "skipped": [{"peer": s.peer, "reason": s.reason} for s in skipped]}
+
+
+# --------------------------------------------------------------------------------------- timing
+def time_peer(peer: Peer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, check) -> PeerResult:
+    """Time ``peer`` (loaded) on token rows ``x`` [T, H] bf16 routed by ``ids`` [T, k] (global ids) with
+    route weights ``weights`` [T, k]: warm the way its users do, ``check(y)`` -> relL2 of its output
+    [T, H], then CUDA-graph replays timed as the project's figures (timing.time_fn / time_isolated).
+    A failure is recorded in ``error``, never raised: one peer must not sink the bench."""
+    lo = peer.ep_rank * peer.experts
+    pairs = int(((ids >= lo) & (ids < lo + peer.experts)).sum())
+    r = PeerResult(peer.name, peer.experts, x.shape[0], pairs, peer.ep_size, peer.ep_rank, version=peer.version,
+                   config=peer.config, scope=peer.scope)
+    try:
+        call = peer.bind(x, ids, weights)
+        t0 = time.perf_counter()
+        y = peer.warm(call)
+        torch.cuda.synchronize() if x.is_cuda else None
+        r.first_call_s = round(time.perf_counter() - t0, 2)
+        r.relL2 = float(check(y))
+        del y
+        timed, r.graph = graph_or_eager(call)
+        with ClockSampler(x.device) as clock:
+            r.us, _ = time_fn(timed, use_graph=False)
+        r.clock = clock.stats()
+        if r.graph:
+            r.us_isolated = statistics.median(time_isolated(timed, 7, idle_s=0.05))
+        r.tactic = peer.tactic(x.shape[0])
+    except Exception as exc:  # noqa: BLE001 - recorded in the JSON
+        r.error = f"{type(exc).__name__}: {str(exc)[:400]}"
+        torch.cuda.synchronize() if x.is_cuda else None
+    if not r.error:
+        try:
+            r.stages_us = peer.stages_us(x)
+        except Exception as exc:  # noqa: BLE001 - the stage timings are extra: keep the whole-call figure
+            r.stages_us = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    print(peer_line(r), flush=True)
+    return r
+
+
+def peer_line(r: PeerResult) -> str:
+    ep = f" EP{r.ep_size} rank {r.ep_rank}" if r.ep_size > 1 else ""
+    stages = " ".join(f"{k} {v:.1f}" for k, v in r.stages_us.items() if isinstance(v, float) and math.isfinite(v))
+    return (f"  peer {r.peer:18s} E{r.experts:<4d} T{r.tokens:<6d}{ep} {r.us:10.1f}us (isolated {r.us_isolated:.0f}) "
+            f"relL2 {r.relL2:.4f} {'graph' if r.graph else 'EAGER'} first call {r.first_call_s:.1f}s {r.tactic}"
+            + (f" [{stages}]" if stages else "") + (f" ERR {r.error[:160]}" if r.error else ""))
