@@ -4,7 +4,7 @@ Why in core: vLLM and SGLang build different quant-method objects, but after loa
 the same tensors -- ``w13_weight`` [E, 2I(+pad), H] (bf16) or [E, 2I(+pad), H/2] uint8 e2m1 pairs
 (even element in the low nibble) with one E8M0 scale per 1x32 block in ``w13_weight<suffix>``
 [E, 2I(+pad), H/32], and ``w2_*`` [E, H, I(+pad)(/2)] -- so the conversion, and the decision of
-which scheme runs (``spec.expert_quant_scheme``), is written once here. A plugin only names what
+which scheme runs (``spec.choose_scheme``), is written once here. A plugin only names what
 its engine's quant method declares (``expert_format``) and where the scales live.
 
 MegaMoE kernels take gate/up row-interleaved (``[g0, u0, g1, u1, ...]``); the row permutation is
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import MX_BLOCK
-from ..spec.expert_scheme import WEIGHTS_OF_SCHEME, UnsupportedExpertsError, describe_scheme, expert_quant_scheme
+from ..spec.expert_scheme import WEIGHTS_OF_SCHEME, SchemeChoice, UnsupportedExpertsError
 from .weights import ExpertWeights, interleave_gate_up
 
 
@@ -34,12 +34,11 @@ class ExpertFormat:
     declared: str = ""  # the checkpoint's own scheme, before the knob ("" = same as quant)
 
 
-def expert_format(declared: str, force_a8w4: bool | None, source: str, where: str,
-                  scale_param: str = "_scale") -> ExpertFormat:
-    """The one classification both plugins end in: declared scheme x AITER_FORCE_A8W4 -> ExpertFormat."""
-    quant = expert_quant_scheme(declared, force_a8w4, where)
-    label = source if quant == declared else f"{source}: {describe_scheme(declared, quant)}"
-    return ExpertFormat(quant, WEIGHTS_OF_SCHEME[quant], label, scale_param, declared)
+def expert_format(choice: SchemeChoice, source: str, scale_param: str = "_scale") -> ExpertFormat:
+    """The one classification both plugins end in: ``spec.choose_scheme``'s choice -> ExpertFormat."""
+    unchanged = choice.quant == choice.declared and choice.reading is None
+    label = source if unchanged else f"{source}: {choice.describe()}"
+    return ExpertFormat(choice.quant, WEIGHTS_OF_SCHEME[choice.quant], label, scale_param, choice.declared)
 
 
 def e8m0_bytes(scales: torch.Tensor, name: str) -> torch.Tensor:

@@ -19,9 +19,16 @@ TRANSPORT_VALUES = ("auto", "nccl", "symm", "ipc", "mori", "flydsl")
 # what a peer timeout of the device P2P forward does (layer/device/watchdog.py): end the process
 # (exit, as torch's NCCL watchdog does with async error handling) or raise at the next eager forward
 ON_PEER_TIMEOUT_VALUES = ("exit", "raise")
-# who runs the frag8 expert GEMMs on an sm_90 GPU (experts/triton/provider.py GEMMS): the Triton kernels,
-# the sm_90a CUDA kernels (experts/cuda, built with nvcc at first use), or auto (the measured faster)
-EXPERTS_GEMM_VALUES = ("auto", "triton", "cuda")
+# who runs the frag8 expert GEMMs (experts/triton/provider.py): the Triton kernels, or auto (today Triton:
+# the one implementation in the package)
+EXPERTS_GEMM_VALUES = ("auto", "triton")
+# MEGA_EXPERTS_GEMM=cuda chose the sm_90a CUDA GEMMs until they were measured slower than Triton in every
+# bucket (docs/triton.md): they left the package, and the value is refused saying where they went
+CUDA_GEMMS_MOVED = (
+    "MEGA_EXPERTS_GEMM=cuda: the sm_90a CUDA expert GEMMs are no longer part of megamoe_backend (measured slower "
+    "than the Triton GEMMs in every bucket, docs/triton.md); the research code lives in the repository's "
+    "benchmarks/research/cuda_gemms/. Unset MEGA_EXPERTS_GEMM or set it to auto | triton"
+)
 DEFAULT_MAX_TOKENS_PER_RANK = 8192
 DEFAULT_P2P_TIMEOUT_S = 30.0
 
@@ -86,15 +93,32 @@ def _optional_bool(env: Mapping[str, str], name: str) -> bool | None:
     raise KnobError(f"{name}={raw!r} is not valid; allowed values: 1 | 0 (or true | false)")
 
 
+def check_experts_gemm(value: str) -> str:
+    """``value`` if MEGA_EXPERTS_GEMM may hold it, else a KnobError (Knobs and TritonExperts(gemm=) ask here)."""
+    if value == "cuda":
+        raise KnobError(CUDA_GEMMS_MOVED)
+    if value not in EXPERTS_GEMM_VALUES:
+        raise KnobError(f"MEGA_EXPERTS_GEMM={value!r} is not valid; allowed values: {' | '.join(EXPERTS_GEMM_VALUES)}")
+    return value
+
+
 def experts_gemm_from_env(env: Mapping[str, str] | None = None) -> str:
-    """MEGA_EXPERTS_GEMM, validated: who runs the frag8 expert GEMMs (read by Knobs and by the Triton provider,
-    which the layer builds without the knobs)."""
-    return _choice(os.environ if env is None else env, "MEGA_EXPERTS_GEMM", EXPERTS_GEMM_VALUES, "auto")
+    """MEGA_EXPERTS_GEMM, validated (Knobs.from_env's reading; the providers get it from the Knobs)."""
+    env = os.environ if env is None else env
+    if (env.get("MEGA_EXPERTS_GEMM") or "").strip().lower() == "cuda":
+        raise KnobError(CUDA_GEMMS_MOVED)
+    return _choice(env, "MEGA_EXPERTS_GEMM", EXPERTS_GEMM_VALUES, "auto")
 
 
 @dataclass(frozen=True)
 class Knobs:
-    """The operator's choices. Defaults: bf16 wires, automatic transport, 8192 tokens per rank."""
+    """The operator's choices. Defaults: bf16 wires, automatic transport, 8192 tokens per rank.
+
+    ``dispatch_wire_set`` is False only when ``from_env`` found neither MEGA_DISPATCH_WIRE nor its old
+    name MEGA_WIRE: the bf16 wire is then a default that the engine's reading of the checkpoint may
+    replace (``spec.choose_scheme``: vLLM 0.33+ DeepSeek V4 -> A8W4 on the fp8 wire). Knobs built in
+    code chose their wire.
+    """
 
     dispatch_wire: str = "bf16"
     combine_wire: str = "bf16"
@@ -103,15 +127,16 @@ class Knobs:
     aiter_force_a8w4: bool | None = None
     p2p_timeout_s: float = DEFAULT_P2P_TIMEOUT_S  # the device P2P forward's bound on every wait for a peer
     on_peer_timeout: str = "exit"  # a peer that timed out: "exit" ends this process, "raise" raises at the next eager call
-    experts_gemm: str = "auto"  # frag8 expert GEMMs: "triton", "cuda" (sm_90a, nvcc JIT) or "auto"
+    experts_gemm: str = "auto"  # frag8 expert GEMMs: "triton" or "auto" (registry.make_provider passes it on)
+    dispatch_wire_set: bool = True  # False: MEGA_DISPATCH_WIRE / MEGA_WIRE unset, dispatch_wire is the default
 
     def __post_init__(self) -> None:
+        check_experts_gemm(self.experts_gemm)
         for field, allowed, knob in (
             ("dispatch_wire", DISPATCH_WIRE_VALUES, "MEGA_DISPATCH_WIRE"),
             ("combine_wire", COMBINE_WIRE_VALUES, "MEGA_COMBINE_WIRE"),
             ("transport", TRANSPORT_VALUES, "MEGA_DISPATCH"),
             ("on_peer_timeout", ON_PEER_TIMEOUT_VALUES, "MEGA_ON_PEER_TIMEOUT"),
-            ("experts_gemm", EXPERTS_GEMM_VALUES, "MEGA_EXPERTS_GEMM"),
         ):
             if getattr(self, field) not in allowed:
                 raise KnobError(f"{knob}={getattr(self, field)!r} is not valid; allowed values: {' | '.join(allowed)}")
@@ -131,8 +156,10 @@ class Knobs:
                 f"(MEGA_DISPATCH_WIRE resolves to {wire!r}); set MEGA_DISPATCH_WIRE={old.strip().lower()} "
                 "and remove MEGA_WIRE, or make them equal"
             )
+        wire_set = any((env.get(name) or "").strip() != "" for name in ("MEGA_DISPATCH_WIRE", "MEGA_WIRE"))
         return cls(
             dispatch_wire=wire,
+            dispatch_wire_set=wire_set,
             combine_wire=_choice(env, "MEGA_COMBINE_WIRE", COMBINE_WIRE_VALUES, "bf16"),
             transport=_choice(env, "MEGA_DISPATCH", TRANSPORT_VALUES, "auto"),
             max_tokens_per_rank=_positive_int(env, "MEGA_MAX_TOKENS_PER_RANK", DEFAULT_MAX_TOKENS_PER_RANK),

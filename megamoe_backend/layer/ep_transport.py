@@ -35,10 +35,16 @@ class EpTransportChoice:
 
 
 def decide_ep_transport(plan: LayerPlan, group: Any, device: torch.device,
-                        gather: Callable[[Any, torch.device], EpTopology] = gather_ep_topology,
-                        probe: Callable[[str, Any, torch.device, float], str | None] = probe_peer_arenas,
+                        gather: Callable[[Any, torch.device], EpTopology] | None = None,
+                        probe: Callable[[str, Any, torch.device, float], str | None] | None = None,
                         ) -> EpTransportChoice:
-    """Collective over ``group``: topology, the rule, and the handshake where the rule picks ipc / symm."""
+    """Collective over ``group``: topology, the rule, and the handshake where the rule picks ipc / symm.
+
+    ``gather`` / ``probe`` default to this module's ``gather_ep_topology`` / ``probe_peer_arenas``,
+    looked up at the call: the two facts only the EP group can give, which CPU tests of the engines'
+    start-up replace there (everything else they run is what a GPU host runs)."""
+    gather = gather or gather_ep_topology
+    probe = probe or probe_peer_arenas
     transport, why, _ = cuda_auto_transport(plan.backends.provider, plan.ep_size, gather(group, device))
     failure = probe(transport, group, device, plan.knobs.p2p_timeout_s) if transport in ("ipc", "symm") else None
     if failure is not None:
@@ -50,10 +56,13 @@ def decide_ep_transport(plan: LayerPlan, group: Any, device: torch.device,
     return EpTransportChoice(transport, why)
 
 
-def resolve_ep_transport(plan: LayerPlan, group: Any, device: torch.device, decide=decide_ep_transport) -> LayerPlan:
-    """``plan`` with auto's EP transport decided (once per group); plans that chose already pass through."""
+def resolve_ep_transport(plan: LayerPlan, group: Any, device: torch.device, decide=decide_ep_transport,
+                         kind: str | None = None) -> LayerPlan:
+    """``plan`` with auto's EP transport decided (once per group); plans that chose already pass through.
+    ``kind``: the device's platform (platform.facts.device_kind), "cuda" where auto waits for the group."""
     selection = plan.backends
-    if not selection.needs_ep_topology or group is None or torch.device(device).type != "cuda":
+    kind = kind or ("cuda" if torch.device(device).type == "cuda" else "cpu")
+    if not selection.needs_ep_topology or group is None or kind != "cuda":
         return plan
     choice = get_ep_transport(group, device, lambda: decide(plan, group, device))
     reasons = tuple(r for r in selection.reasons if not r.startswith("transport "))

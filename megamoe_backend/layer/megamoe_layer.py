@@ -25,11 +25,11 @@ import torch
 from ..experts import ExpertsProvider, ExpertWeights
 from ..experts.registry import make_provider
 from ..plan import LayerPlan
-from ..plan.capture import P2P_TRANSPORTS, CaptureFacts, runs_device_forward
+from ..plan.capture import DEVICE_EP_TRANSPORTS, P2P_TRANSPORTS, CaptureFacts, EngineGraphs, runs_device_forward
 from ..plan.placement import PlacementError
 from ..transport import Transport
-from .ep_transport import resolve_ep_transport
-from .forwards import DeviceForward, FusedForward, LayerForward, P2PForward, TorchForward
+from . import startup
+from .forwards import DeviceForward, FusedForward, LayerForward, MoriForward, P2PForward, TorchForward
 
 
 logger = logging.getLogger("megamoe")
@@ -47,6 +47,8 @@ class MegaMoELayer:
     ``weights`` holds this rank's local experts (``plan.num_local_experts`` of them, in local-slot
     order). ``group`` is the EP process group (None only for ep_size 1; an ``EmulatedGroup`` for the
     one-process emulator, transport/peer_arena.py). ``path`` is the forward object that runs it.
+    ``graphs``: the engine's CUDA-graph setting (plugins); with it the layer refuses, at construction
+    and on every rank alike, a forward the engine would capture but cannot be (layer/startup.py).
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class MegaMoELayer:
         layer_id: int = 0,
         device_path: bool | None = None,
         name: str | None = None,
+        graphs: EngineGraphs | None = None,
     ) -> None:
         spec = plan.spec
         if weights.num_experts != plan.num_local_experts:
@@ -77,15 +80,17 @@ class MegaMoELayer:
         self.device = torch.device(device) if device is not None else weights.w1.device
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N", as tensors report it
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if transport is None and device_path is not False:  # MEGA_DISPATCH=auto on CUDA: ipc / symm / nccl, with the group
-            self.plan = plan = resolve_ep_transport(plan, group, self.device)
+        if transport is None and device_path is not False:
+            # MEGA_DISPATCH=auto on CUDA: ipc / symm / nccl, with the group; then the engine's capture rule
+            self.plan = plan = startup.settle_plan(plan, group, self.device, graphs)
         self.owner, self.slot = plan.placement.tables(self.device)
         self.provider: ExpertsProvider | None = None
         if plan.backends.fused:
             # aiter's fused runtime owns dispatch, both GEMMs and combine (ROCm; see docs/rocm.md)
             self.path: LayerForward = FusedForward(self, group, layer_id)
             return
-        self.provider = provider or make_provider(plan.backends.provider, capacity=plan.mtpr * plan.topk * plan.ep_size)
+        self.provider = provider or make_provider(plan.backends.provider, capacity=plan.mtpr * plan.topk * plan.ep_size,
+                                                  knobs=plan.knobs)
         self.weights = self.provider.prepare_weights(weights, plan.math)
         if device_path is None:
             device_path = self._device_path_applies(transport)
@@ -95,6 +100,8 @@ class MegaMoELayer:
             self.path = DeviceForward(self)
         elif plan.backends.transport in P2P_TRANSPORTS:
             self.path = P2PForward(self, group)
+        elif plan.backends.transport in DEVICE_EP_TRANSPORTS:  # mori (ROCm): layer/forwards/mori.py
+            self.path = MoriForward(self, group, transport)
         else:
             raise ValueError(f"the device forward runs at ep_size 1 or over MEGA_DISPATCH=symm | ipc (this plan: ep_size "
                              f"{plan.ep_size}, transport {plan.backends.transport})")
@@ -127,8 +134,8 @@ class MegaMoELayer:
 
     @property
     def takes_token_bound(self) -> bool:
-        """Whether ``forward(max_tokens_across_ranks=)`` applies (the device P2P forward): engines pass
-        their DP-padded batch bound only then."""
+        """Whether ``forward(max_tokens_across_ranks=)`` applies (the forwards that exchange rows:
+        device P2P and torch): engines pass their DP-padded batch bound only then."""
         return self.path.takes_token_bound
 
     def raise_if_bad_input(self) -> None:
@@ -165,11 +172,12 @@ class MegaMoELayer:
         ``output_scale`` multiplies the fp32 sum before the one bf16 rounding (engines that apply
         routed_scaling_factor after the experts pass it here instead of rounding twice). ``out``
         (device forwards only) is a bf16 [T, H] buffer to write instead of a new tensor.
-        ``max_tokens_across_ranks`` (device P2P forward only, ``takes_token_bound``): the most tokens
-        any rank brings to this forward, the SAME number on every rank (DP-padded batch sizes, as
-        engines replay one graph size on all ranks); the receive regions and the tile config are
-        sized by it instead of MEGA_MAX_TOKENS_PER_RANK (the work follows the live rows either way).
-        Ranks that disagree get an error from the device check, not silent garbage.
+        ``max_tokens_across_ranks`` (EP forwards, ``takes_token_bound``): the most tokens any rank
+        brings to this forward, the SAME number on every rank (DP-padded batch sizes, as engines
+        replay one graph size on all ranks). The device P2P forward sizes its receive regions and
+        tile config by it instead of MEGA_MAX_TOKENS_PER_RANK (the work follows the live rows either
+        way); the torch forward sizes nothing by it but holds the same rules. Ranks that disagree get
+        an error (the P2P barrier's check, the torch forward's dispatch header), not silent garbage.
         """
         return self.path(x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ..experts.base import ExpertMath
 from ..formats import MX_BLOCK, WireFormat, combine_wire, dispatch_wire
 from ..knobs import KnobError, Knobs
+from ..platform import MoEShape, PlatformFacts
 from ..spec import MoESpec
 from .placement import ExpertPlacement
 from .selection import BackendChoice, manual_choice, select_backends
@@ -109,17 +110,41 @@ class LayerPlan:
         )
 
 
+# what each scheme's experts multiply their weights with, in words (errors name it, not "A operand")
+ACTIVATIONS_OF = {"bf16": "bf16 activations", "a8w4": "fp8 activations on MXFP4 weights",
+                  "a4w4": "fp4 activations on MXFP4 weights"}
+
+
 def check_wire_matches_quant(wire: str, quant: str) -> None:
-    """A quantised dispatch wire must be the expert GEMM's A operand; bf16 is always legal."""
+    """A quantised dispatch wire must carry the activations the experts multiply (fp8 for a8w4, fp4 for
+    a4w4): the rows are quantised once, on the sender; bf16 is always legal. The error names the knob,
+    what would be legal, and -- for MXFP4 experts on the fp8 wire -- AITER_FORCE_A8W4=1, which runs the
+    same MXFP4 weights on fp8 activations and so makes that wire legal."""
     a_format = ExpertMath(quant).a_format
     if wire == "bf16" or wire == a_format:
         return
-    need = a_format or "bf16"
     legal = "bf16" if a_format is None else f"bf16 or {a_format}"
+    fix = f"set MEGA_DISPATCH_WIRE={a_format}, bf16, or unset it" if a_format else "unset MEGA_DISPATCH_WIRE or set it to bf16"
+    if quant == "a4w4" and wire == "fp8":
+        fix += "; or set AITER_FORCE_A8W4=1 to run the MXFP4 experts on fp8 activations (A8W4), which takes the fp8 wire"
+    elif quant == "a8w4" and wire == "fp4":
+        fix += " (an A4W4 run needs an A4W4 checkpoint, or AITER_FORCE_A8W4=0 where the engine chose A8W4)"
     raise KnobError(
-        f"MEGA_DISPATCH_WIRE={wire} does not match the expert GEMM's A operand for quant={quant} "
-        f"(A operand {need}); allowed for this model: {legal}. No silent fallback: fix the knob."
+        f"MEGA_DISPATCH_WIRE={wire} does not match the experts: quant={quant} multiplies {ACTIVATIONS_OF.get(quant, quant)}, so "
+        f"the dispatch wire may carry {legal} rows only (allowed for this model: {legal}). {fix[0].upper()}{fix[1:]}. "
+        "No silent fallback."
     )
+
+
+def check_ep_position(ep_rank: int, ep_size: int) -> None:
+    """The EP group size and this rank's place in it (``megamoe info --ep-size / --ep-rank``, the
+    engine's EP group): checked first, so a bad size is named before anything is sized by it."""
+    if ep_size < 1:
+        raise ValueError(f"ep_size={ep_size}: the EP group needs at least 1 rank (megamoe info --ep-size N, "
+                         "N = the GPUs the experts are spread over, e.g. --ep-size 8; in an engine: its EP size)")
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank={ep_rank} must be in 0..{ep_size - 1} for ep_size={ep_size} "
+                         "(megamoe info --ep-rank R with 0 <= R < --ep-size)")
 
 
 def build_plan(
@@ -131,12 +156,15 @@ def build_plan(
     device_type: str = "cpu",
     quant: str | None = None,
     backends: BackendChoice | tuple[str, str] | None = None,
+    facts: PlatformFacts | None = None,
 ) -> LayerPlan:
     """Resolve spec x knobs x EP position into a LayerPlan, raising on every mismatch.
 
     ``quant`` overrides the spec's scheme (benchmarks, demo); ``backends`` overrides selection
-    (tests, plugins that already know their transport): a Selection or (provider, transport).
+    (tests, plugins that already know their transport): a Selection or (provider, transport);
+    ``facts`` replaces this machine's platform facts (``megamoe info --gfx-arch``).
     """
+    check_ep_position(ep_rank, ep_size)
     quant = quant or spec.quant
     math = ExpertMath(quant=quant, swiglu_limit=spec.swiglu_limit)
     check_wire_matches_quant(knobs.dispatch_wire, quant)
@@ -148,15 +176,15 @@ def build_plan(
         raise ValueError(
             f"quant={quant} needs moe_intermediate_size % {MX_BLOCK} == 0, got {spec.moe_intermediate_size}"
         )
-    if not 0 <= ep_rank < ep_size:
-        raise ValueError(f"ep_rank={ep_rank} must be in 0..ep_size-1 (ep_size={ep_size})")
     placement = placement or ExpertPlacement.linear(spec.n_routed_experts, ep_size)
     if placement.ep_size != ep_size:
         raise ValueError(f"placement is for ep_size={placement.ep_size}, plan for ep_size={ep_size}")
     if isinstance(backends, tuple):
         backends = manual_choice(*backends, knobs)
+    shape = MoEShape(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok)
     choice = backends or select_backends(
-        knobs, math, device_type, ep_size=ep_size, num_experts=placement.num_physical
+        knobs, math, device_type, ep_size=ep_size, num_experts=placement.num_physical, shape=shape, ep_rank=ep_rank,
+        facts=facts,
     )
     return LayerPlan(
         spec=spec,

@@ -11,7 +11,7 @@ import dataclasses
 
 from ..experts.base import ExpertMath
 from ..knobs import Knobs
-from ..platform import PlatformFacts, Selection, detect_facts
+from ..platform import MoEShape, PlatformFacts, RocmAsk, Selection, detect_facts, probe_aiter_caps
 from ..platform import select_backends as select_for_facts
 from ..platform.topology import EpTopology
 
@@ -19,14 +19,31 @@ from ..platform.topology import EpTopology
 BackendChoice = Selection
 
 
-def facts_for(device_type: str) -> PlatformFacts:
-    """This machine's facts, with the device kind overridden when planning for another one."""
+def facts_for(device_type: str, gfx_arch: str | None = None) -> PlatformFacts:
+    """This machine's facts, with the device kind overridden when planning for another one.
+
+    ``gfx_arch`` (``megamoe info --gfx-arch``): plan for that AMD GPU with the aiter / mori installed
+    here, their MegaMoE classes read as on that box (``probe_aiter_caps``)."""
     if device_type not in ("cpu", "cuda", "rocm"):
         raise ValueError(f"device_type={device_type!r}; expected cpu, cuda or rocm")
     facts = detect_facts()
     if facts.device != device_type:
         facts = dataclasses.replace(facts, device=device_type)
+    if gfx_arch is not None and gfx_arch != facts.gfx_arch:
+        if device_type != "rocm":
+            raise ValueError(f"--gfx-arch {gfx_arch} plans for an AMD GPU: use --device rocm")
+        caps = facts.aiter_caps if facts.aiter_caps.has_v2 or not facts.has("aiter") else probe_aiter_caps()
+        facts = dataclasses.replace(facts, gfx_arch=gfx_arch, aiter_caps=caps, gpu_count=facts.gpu_count or 8)
     return facts
+
+
+def current_device_index(facts: PlatformFacts) -> int | None:
+    """This process's GPU index on a ROCm GPU host (MegaMoEV2 allocates on cuda:<ep_rank>), else None."""
+    if facts.device != "rocm" or facts.torch_build != "rocm":
+        return None
+    import torch
+
+    return int(torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def select_backends(
@@ -38,13 +55,17 @@ def select_backends(
     num_experts: int | None = None,
     facts: PlatformFacts | None = None,
     topology: EpTopology | None = None,
+    shape: MoEShape | None = None,
+    ep_rank: int | None = None,
 ) -> Selection:
     """``facts`` replaces this machine's; ``topology`` (the EP group's, platform/topology.py) completes
-    MEGA_DISPATCH=auto on CUDA, which without it waits for the layer's EP group."""
+    MEGA_DISPATCH=auto on CUDA, which without it waits for the layer's EP group. ``shape`` and
+    ``ep_rank``: what the ROCm branches ask aiter's plan builder and check MegaMoEV2's device by."""
     facts = facts or facts_for(device_type)
     if topology is not None:
         facts = dataclasses.replace(facts, ep_topology=topology)
-    return select_for_facts(facts, knobs, math, ep_size=ep_size, num_experts=num_experts)
+    rocm = RocmAsk(shape=shape, ep_rank=ep_rank, device_index=current_device_index(facts))
+    return select_for_facts(facts, knobs, math, ep_size=ep_size, num_experts=num_experts, rocm=rocm)
 
 
 def manual_choice(provider: str, transport: str, knobs: Knobs, reason: str = "chosen by the caller") -> Selection:

@@ -6,15 +6,21 @@ The AMD path follows aiter's and mori's published APIs and has not been run on A
 """
 
 from .facts import AiterCaps, PackageInfo, PlatformFacts, detect_facts, probe_aiter_caps
+from .rocm_probes import MoEShape, RocmProbes, V2Plan, V2Runtime
 from .rocm_rules import PlatformError, aiter_reads_force_a8w4, next_power_of_two
-from .select import Selection, select_backends, selection_report
+from .select import RocmAsk, Selection, select_backends, selection_report
 
 __all__ = [
     "AiterCaps",
+    "MoEShape",
     "PackageInfo",
     "PlatformError",
     "PlatformFacts",
+    "RocmAsk",
+    "RocmProbes",
     "Selection",
+    "V2Plan",
+    "V2Runtime",
     "aiter_reads_force_a8w4",
     "detect_facts",
     "next_power_of_two",

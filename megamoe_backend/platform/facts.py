@@ -114,6 +114,17 @@ class PlatformFacts:
         return lines
 
 
+def device_kind(device) -> str:
+    """"cuda" | "rocm" | "cpu": the platform a tensor on ``device`` runs on (a ROCm torch names its
+    GPUs "cuda" too). The one place the plugins and the layer ask; CPU tests of the engines' start-up
+    replace it here to plan as a GPU host does."""
+    import torch
+
+    if getattr(device, "type", str(device).split(":")[0]) != "cuda":
+        return "cpu"
+    return "rocm" if torch.version.hip else "cuda"
+
+
 def _default_find_spec(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None

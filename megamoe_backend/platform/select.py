@@ -17,22 +17,23 @@ from dataclasses import dataclass, field
 from ..knobs import KnobError
 from .facts import PlatformFacts
 from .topology import EpTopology
+from .rocm_probes import MoEShape, RocmProbes, V2Runtime
 from .rocm_rules import (
     GFX1250_COMBINE_QUANT,
     GFX1250_MAX_EXPERTS_PER_RANK,
     GFX1250_MAX_WORLD_SIZE,
     MORI_BLOCKWISE_COMBINE_KERNELS,
     RUNTIME_BY_ARCH,
-    V2_MAX_WORLD_SIZE,
+    V2_MAX_TOPK,
     PlatformError,
     check_experts_divisible,
     check_force_a8w4_agrees,
     check_gfx1250_quant,
     check_gfx1250_wire,
+    check_v2_device,
     gfx1250_a_operand,
     gfx1250_fused_refusal,
-    resolve_v2_mtpr,
-    v2_combine_wire,
+    next_power_of_two,
 )
 
 MXFP4_SCHEMES = ("a8w4", "a4w4")
@@ -49,6 +50,9 @@ class Selection:
     dispatch_kernel: str | None = None  # fused runtime's dispatch: "mori" | "flydsl"
     a_operand: str | None = None  # what the expert GEMM consumes, when the platform decides it
     combine_quant: str | None = None  # MegaMoEGfx1250's combine_quant argument
+    # MegaMoEV2: the runtimes every layer shares, ascending capacity (aiter's plan, rocm_probes.py); each
+    # step runs the smallest that holds the engine's token bound. ``mtpr`` / ``combine_wire``: the largest.
+    runtimes: tuple[V2Runtime, ...] = ()
     # MEGA_DISPATCH=auto on CUDA chose without the EP group's topology: the layer completes the choice
     needs_ep_topology: bool = False
     reasons: tuple[str, ...] = field(default=())
@@ -71,6 +75,8 @@ class Selection:
         ]
         if self.a_operand:
             parts.append(f"a_operand={self.a_operand}")
+        if self.runtimes:
+            parts.append("runtimes=" + "+".join(r.describe() for r in self.runtimes))
         return " ".join(parts)
 
 
@@ -89,8 +95,22 @@ def _local_provider(facts: PlatformFacts) -> str:
     return "triton" if facts.has("triton") else "torch"
 
 
-def select_backends(facts: PlatformFacts, knobs, math, *, ep_size: int | None = None, num_experts: int | None = None) -> Selection:
-    """knobs: megamoe_backend.knobs.Knobs (or anything with its fields); math: ExpertMath."""
+@dataclass(frozen=True)
+class RocmAsk:
+    """What the ROCm branches need beyond the knobs: the model's shape (aiter's plan builder checks it),
+    this process's EP rank and GPU index (MegaMoEV2 allocates on cuda:<ep_rank>), and the probes of
+    the installed aiter / mori (rocm_probes.py; tests inject answers)."""
+
+    shape: MoEShape | None = None
+    ep_rank: int | None = None
+    device_index: int | None = None
+    probes: RocmProbes = field(default_factory=RocmProbes)
+
+
+def select_backends(facts: PlatformFacts, knobs, math, *, ep_size: int | None = None, num_experts: int | None = None,
+                    rocm: RocmAsk | None = None) -> Selection:
+    """knobs: megamoe_backend.knobs.Knobs (or anything with its fields); math: ExpertMath; ``rocm``: the
+    ROCm branches' inputs (without a model shape aiter's plan builder cannot be asked: not fused)."""
     experts_per_rank = check_experts_divisible(num_experts, ep_size)
     if knobs.transport in ("mori", "flydsl"):
         missing = missing_for_mori(facts)
@@ -100,7 +120,8 @@ def select_backends(facts: PlatformFacts, knobs, math, *, ep_size: int | None = 
     if facts.device == "cpu":
         if knobs.transport in ("symm", "ipc"):
             raise PlatformError(f"MEGA_DISPATCH={knobs.transport} is the device P2P path and needs CUDA GPUs (torch symmetric "
-                                "memory / CUDA IPC); this process runs on CPU: use auto or nccl")
+                                "memory / CUDA IPC); this process runs on CPU, where the EP exchange is gloo all_to_all: "
+                                "unset MEGA_DISPATCH (or set it to auto), or plan for a GPU (megamoe info --device cuda)")
         return Selection("torch", "gloo", reasons=("cpu: torch reference experts; all_to_all over gloo",), **base)
     if facts.device == "cuda":
         provider = _local_provider(facts)
@@ -111,7 +132,7 @@ def select_backends(facts: PlatformFacts, knobs, math, *, ep_size: int | None = 
         # symm / ipc: the device P2P forward (peer arenas, capturable); nccl: the eager torch forward
         reasons = (f"cuda: {provider} experts", f"transport {knobs.transport} (MEGA_DISPATCH={knobs.transport})")
         return Selection(provider, knobs.transport, reasons=reasons, **base)
-    return _select_rocm(facts, knobs, math, ep_size, experts_per_rank)
+    return _select_rocm(facts, knobs, math, ep_size, experts_per_rank, rocm or RocmAsk())
 
 
 def cuda_auto_transport(provider: str, ep_size: int | None, topology: EpTopology | None) -> tuple[str, str, bool]:
@@ -145,7 +166,7 @@ def cuda_auto_transport(provider: str, ep_size: int | None, topology: EpTopology
     return "ipc", f"{topology.describe()}, peer access: CUDA IPC arenas ({why_not_symm})", False
 
 
-def _select_rocm(facts, knobs, math, ep_size, experts_per_rank) -> Selection:
+def _select_rocm(facts, knobs, math, ep_size, experts_per_rank, rocm: RocmAsk) -> Selection:
     if knobs.transport in ("symm", "ipc"):
         raise PlatformError(f"MEGA_DISPATCH={knobs.transport} is the CUDA device P2P path; on ROCm use auto, nccl (RCCL) or mori")
     head = f"rocm: {facts.gfx_arch or 'unknown arch'}"
@@ -154,7 +175,7 @@ def _select_rocm(facts, knobs, math, ep_size, experts_per_rank) -> Selection:
         provider = _local_provider(facts)
         why = "MEGA_DISPATCH=nccl: all_to_all over RCCL; aiter's fused runtimes own their dispatch, so they are not used"
         return Selection(provider, "nccl", reasons=(head, why, f"{provider} experts"), **base)
-    fused, why_not = _fused_selection(facts, knobs, math, ep_size, experts_per_rank, head)
+    fused, why_not = _fused_selection(facts, knobs, math, ep_size, experts_per_rank, head, rocm)
     if fused is not None:
         return fused
     return _unfused_rocm(facts, knobs, head, why_not, ep_size)
@@ -172,7 +193,7 @@ def _mori_combine_refusal(facts, knobs, ep_size) -> str | None:
     if ep_size is not None and facts.gpu_count and ep_size > facts.gpu_count:
         return (
             f"MEGA_COMBINE_WIRE={knobs.combine_wire} over EP {ep_size} > {facts.gpu_count} GPUs per node: mori runs "
-            f"InterNodeV1 there, and its blockwise combine runs on {'/'.join(MORI_BLOCKWISE_COMBINE_KERNELS)} only"
+            f"InterNodeV1 / InterNodeV1LL there, and its blockwise combine runs on {'/'.join(MORI_BLOCKWISE_COMBINE_KERNELS)} only"
         )
     return None
 
@@ -197,7 +218,7 @@ def _unfused_rocm(facts, knobs, head, why_not, ep_size) -> Selection:
     return Selection(provider, "nccl", reasons=tuple(reasons), **base)
 
 
-def _fused_selection(facts, knobs, math, ep_size, experts_per_rank, head):
+def _fused_selection(facts, knobs, math, ep_size, experts_per_rank, head, rocm: RocmAsk):
     """(Selection, None) when aiter's fused runtime can honour every knob, else (None, why not)."""
     runtime = RUNTIME_BY_ARCH.get(facts.gfx_arch or "")
     if runtime is None:
@@ -208,37 +229,60 @@ def _fused_selection(facts, knobs, math, ep_size, experts_per_rank, head):
     if math.quant not in MXFP4_SCHEMES:
         return None, f"aiter MegaMoE runtimes take MXFP4 weights (a8w4 / a4w4); this model is {math.quant}"
     if runtime == "MegaMoEV2":
-        return _v2_selection(facts, knobs, math, ep_size, experts_per_rank, head)
-    return _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head)
+        return _v2_selection(facts, knobs, math, ep_size, experts_per_rank, head, rocm)
+    return _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head, rocm)
 
 
-def _v2_selection(facts, knobs, math, ep_size, experts_per_rank, head):
+def _v2_selection(facts, knobs, math, ep_size, experts_per_rank, head, rocm: RocmAsk):
+    """MegaMoEV2 as vLLM 0.34's aiter_mega_moe runs it: the runtimes aiter's own plan builder gives
+    (rocm_probes.py), each step on the smallest that holds the token bound. Refused (unfused, with the
+    reason naming the knob) wherever the installed aiter or the constructor would refuse."""
     caps = facts.aiter_caps
     if not caps.has_v2:
         return None, "the installed aiter has no aiter.ops.flydsl.kernels.mega_moe.MegaMoEV2 (added in ROCm/aiter 97d0c6e)"
-    if ep_size is not None and ep_size > V2_MAX_WORLD_SIZE:
-        return None, (
-            f"MegaMoEV2 runs on aiter's intranode dispatch op, world_size <= {V2_MAX_WORLD_SIZE}; EP size is {ep_size}"
-        )
     if math.quant == "a4w4" and not caps.v2_accepts_a4w4:
         return None, "the installed aiter's MegaMoEV2 accepts quant='a8w4' only"
-    if knobs.dispatch_wire != math.a_format:
+    if knobs.dispatch_wire not in ("bf16", math.a_format):
         return None, (
             f"MegaMoEV2 quantises activations to {math.a_format} on the sender (its wire is {math.a_format}); "
-            f"MEGA_DISPATCH_WIRE={knobs.dispatch_wire} -> set MEGA_DISPATCH_WIRE={math.a_format} to run it"
+            f"MEGA_DISPATCH_WIRE={knobs.dispatch_wire} -> set MEGA_DISPATCH_WIRE={math.a_format} or bf16 to run it"
         )
-    mtpr, notes = resolve_v2_mtpr(knobs.max_tokens_per_rank, experts_per_rank)
-    combine = v2_combine_wire(mtpr)
-    if combine != knobs.combine_wire:
-        side = "<= 1024" if combine == "fp8_blockwise_1x32" else "> 1024"
-        return None, (
-            f"MegaMoEV2 picks its combine wire from max_tok_per_rank: {combine} at {mtpr}; "
-            f"MEGA_COMBINE_WIRE={knobs.combine_wire} -> set MEGA_COMBINE_WIRE={combine} or MEGA_MAX_TOKENS_PER_RANK {side}"
-        )
-    reasons = (head, "aiter MegaMoEV2 (fused dispatch + GEMM1 + GEMM2 + combine) on mori shmem", *notes)
+    shape = rocm.shape
+    if shape is None or ep_size is None or experts_per_rank is None:
+        return None, "the model shape and EP size are needed to ask aiter's MegaMoEV2 plan builder (planned without them)"
+    if shape.topk > V2_MAX_TOPK:
+        return None, f"MegaMoEV2 takes top-k in [1, {V2_MAX_TOPK}] (mega_moe_v2.py:57-58); this model routes {shape.topk}"
+    device = check_v2_device(rocm.ep_rank, rocm.device_index)
+    if device:
+        return None, device
+    mtpr = next_power_of_two(knobs.max_tokens_per_rank)
+    notes = [] if mtpr == knobs.max_tokens_per_rank else [
+        f"MEGA_MAX_TOKENS_PER_RANK={knobs.max_tokens_per_rank} rounded up to {mtpr}: aiter MegaMoEV2 needs a power of two"]
+    plan = rocm.probes.v2_plan(mtpr, experts_per_rank, shape, ep_size)
+    if plan.refusal:
+        return None, f"{plan.refusal}; MEGA_MAX_TOKENS_PER_RANK={knobs.max_tokens_per_rank}, EP size {ep_size}"
+    runtimes = plan.runtimes
+    if knobs.combine_wire != "bf16":  # the knob asks for the fp8 combine: only runtimes aiter runs with it
+        runtimes = tuple(r for r in runtimes if r.combine == knobs.combine_wire)
+        if not runtimes:
+            return None, (
+                f"MegaMoEV2 picks its P2P combine wire per runtime ({', '.join(r.describe() for r in plan.runtimes)}: "
+                f"fp8_blockwise_1x32 only above max_tok_per_rank 1024); MEGA_COMBINE_WIRE={knobs.combine_wire} -> set "
+                "MEGA_COMBINE_WIRE=bf16 or MEGA_MAX_TOKENS_PER_RANK > 1024"
+            )
+        notes.append(f"MEGA_COMBINE_WIRE={knobs.combine_wire}: every step on {runtimes[-1].describe()} (no bf16 decode runtime)")
+    else:
+        lossy = [r.describe() for r in runtimes if r.combine != "bf16"]
+        if lossy:
+            notes.append(f"aiter combines fp8_blockwise_1x32 on {', '.join(lossy)} (above max_tok_per_rank 1024, as upstream); "
+                         "the bf16 combine serves the steps a smaller runtime holds")
+    if knobs.dispatch_wire == "bf16":
+        notes.append(f"MEGA_DISPATCH_WIRE=bf16: MegaMoEV2 sends {math.a_format} rows quantised on the sender (the same "
+                     f"1x32 quantisation the receiver applies for {math.quant})")
+    reasons = (head, "aiter MegaMoEV2 (fused dispatch + GEMM1 + GEMM2 + combine) on mori shmem", *plan.notes, *notes)
     sel = Selection(
-        "aiter", "mori", dispatch_wire=knobs.dispatch_wire, combine_wire=combine, mtpr=mtpr,
-        runtime="MegaMoEV2", dispatch_kernel="flydsl", a_operand=math.a_format, reasons=reasons,
+        "aiter", "mori", dispatch_wire=math.a_format, combine_wire=runtimes[-1].combine, mtpr=runtimes[-1].capacity,
+        runtime="MegaMoEV2", dispatch_kernel="flydsl", a_operand=math.a_format, runtimes=runtimes, reasons=reasons,
     )
     return sel, None
 
@@ -259,7 +303,7 @@ def _gfx1250_dispatch_kernel(knobs, reasons: list[str]) -> str:
     return "mori"
 
 
-def _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head):
+def _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head, rocm: RocmAsk):
     caps = facts.aiter_caps
     raw = facts.aiter_force_a8w4_raw
     check_force_a8w4_agrees(knobs.aiter_force_a8w4, raw)
@@ -274,6 +318,14 @@ def _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head):
     init = set(caps.gfx1250_init or ())
     if knobs.dispatch_wire != "bf16" and "dispatch_wire" not in init:
         return None, f"the installed aiter's MegaMoEGfx1250 has no dispatch_wire argument (bf16 wire only); MEGA_DISPATCH_WIRE={knobs.dispatch_wire}"
+    if knobs.dispatch_wire != "bf16" and not rocm.probes.mori_scale_row():
+        # a quantised wire always takes the mori dispatch (_gfx1250_dispatch_kernel), which must carry the E8M0 row
+        return None, (
+            f"MEGA_DISPATCH_WIRE={knobs.dispatch_wire} on MegaMoEGfx1250's mori dispatch needs mori's per-token scale row "
+            "(ROCm/mori#593, scale_stride_bytes); the installed mori's EPv2 refuses scale rows (ROCm/mori 624002c8 "
+            "dispatch_combine_v2/hip_backend.py:176-177), so the runtime would fail at build: running unfused over "
+            "mori's v1 op, which carries them (or set MEGA_DISPATCH_WIRE=bf16 to fuse)"
+        )
     combine_quant = GFX1250_COMBINE_QUANT[knobs.combine_wire]
     if combine_quant != "none" and "combine_quant" not in init:
         return None, f"the installed aiter's MegaMoEGfx1250 has no combine_quant argument; MEGA_COMBINE_WIRE={knobs.combine_wire}"
@@ -292,7 +344,8 @@ def _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head):
     return sel, None
 
 
-def selection_report(knobs, math, facts: PlatformFacts | None = None, *, ep_size: int | None = None, num_experts: int | None = None) -> dict:
+def selection_report(knobs, math, facts: PlatformFacts | None = None, *, ep_size: int | None = None,
+                     num_experts: int | None = None, rocm: RocmAsk | None = None) -> dict:
     """What ``megamoe info`` prints for the platform: facts, the choice, its one line and its reasons.
 
     Errors (contradictory knobs, MEGA_DISPATCH=mori without mori) are reported, not raised, so the
@@ -304,12 +357,12 @@ def selection_report(knobs, math, facts: PlatformFacts | None = None, *, ep_size
         facts = detect_facts()
     out: dict = {"platform": facts.describe()}
     try:
-        sel = select_backends(facts, knobs, math, ep_size=ep_size, num_experts=num_experts)
+        sel = select_backends(facts, knobs, math, ep_size=ep_size, num_experts=num_experts, rocm=rocm)
     except KnobError as exc:
         out["error"] = str(exc)
         return out
     out.update(
         provider=sel.provider, transport=sel.transport, runtime=sel.runtime, dispatch=sel.dispatch_kernel or sel.transport,
-        mtpr=sel.mtpr, line=sel.describe(), reasons=list(sel.reasons),
+        mtpr=sel.mtpr, line=sel.describe(), reasons=list(sel.reasons), runtimes=[r.describe() for r in sel.runtimes],
     )
     return out

@@ -50,10 +50,12 @@ class Transport(ABC):
     name: str = "abstract"
 
     @abstractmethod
-    def dispatch(self, token_rows: torch.Tensor, layout: DispatchLayout, status: int = 0) -> DispatchResult:
+    def dispatch(self, token_rows: torch.Tensor, layout: DispatchLayout, status: int = 0, bound: int = 0) -> DispatchResult:
         """Send ``token_rows[layout.send_token]`` (one row per token per destination) with routing metadata.
 
         ``status`` != 0 reports bad input on this rank; every rank then raises PeerInputError.
+        ``bound``: the forward's max_tokens_across_ranks (0: none), carried with the status; ranks
+        that passed different bounds all raise PeerInputError (plan/token_bound.bound_disagreement).
         """
 
     @abstractmethod

@@ -11,7 +11,8 @@ is rewritten by every dispatch before it is read; it is zeroed again after a pas
 anyway, so the arena serves from the state it was built in.
 
 ``probe_peer_arenas`` runs it on a tiny arena of a transport MEGA_DISPATCH=auto is about to pick
-(layer/ep_transport.py): a failed probe makes auto fall back to nccl instead of failing the start.
+(layer/ep_transport.py): a failed probe (the arena's set-up or the handshake, on any rank) makes
+auto fall back to nccl on every rank instead of failing the start.
 """
 
 from __future__ import annotations
@@ -94,13 +95,16 @@ def handshake(arena: PeerArena, group, timeout_s: float) -> None:
 
 
 def probe_peer_arenas(kind: str, group, device: torch.device, timeout_s: float) -> str | None:
-    """Build a tiny ``kind`` arena over ``group`` and handshake on it: None when it passed, else why not."""
+    """Build a tiny ``kind`` arena over ``group`` and handshake on it: None when it passed, else why not.
+
+    Every failure is agreed before it is reported: the arena's set-up steps end in
+    ``agree_on_setup`` (peer_arena.py) and the handshake in ``agree``, so every rank returns the same
+    answer, naming the rank(s) that failed and why, and no rank waits on another's failed set-up."""
     import torch.distributed as dist
 
     layout = ArenaLayout.build(dist.get_world_size(group), 1, 1, ALIGN, ALIGN)
-    arena = make_arena(kind, layout, group, device)
     try:
-        handshake(arena, group, timeout_s)
-    except HandshakeError as exc:
+        handshake(make_arena(kind, layout, group, device), group, timeout_s)
+    except TransportError as exc:
         return str(exc)
     return None

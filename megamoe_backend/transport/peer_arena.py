@@ -26,6 +26,7 @@ import os
 import pickle
 import uuid
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -90,11 +91,7 @@ class PeerArena:
         # the same bytes typed for the kernels' int16 / int64 / fp32 stores (made once, not per launch)
         self.as_i16, self.as_i64, self.as_f32 = (local.view(d) for d in (torch.int16, torch.int64, torch.float32))
         self._peers = peers  # keeps the mappings alive as long as the arena lives
-        base = local.data_ptr()
-        offsets = [p.data_ptr() - base for p in peers]
-        if any(o % ALIGN for o in offsets):
-            raise TransportError(f"[megamoe] peer arenas are not {ALIGN}-byte aligned: offsets {offsets}")
-        self.peer_offsets = torch.tensor(offsets, dtype=torch.int64, device=local.device)
+        self.peer_offsets = torch.tensor(aligned_offsets(local, peers), dtype=torch.int64, device=local.device)
 
     def view(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
         """``count`` elements of ``dtype`` of this rank's arena from byte ``offset``."""
@@ -107,8 +104,21 @@ class PeerArena:
         return self._peers[rank]
 
 
+def aligned_offsets(local: torch.Tensor, peers: list[torch.Tensor]) -> list[int]:
+    """Each peer's arena as a byte offset from ``local``; raises unless every one is ALIGN-aligned."""
+    base = local.data_ptr()
+    offsets = [p.data_ptr() - base for p in peers]
+    if any(o % ALIGN for o in offsets):
+        raise TransportError(f"[megamoe] peer arenas are not {ALIGN}-byte aligned: offsets {offsets}")
+    return offsets
+
+
 class IpcPeerArena(PeerArena):
-    """CUDA IPC (or, on CPU, a shared-memory file) exchanged with ``dist.all_gather_object``."""
+    """CUDA IPC (or, on CPU, a shared-memory file) exchanged with ``dist.all_gather_object``.
+
+    Every rank reaches every collective whatever failed on it (allocation, a peer's handle that does
+    not open): each phase ends in ``agree_on_setup``, so a failure on one rank raises the same
+    TransportError on every rank instead of leaving the others in a barrier it never reaches."""
 
     name = "ipc"
 
@@ -117,22 +127,23 @@ class IpcPeerArena(PeerArena):
         rank, ep = dist.get_rank(group), dist.get_world_size(group)
         if ep != layout.ep:
             raise TransportError(f"[megamoe] the EP group has {ep} ranks, the plan {layout.ep}")
-        path = None
-        if device.type == "cuda":
-            local = torch.zeros(layout.total, dtype=torch.uint8, device=device)
-            handle = _cuda_handle(local)
-        else:  # the interpreter's CPU ranks: a file in /dev/shm mapped shared by every rank
-            path = os.path.join(_shm_dir(), f"megamoe-arena-{uuid.uuid4().hex}-{rank}")
-            local = torch.from_file(path, shared=True, size=layout.total, dtype=torch.uint8)
-            local.zero_()
-            handle = path
-        handles: list = [None] * ep
+        path, local, handle, peers = None, None, None, None
+        with _setup_phase() as failure:
+            if device.type == "cuda":
+                local = torch.zeros(layout.total, dtype=torch.uint8, device=device)
+                handle = _cuda_handle(local)
+            else:  # the interpreter's CPU ranks: a file in /dev/shm mapped shared by every rank
+                path = os.path.join(_shm_dir(), f"megamoe-arena-{uuid.uuid4().hex}-{rank}")
+                local = torch.from_file(path, shared=True, size=layout.total, dtype=torch.uint8)
+                local.zero_()
+                handle = path
         try:
-            dist.all_gather_object(handles, handle, group=group)
-            peers = [local if r == rank else _open(handles[r], device) for r in range(ep)]
-            dist.barrier(group=group)  # every rank has mapped every file: they can go from the directory
-        except Exception as exc:
-            raise TransportError(f"[megamoe] MEGA_DISPATCH=ipc: peer arena exchange failed on ep_rank {rank}: {exc}") from exc
+            handles = agree_on_setup(group, "ipc", "allocating its arena", failure.error, handle)
+            with _setup_phase() as failure:
+                peers = [local if r == rank else _open(handles[r], device) for r in range(ep)]
+                aligned_offsets(local, peers)
+            # also the barrier of the old form: every rank has mapped every file, they can go from the directory
+            agree_on_setup(group, "ipc", "opening its peers' arenas", failure.error)
         finally:
             if path is not None and os.path.exists(path):
                 os.unlink(path)
@@ -140,31 +151,69 @@ class IpcPeerArena(PeerArena):
 
 
 class SymmPeerArena(PeerArena):
-    """torch symmetric memory (CUDA backend): one allocation per rank, mapped by every peer."""
+    """torch symmetric memory (CUDA backend): one allocation per rank, mapped by every peer.
+
+    Allocation and mapping each end in ``agree_on_setup`` (as IpcPeerArena); the rendezvous between
+    them is torch's own collective, which every rank enters once its allocation is agreed."""
 
     name = "symm"
 
     def __init__(self, layout: ArenaLayout, group, device: torch.device) -> None:
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-        except ImportError as exc:
-            raise TransportError(f"[megamoe] MEGA_DISPATCH=symm: this torch has no symmetric memory ({exc})") from exc
         rank = dist.get_rank(group)
-        try:
+        local, symm_mem = None, None
+        with _setup_phase() as failure:
+            import torch.distributed._symmetric_memory as symm_mem
+
             if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed on torch <= 2.7, a no-op later
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)
                     symm_mem.enable_symm_mem_for_group(group.group_name)
             local = symm_mem.empty(layout.total, dtype=torch.uint8, device=device)
             local.zero_()
+        agree_on_setup(group, "symm", "allocating symmetric memory", failure.error, fix=SYMM_FIX)
+        peers = None
+        with _setup_phase() as failure:
             self.handle = symm_mem.rendezvous(local, group.group_name)
             peers = [self.handle.get_buffer(r, (layout.total,), torch.uint8, 0) for r in range(layout.ep)]
-            dist.barrier(group=group)  # zeroed everywhere before any peer writes a flag
-        except Exception as exc:
-            raise TransportError(
-                f"[megamoe] MEGA_DISPATCH=symm: symmetric memory rendezvous failed on ep_rank {rank}: {exc} (several "
-                "ranks on one GPU: use MEGA_DISPATCH=ipc)") from exc
+            aligned_offsets(local, peers)
+        # also the old barrier: zeroed everywhere before any peer writes a flag
+        agree_on_setup(group, "symm", "the symmetric memory rendezvous", failure.error, fix=SYMM_FIX)
         super().__init__(layout, rank, local, peers)
+
+
+@dataclass
+class SetupFailure:
+    error: str | None = None  # "ExceptionType: message" of the local step that failed, None if it passed
+
+
+@contextmanager
+def _setup_phase():
+    """``with _setup_phase() as failure:`` runs a local set-up step and keeps what went wrong
+    (``failure.error``) instead of raising, so the rank still reaches the agreement after it."""
+    failure = SetupFailure()
+    try:
+        yield failure
+    except Exception as exc:  # every failure of the step is reported through the agreement, none is lost
+        failure.error = f"{type(exc).__name__}: {exc}"
+
+
+SYMM_FIX = "several ranks on one GPU: use MEGA_DISPATCH=ipc; no CUDA peer access: MEGA_DISPATCH=nccl"
+IPC_FIX = "ranks on several hosts or without CUDA peer access: use MEGA_DISPATCH=nccl"
+
+
+def agree_on_setup(group, kind: str, step: str, error: str | None, payload=None, fix: str = IPC_FIX) -> list:
+    """Collective over ``group``: every rank's (payload, error) of one set-up step. Raise the same
+    TransportError on every rank, naming each rank that failed and why, when any did; else the
+    payloads in rank order. Every rank calls it whether its own step failed or not, so none waits
+    on a peer's failure (only a dead peer can stall it: the process group's own timeout)."""
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (payload, error), group=group)
+    failed = [(r, e) for r, (_, e) in enumerate(every) if e is not None]
+    if failed:
+        who = "; ".join(f"ep_rank {r}: {e}" for r, e in failed)
+        raise TransportError(f"[megamoe] MEGA_DISPATCH={kind}: {step} failed on {len(failed)} of {len(every)} rank(s) "
+                             f"({who}); {fix}")
+    return [p for p, _ in every]
 
 
 class EmulatedRanks:

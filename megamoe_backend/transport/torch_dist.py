@@ -1,10 +1,11 @@
 """torch.distributed all_to_all transport: NCCL / RCCL on GPUs, gloo on CPU.
 
-Two collectives per dispatch (a small [ep, 3] header, then the rows with their routing metadata
+Two collectives per dispatch (a small [ep, 4] header, then the rows with their routing metadata
 packed behind the payload, so a row travels as one contiguous byte run) and one per combine. The
-header carries each rank's status word, which is how bad input on one rank becomes an error on all
-ranks instead of a hang. A dead peer surfaces as a timeout or connection error of the process
-group (its ``timeout`` is set where the group is created) and is re-raised as TransportError.
+header carries each rank's status word and token bound, which is how bad input (or disagreeing
+bounds) on one rank becomes an error on all ranks instead of a hang. A dead peer surfaces as a
+timeout or connection error of the process group (its ``timeout`` is set where the group is
+created) and is re-raised as TransportError.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..plan.token_bound import bound_disagreement
 from .base import DispatchHandle, DispatchResult, PeerInputError, Transport, TransportError
 from .layout import DispatchLayout, pack_dispatch_rows, unpack_dispatch_rows
 
@@ -19,6 +21,7 @@ STATUS_MEANING = {
     1: "more tokens than MEGA_MAX_TOKENS_PER_RANK",
     2: "expert id out of range",
     3: "bad input tensor",
+    4: "max_tokens_across_ranks out of [its tokens, MEGA_MAX_TOKENS_PER_RANK]",
 }
 
 
@@ -39,10 +42,11 @@ class TorchDistTransport(Transport):
                 f"disagrees on sizes): {exc}"
             ) from exc
 
-    def dispatch(self, token_rows: torch.Tensor, layout: DispatchLayout, status: int = 0) -> DispatchResult:
+    def dispatch(self, token_rows: torch.Tensor, layout: DispatchLayout, status: int = 0, bound: int = 0) -> DispatchResult:
         ep = self.ep_size
         header = torch.stack(
-            (layout.send_rank_counts, layout.pair_rank_counts, torch.full((ep,), status, dtype=torch.int64, device=self.device)),
+            (layout.send_rank_counts, layout.pair_rank_counts, torch.full((ep,), status, dtype=torch.int64, device=self.device),
+             torch.full((ep,), bound, dtype=torch.int64, device=self.device)),
             dim=1,
         ).to(torch.int64).contiguous()
         recv_header = torch.empty_like(header)
@@ -52,6 +56,9 @@ class TorchDistTransport(Transport):
         if bad:
             detail = "; ".join(f"ep_rank {src}: {STATUS_MEANING.get(code, f'status {code}')}" for src, code in bad)
             raise PeerInputError(f"[megamoe] dispatch refused on every rank because of bad input ({detail})")
+        disagreement = bound_disagreement(recv_header[:, 3].tolist())
+        if disagreement:
+            raise PeerInputError(f"[megamoe] dispatch refused on every rank: {disagreement}")
         recv_counts = recv_header[:, 0].tolist()
         recv_pairs = recv_header[:, 1].tolist()
 
@@ -73,7 +80,7 @@ class LocalTransport(Transport):
 
     name = "local"
 
-    def dispatch(self, token_rows: torch.Tensor, layout: DispatchLayout, status: int = 0) -> DispatchResult:
+    def dispatch(self, token_rows: torch.Tensor, layout: DispatchLayout, status: int = 0, bound: int = 0) -> DispatchResult:
         if status:
             raise PeerInputError(f"[megamoe] dispatch refused: {STATUS_MEANING.get(status, f'status {status}')}")
         rows = token_rows.index_select(0, layout.send_token)

@@ -10,6 +10,7 @@ EP topology gathered over the group, and the clear errors around MEGA_DISPATCH=i
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 import torch
@@ -112,11 +113,88 @@ def test_a_rank_that_does_not_answer_fails_the_handshake_on_every_rank():
     assert results[0]["header"][:2] == [token(0), token(1)]  # what did arrive, arrived
 
 
-def test_ipc_needs_the_device_forward():
+@pytest.mark.parametrize("name", ["ipc", "symm"])  # symm: the eager symmetric-memory transport is gone (issue 46)
+def test_ipc_needs_the_device_forward(name):
     problem = make_problem(ProblemConfig(SPEC, 2, 2, seed=1))
-    knobs = Knobs(transport="ipc")
-    plan = build_plan(SPEC, knobs, 0, 2, quant="bf16", backends=("torch", "ipc"))
-    with pytest.raises(ValueError, match="MEGA_DISPATCH=ipc is the device P2P forward: it needs CUDA and the triton experts"):
+    knobs = Knobs(transport=name)
+    plan = build_plan(SPEC, knobs, 0, 2, quant="bf16", backends=("torch", name))
+    with pytest.raises(ValueError, match=f"MEGA_DISPATCH={name} is the device P2P forward: it needs CUDA and the triton experts"):
         MegaMoELayer(plan, local_weights(problem.expert_weights("bf16"), plan.placement, 0), group=object())
     with pytest.raises(ValueError, match="needs a process group"):
         make_arena("ipc", ArenaLayout.build(2, 4, 2, 64, 64), None, torch.device("cpu"))
+
+
+# ---- a failed arena set-up on ONE rank: gathered, the same answer on every rank (issue 44) --------------
+
+def _failing_setup_worker(rank, world, step, bad_rank):
+    """Every rank probes an ipc arena; on ``bad_rank`` the set-up ``step`` raises (alloc: creating the
+    shared-memory file; open: mapping a peer's arena). Then the whole of auto's decision with the
+    real probe, the places gathered for real (every rank put on one GPU: the rule picks ipc)."""
+    import logging
+
+    import torch.distributed as dist
+
+    from megamoe_backend.layer.ep_transport import decide_ep_transport
+    from megamoe_backend.platform.topology import EpTopology, gather_ep_topology
+    from megamoe_backend.transport import peer_arena
+
+    def broken(*args, **kwargs):
+        if step == "alloc":
+            raise OSError("injected: no space left on /dev/shm")
+        raise RuntimeError("injected: cudaIpcOpenMemHandle failed (invalid device context)")
+
+    if rank == bad_rank:  # this process only (spawned): nothing to restore
+        if step == "alloc":
+            peer_arena.torch = types.SimpleNamespace(**{**vars(torch), "from_file": broken})
+        else:
+            peer_arena._open = broken
+    group, cpu = dist.group.WORLD, torch.device("cpu")
+    start = time.monotonic()
+    probe = probe_peer_arenas("ipc", group, cpu, 5.0)
+    seconds = time.monotonic() - start
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("megamoe").addHandler(handler)
+
+    def one_gpu(g, d):
+        return EpTopology(tuple(type(p)(p.host, "g0", ("g0",), False) for p in gather_ep_topology(g, d).ranks))
+
+    spec = SPEC.scaled(n_routed_experts=12)
+    pending = build_plan(spec, Knobs(), rank, world, quant="bf16", backends=("triton", "nccl"))
+    choice = decide_ep_transport(pending, group, cpu, gather=one_gpu)
+    return {"probe": probe, "seconds": seconds, "choice": (choice.transport, choice.why), "lines": lines}
+
+
+@pytest.mark.parametrize("step, words", [("alloc", "allocating its arena failed on 1 of 3 rank(s) (ep_rank 1: OSError: "
+                                                   "injected: no space left on /dev/shm)"),
+                                         ("open", "opening its peers' arenas failed on 1 of 3 rank(s) (ep_rank 2: "
+                                                  "RuntimeError: injected: cudaIpcOpenMemHandle failed")])
+def test_a_set_up_that_fails_on_one_rank_means_nccl_on_every_rank(step, words):
+    """Mutation run once (2026-12-04, the peer_arena.py of 2377c6c, whose failing rank raised alone):
+    the "open" case fails, the three ranks come back with three different answers (rank 2 its own
+    error, rank 0 a shared-memory file already gone), so auto could not agree on a transport."""
+    bad = 1 if step == "alloc" else 2
+    results = spawn_ranks(3, _failing_setup_worker, step, bad, timeout_s=120)
+    answers = {r["probe"] for r in results}
+    assert len(answers) == 1, answers  # every rank got the same answer
+    assert words in answers.pop()
+    for rank, r in enumerate(results):
+        assert r["seconds"] < 5.0, r  # nobody waited for a deadline: the failure was agreed at once
+        transport, why = r["choice"]
+        assert transport == "nccl" and "peer-arena handshake over ipc failed, so nccl (eager)" in why and words in why
+        assert any(f"ep_rank {rank}: transport nccl (MEGA_DISPATCH=auto)" in line and words in line for line in r["lines"])
+
+
+def _symm_probe_worker(rank, world):
+    import torch.distributed as dist
+
+    return probe_peer_arenas("symm", dist.group.WORLD, torch.device("cpu"), 2.0)
+
+
+def test_a_symm_rendezvous_that_cannot_run_is_one_agreed_answer():
+    """CPU ranks: torch's symmetric memory refuses the device on every rank; the probe returns, on
+    both, the one message naming both ranks (before issue 44 the SymmPeerArena raised past the probe)."""
+    answers = spawn_ranks(2, _symm_probe_worker, timeout_s=120)
+    assert answers[0] == answers[1] and "allocating symmetric memory failed on 2 of 2 rank(s)" in answers[0]
+    assert "ep_rank 0: RuntimeError" in answers[0] and "ep_rank 1: RuntimeError" in answers[0]

@@ -36,14 +36,22 @@ def _layer(workspace, ep_size):
     return SimpleNamespace(workspace=workspace, plan=SimpleNamespace(ep_size=ep_size))
 
 
-def test_only_the_p2p_device_forward_takes_the_bound():
+def test_the_forwards_that_exchange_rows_take_the_bound():
+    from megamoe_backend.layer import MegaMoELayer
+    from megamoe_backend.workload import ProblemConfig, make_problem
+
+    problem = make_problem(ProblemConfig(SPEC, 2, 1, seed=0))
+    cpu_layer = MegaMoELayer(build_plan(SPEC, Knobs()), problem.expert_weights("bf16"))
+    assert cpu_layer.takes_token_bound and takes_token_bound(cpu_layer)  # the torch forward: checks it (its own test)
+    # objects without a declared answer: a P2P workspace at ep_size > 1 (the only forward sized by it)
     assert takes_token_bound(_layer(object(), 2))
     assert not takes_token_bound(_layer(object(), 1))  # ep_size-1 device forward: no peers to agree with
-    assert not takes_token_bound(_layer(None, 2))  # torch forward: refuses max_tokens_across_ranks
+    assert not takes_token_bound(_layer(None, 2))
     calls = []
     reader = lambda: calls.append(1) or 64  # noqa: E731
     assert bound_kwargs(_layer(object(), 4), reader) == {"max_tokens_across_ranks": 64}
-    assert bound_kwargs(_layer(None, 4), reader) == {} and len(calls) == 1  # not even read for the torch forward
+    assert bound_kwargs(_layer(None, 4), reader) == {} and len(calls) == 1  # not even read where not taken
+    assert bound_kwargs(cpu_layer, reader) == {"max_tokens_across_ranks": 64} and len(calls) == 2
     assert bound_kwargs(_layer(object(), 4), lambda: None) == {}  # no bound known: MTPR on every rank
 
 
@@ -54,8 +62,9 @@ CASES = [  # (device, provider, transport, ep_size, fused) -> capturable
     (("cuda", "triton", "nccl", 2, False), False),
     (("cuda", "torch", "ipc", 2, False), False),
     (("cuda", "torch", "nccl", 1, False), False),
-    (("rocm", "aiter", "mori", 8, True), False),
-    (("rocm", "triton", "mori", 2, False), False),
+    (("rocm", "aiter", "mori", 8, True), True),  # aiter's fused runtime: sync-free (layer/forwards/fused.py)
+    (("rocm", "triton", "mori", 2, False), True),  # the mori device forward (layer/forwards/mori.py)
+    (("rocm", "torch", "mori", 2, False), False),
     (("cpu", "torch", "gloo", 2, False), True),  # nothing is captured on CPU
 ]
 

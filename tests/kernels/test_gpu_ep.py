@@ -220,6 +220,11 @@ def _reference(world, results, case):
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_ep_equals_ep1_and_meets_the_gate(ep_run, case):
+    """The EP claim is the bits (the ep_size-1 device forward with the same wires is the exact twin),
+    the gate the accuracy claim. Planted mutations of the P2P dispatch (layer/device/p2p.py: the route weights x 1.05 as dispatched, the first E8M0 block of every dispatched fp8 row one binade
+    high, and the pair of (rank 0, token 1, k 0) sent with no slot)
+    were run once (tree 2377c6c + issue 46) against this check's CPU twin,
+    test_p2p_interpreter.py::test_ep_forward_equals_the_ep1_device_forward: each failed its bit check."""
     world, results = ep_run
     ep1, fp32 = _reference(world, results, case)
     got = torch.cat([r["cases"][case][0] for r in results])
@@ -339,7 +344,54 @@ def _symm_worker(rank, world):
 def test_symmetric_memory_with_two_ranks_on_one_gpu_is_a_clear_error():
     """torch symmetric memory refuses several ranks on one GPU; the start-up error says what to use."""
     results = spawn_ranks(2, _symm_worker, backend="gloo", timeout_s=300, pg_timeout_s=30)
-    assert any(r is not None for r in results), results
-    for r in results:
-        if r is not None:
-            assert r.startswith("TransportError") and "MEGA_DISPATCH=symm" in r and "MEGA_DISPATCH=ipc" in r, r
+    assert results[0] == results[1] and results[0] is not None, results  # agreed: the same error on both ranks
+    r = results[0]
+    assert r.startswith("TransportError") and "MEGA_DISPATCH=symm" in r and "MEGA_DISPATCH=ipc" in r, r
+
+
+def _failed_open_worker(rank, world):
+    """MEGA_DISPATCH=auto with rank 1 unable to open its peers' IPC arenas (injected): every rank must
+    land on nccl with the same reason, or, with an engine that captures graphs, refuse the start."""
+    import logging
+
+    torch.cuda.set_device(0)
+    from megamoe_backend.plan.capture import EngineGraphs, GraphCaptureError
+    from megamoe_backend.transport import peer_arena
+    from megamoe_backend.workload.problem import local_weights
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        def broken(handle, device):
+            raise RuntimeError("injected: cudaIpcOpenMemHandle failed")
+        peer_arena._open = broken
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("megamoe").addHandler(handler)
+    weights = all_weights(torch.device("cuda"))
+    res = {}
+    for name, graphs in (("eager", None), ("graphs", EngineGraphs(True, "--enforce-eager"))):
+        clear_transport_cache()
+        plan = build_plan(SPEC, Knobs(dispatch_wire="fp8", max_tokens_per_rank=MTPR), rank, world, quant="a8w4",
+                          device_type="cuda")
+        start = time.monotonic()
+        try:
+            layer = MegaMoELayer(plan, local_weights(weights[0], plan.placement, rank).to("cuda"), group=dist.group.WORLD,
+                                 device="cuda", graphs=graphs)
+            res[name] = {"transport": layer.plan.backends.transport, "path": layer.transport_name}
+        except GraphCaptureError as exc:
+            res[name] = {"refused": str(exc)}
+        res[name]["seconds"] = time.monotonic() - start
+    res["lines"] = lines
+    return res
+
+
+def test_a_failed_ipc_open_on_one_rank_is_nccl_on_every_rank_or_a_refusal():
+    results = spawn_ranks(2, _failed_open_worker, backend="gloo", timeout_s=600, pg_timeout_s=120)
+    why = "opening its peers' arenas failed on 1 of 2 rank(s) (ep_rank 1: RuntimeError: injected: cudaIpcOpenMemHandle failed)"
+    for rank, r in enumerate(results):
+        assert r["eager"]["transport"] == "nccl" and r["eager"]["seconds"] < 60, r
+        assert "Add --enforce-eager" in r["graphs"]["refused"] and why in r["graphs"]["refused"], r
+        assert any(f"ep_rank {rank}: transport nccl (MEGA_DISPATCH=auto)" in line and why in line for line in r["lines"]), r
+    assert results[0]["graphs"]["refused"] == results[1]["graphs"]["refused"]

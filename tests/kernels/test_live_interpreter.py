@@ -23,7 +23,7 @@ require_interpreter("tests/kernels/test_gpu_ep.py")
 from megamoe_backend.experts import ExpertPairs  # noqa: E402
 from megamoe_backend.experts.live import LiveRows, SegmentDest  # noqa: E402
 from megamoe_backend.experts.triton import TritonExperts  # noqa: E402
-from megamoe_backend.experts.triton import provider as provider_module  # noqa: E402
+from megamoe_backend.experts.triton import launch_plan  # noqa: E402
 from megamoe_backend.experts.triton.config import INTERPRETER_CONFIG  # noqa: E402
 from megamoe_backend.experts.triton.layout import build_layout, build_layout_torch  # noqa: E402
 from megamoe_backend.formats import MXTensor, quantize_mx  # noqa: E402
@@ -167,10 +167,10 @@ def test_the_tile_config_is_picked_on_the_device_without_a_bound(monkeypatch):
     from megamoe_backend.experts.scratch import ExpertsScratch
 
     small, big = INTERPRETER_CONFIG, INTERPRETER_CONFIG.with_(block_m=32, block_n1=128, block_n2=64)
-    monkeypatch.setattr(provider_module, "default_config", lambda p, e, mode="split": small if p <= 2 * e else big)
-    monkeypatch.setattr(provider_module, "_table", lambda mode: ((2.0, small), (float("inf"), big)))
-    assert provider_module.tile_candidates(None, 64, 8, "frag8", None) == ((small, (-1, 16)), (big, (16, 2**31 - 1)))
-    assert provider_module.tile_candidates(None, 64, 8, "frag8", 12) == ((small, (-1, 2**31 - 1)),)
+    monkeypatch.setattr(launch_plan, "default_config", lambda p, e, mode="split": small if p <= 2 * e else big)
+    monkeypatch.setattr(launch_plan, "_table", lambda mode: ((2.0, small), (float("inf"), big)))
+    assert launch_plan.tile_candidates(None, 64, 8, "frag8", None) == ((small, (-1, 16)), (big, (16, 2**31 - 1)))
+    assert launch_plan.tile_candidates(None, 64, 8, "frag8", 12) == ((small, (-1, 2**31 - 1)),)
     # 12 pairs at most (<= 16: small) / ~90 (big)
     scratch = ExpertsScratch("cpu")
     for counts in _unbounded_forwards(((1, 1), (8, 7), (1, 0)), seed=3, scratch=scratch):
@@ -190,13 +190,13 @@ def test_persistent_gemms_claim_every_tile_once_and_leave_the_counters_zero():
 
 
 # ------------------------------------------------------------------------------ emulated EP
-def _emulated(world, quant, wire, combine, tokens, mtpr):
+def _emulated(world, quant, wire, combine, tokens, mtpr, grids=launch_plan.DEFAULT_GRIDS):
     problem = make_problem(ProblemConfig(SPEC, max(tokens), world, seed=3, masked_fraction=0.2))
     knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, transport="ipc")
     plans = [build_plan(SPEC, knobs, r, world, quant=quant, backends=("triton", "ipc")) for r in range(world)]
     emu = EmulatedEP(world, plans.__getitem__,
                      lambda r: local_weights(problem.expert_weights(quant), plans[r].placement, r),
-                     torch.device("cpu"), provider_for=lambda r: TritonExperts(capacity=mtpr * K * world))
+                     torch.device("cpu"), provider_for=lambda r: TritonExperts(capacity=mtpr * K * world, grids=grids))
     per = max(tokens)
     idx = [torch.arange(r * per, r * per + tokens[r]) for r in range(world)]
     inputs = [(problem.x[i], problem.topk_ids[i], problem.topk_weights[i]) for i in idx]
@@ -219,6 +219,11 @@ CASES = [(2, ("bf16", "bf16", "bf16"), (5, 0)), (4, ("a8w4", "fp8", "fp8_blockwi
 
 @pytest.mark.parametrize("world,case,tokens", CASES, ids=[f"ep{w}-{'-'.join(c)}-{t}" for w, c, t in CASES])
 def test_emulated_ep_equals_the_ep1_device_forward(world, case, tokens):
+    """Bit for bit the ep_size-1 device forward with the same wires, bound or not, and within the gate.
+    Planted mutations of the P2P dispatch (layer/device/p2p.py: the route weights x 1.05 as dispatched, the first E8M0 block of every dispatched fp8 row one binade
+    high, and the pair of (rank 0, token 1, k 0) sent with no slot), each run
+    once (tree 2377c6c + issue 46): each failed the first bit check (so did
+    test_p2p_interpreter.py::test_ep_forward_equals_the_ep1_device_forward, the gloo-process twin)."""
     mtpr = 8
     problem, emu, inputs, keep = _emulated(world, *case, tokens, mtpr)
     assert all(layer.transport_name == "device p2p over emulated" for layer in emu.layers)
@@ -236,7 +241,7 @@ def test_a_bounded_forward_runs_persistent_grids_where_its_region_dwarfs_the_bou
     (ep_size 1, decode, EP 2) or the tiles are decode-sized, persistent grids where one program per
     prefill tile of the region would launch mostly empty programs (EP 8 prefill), always without a
     bound; no live rows: the pairs are the work."""
-    gemms = provider_module.persistent_gemms
+    gemms = launch_plan.persistent_gemms
     bounded = lambda rows, k=6: LiveRows(torch.zeros(1), rows, config_pairs=rows * k)  # noqa: E731
     assert not gemms(None, 8192 * 6, 48, 128)
     assert gemms(LiveRows(torch.zeros(8), 8), 8 * 8 * 6, 48, 16)
@@ -249,19 +254,21 @@ def test_a_bounded_forward_runs_persistent_grids_where_its_region_dwarfs_the_bou
 
 
 def test_a_bounded_forward_over_persistent_grids_equals_the_tile_grid(monkeypatch):
-    """The bounded EP forward, its GEMMs forced onto persistent grids (provider.BOUNDED_PERSIST_RATIO 0 at
-    any tile height), writes every rank's output as over the tile grid, bit for bit (uneven batches, an
-    idle rank); the forwards record which launch they took, so the two runs cannot be the same path."""
+    """The bounded EP forward, its GEMMs forced onto persistent grids (GridPolicy ratio 0 at any tile
+    height), writes every rank's output as over the tile grid (ratio inf), bit for bit (uneven batches,
+    an idle rank); the forwards record which launch they took, so the two runs cannot be the same path."""
     world, tokens, mtpr = 4, (0, 2, 5, 5), 8
-    problem, emu, inputs, keep = _emulated(world, "a8w4", "fp8", "fp8_blockwise_1x32", tokens, mtpr)
-    real, took = provider_module.persistent_gemms, []
-    monkeypatch.setattr(provider_module, "persistent_gemms", lambda *a: took.append(real(*a)) or took[-1])
-    monkeypatch.setattr(provider_module, "BOUNDED_PERSIST_RATIO", float("inf"))
+    real, took = launch_plan.persistent_gemms, []
+    monkeypatch.setattr(launch_plan, "persistent_gemms", lambda *a: took.append(real(*a)) or took[-1])
+    tile_grids = launch_plan.GridPolicy(bounded_persist_ratio=float("inf"))
+    _, emu, inputs, _ = _emulated(world, "a8w4", "fp8", "fp8_blockwise_1x32", tokens, mtpr, tile_grids)
     tile_grid = torch.cat(emu.forward(inputs, max_tokens_across_ranks=max(tokens)))
+    emu.raise_if_bad_input()
     assert took and not any(took)
     took.clear()
-    monkeypatch.setattr(provider_module, "BOUNDED_PERSIST_RATIO", 0.0)
-    monkeypatch.setattr(provider_module, "BOUNDED_PERSIST_BLOCK_M", 0)
+    clear_transport_cache()
+    persistent_grids = launch_plan.GridPolicy(bounded_persist_block_m=0, bounded_persist_ratio=0.0)
+    _, emu, inputs, _ = _emulated(world, "a8w4", "fp8", "fp8_blockwise_1x32", tokens, mtpr, persistent_grids)
     persistent = torch.cat(emu.forward(inputs, max_tokens_across_ranks=max(tokens)))
     assert took and all(took)
     emu.raise_if_bad_input()

@@ -7,7 +7,8 @@ bad-id and NaN reports, in two "ranks" of one tensor; the barrier (passes when e
 signalled, times out naming the peer and phase when one did not, skips waiting after a timeout,
 detects ranks that disagree on rows per source); GEMM2 through a destination table (and one base
 per segment) equals GEMM2 in pair order, rows moved; EP 2 and 4 (an idle rank) bit-identical to the ep_size-1 device forward
-for every quant x wire, within the gates; a peer that dies after start-up ends the other's forward
+for every quant x wire, within the gates, both with max_tokens_across_ranks (5 rows per source region, as every
+rank's header shows) and without it (MEGA_MAX_TOKENS_PER_RANK = 8 rows); a peer that dies after start-up ends the other's forward
 with PeerTimeoutError naming layer, rank and peer. GPU runs (2 and 4 ranks on one H200, graphs,
 sync-debug): tests/kernels/test_gpu_ep.py.
 """
@@ -245,9 +246,17 @@ def _ep_worker(rank, world, quant, wire, combine, tokens, idle, mtpr):
                          device_path=True)
     lo = rank * tokens
     hi = lo if rank in idle else lo + tokens
-    out = layer(problem.x[lo:hi], problem.topk_ids[lo:hi], problem.topk_weights[lo:hi], max_tokens_across_ranks=tokens)
+    inputs = (problem.x[lo:hi], problem.topk_ids[lo:hi], problem.topk_weights[lo:hi])
+    arena = layer.workspace.arena
+    header = lambda: arena.view(arena.layout.header, 2 * world, torch.int64).tolist()  # noqa: E731  [B per source, T per source]
+    out = layer(*inputs, max_tokens_across_ranks=tokens)
     layer.raise_if_bad_input()
-    return {"out": out, "ws_type": type(layer.workspace).__name__, "arena": layer.workspace.arena.name}
+    bounded_header = header()
+    dist.barrier()  # every rank read its header before any peer's next dispatch rewrites it
+    unbounded = layer(*inputs)  # the same step sized by MEGA_MAX_TOKENS_PER_RANK
+    layer.raise_if_bad_input()
+    return {"out": out, "unbounded": unbounded, "bounded_header": bounded_header, "unbounded_header": header(),
+            "takes_token_bound": layer.takes_token_bound, "ws_type": type(layer.workspace).__name__, "arena": arena.name}
 
 
 def _ep1(quant, wire, combine, tokens, world, idle, mtpr):
@@ -275,13 +284,18 @@ EP_CASES = [(2, ("bf16", "bf16", "bf16"), ()), (2, ("a8w4", "fp8", "fp8_blockwis
 def test_ep_forward_equals_the_ep1_device_forward(world, case, idle):
     from megamoe_backend.layer import rel_l2
 
-    tokens, mtpr = 5, 8
+    tokens, mtpr = 5, 8  # max_tokens_across_ranks=5: the receive regions hold 5 rows per source, not 8
     results = spawn_ranks(world, _ep_worker, *case, tokens, idle, mtpr, timeout_s=900)
-    assert all(r["ws_type"] == "P2PWorkspace" and r["arena"] == "ipc" for r in results)
+    assert all(r["ws_type"] == "P2PWorkspace" and r["arena"] == "ipc" and r["takes_token_bound"] for r in results)
+    sent = [0 if r in idle else tokens for r in range(world)]
+    for r in results:  # every source sized its region by the bound, then by MTPR without it
+        assert r["bounded_header"] == [tokens] * world + sent, r["bounded_header"]
+        assert r["unbounded_header"] == [mtpr] * world + sent, r["unbounded_header"]
     got = torch.cat([r["out"] for r in results])
     assert all(results[r]["out"].shape[0] == 0 for r in idle)
     ep1, fp32 = _ep1(*case, tokens, world, idle, mtpr)
     assert torch.equal(got.view(torch.int16), ep1.view(torch.int16))
+    assert torch.equal(torch.cat([r["unbounded"] for r in results]).view(torch.int16), ep1.view(torch.int16))
     assert rel_l2(got.float(), fp32) < GATES[case[0]]
 
 

@@ -97,7 +97,7 @@ def test_gemm2_into_the_combine_regions_does_not_spill(sass_rows):
     element by element with a 64-bit address each and spilled 848-4632 bytes in the mid and prefill
     launches (H200, EP 8 x 128 tokens: GEMM2 230 us where the same tiles at pair indices take 152)."""
     from megamoe_backend.experts.triton.config import FRAG8_BUCKETS
-    from megamoe_backend.experts.triton.provider import tile_passes
+    from megamoe_backend.experts.triton.launch_plan import tile_passes
 
     rows = [r for r in sass_rows if r["kernel"] == "gemm2" and r["dest"] == 2]
     launches = sum(len(tile_passes(c, "frag8")) for _, c in FRAG8_BUCKETS)

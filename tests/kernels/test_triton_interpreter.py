@@ -251,22 +251,6 @@ def test_experts_match_reference(decoder, quant, wfmt, layout, limit):
     assert _rel(out, ref) < 1e-5
 
 
-def test_cuda_gemms_requested_under_the_interpreter_fall_back(caplog):
-    """MEGA_EXPERTS_GEMM=cuda where the sm_90a kernels cannot run: the Triton GEMMs, and one log line."""
-    weights, x, pairs = _problem("mxfp4", "interleaved", **FRAG8_SHAPE["frag8"])
-    math = ExpertMath("a8w4", 10.0)
-    a = quantize_mx(x, "fp8")
-    used = K["provider"].TritonExperts().prepare_weights(weights, math)
-    with caplog.at_level("WARNING"):
-        got = K["provider"].TritonExperts(gemm="cuda").forward(a, pairs, used, math)
-        K["provider"].TritonExperts(gemm="cuda").forward(a, pairs, used, math)
-    assert [r.getMessage() for r in caplog.records if "MEGA_EXPERTS_GEMM=cuda" in r.getMessage()] == [
-        "megamoe: MEGA_EXPERTS_GEMM=cuda: the sm_90a CUDA expert GEMMs cannot run under the Triton interpreter; the Triton GEMMs do"]
-    assert torch.equal(got, K["provider"].TritonExperts(gemm="triton").forward(a, pairs, used, math))
-    with pytest.raises(ValueError, match="MEGA_EXPERTS_GEMM"):
-        K["provider"].TritonExperts(gemm="cutlass")
-
-
 @pytest.mark.parametrize("decoder,quant,hidden,inter", [("frag8", "a8w4", 384, 384), ("frag", "bf16", 192, 192)])
 def test_weight_tiles_past_the_last_row_match_reference(decoder, quant, hidden, inter):
     """The fragment loops drop the weight rows' load mask when the tiles divide N (W_FULL: the DeepSeek

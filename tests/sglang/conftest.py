@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sglang_test_env import FIXTURES, HERE, dry_run, load_json, run_python  # noqa: E402
+from sglang_test_env import FIXTURES, HERE, dry_run, load_json, printed_commands, run_python  # noqa: E402
 
 try:
     from importlib.metadata import version
@@ -45,12 +45,22 @@ def script_argv(model_dirs) -> dict[str, list[str]]:
         ("dsv4", "serve_sglang_dsv4_pro_ep.sh", {"N": "8"}),
         ("r1", "serve_sglang_r1_mxfp4_ep.sh", {"N": "4", "WIRE": "fp4"}),
         ("r1_eplb", "serve_sglang_r1_mxfp4_ep.sh", {"N": "4", "WIRE": "fp4", "EPLB": "r64"}),
+        ("r1_ref", "serve_sglang_r1_mxfp4_ep.sh", {"PRESET": "reference"}),
+        ("r1_ref_default", "serve_sglang_r1_mxfp4_ep.sh", {"PRESET": "reference", "BACKEND": "default"}),
     ):
         proc = dry_run(script, {**env, "MODEL": str(model_dirs[8])})
         assert proc.returncode == 0, proc.stderr
-        cmd = proc.stdout.splitlines()[1].split()
+        (cmd,) = printed_commands(proc)
         assert cmd[:2] == ["sglang", "serve"], cmd
         out[name] = cmd[2:]
+    # the bench script's reference points and ShareGPT run (parsed by sglang.benchmark.serving's own parser)
+    proc = dry_run("bench_sglang_serve.sh", {"PRESET": "reference", "MODEL": str(model_dirs[8])})
+    assert proc.returncode == 0, proc.stderr
+    share = dry_run("bench_sglang_serve.sh", {"PRESET": "reference", "DATASET": "sharegpt", "DATASET_PATH": "/d/sg.json"})
+    assert share.returncode == 0, share.stderr
+    for i, cmd in enumerate(printed_commands(proc) + printed_commands(share)):
+        assert cmd[1:3] == ["-m", "sglang.benchmark.serving"], cmd
+        out[f"bench:{i}"] = cmd[3:]
     return out
 
 

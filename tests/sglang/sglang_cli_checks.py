@@ -18,7 +18,45 @@ import traceback
 # what a printed serve command is checked for (scripts/_sglang_common.sh, scripts/_eplb.sh)
 SCRIPT_FIELDS = ("moe_a2a_backend", "tp_size", "attn_dp_size", "ep_size", "enable_eplb", "ep_num_redundant_experts",
                  "expert_distribution_recorder_buffer_size", "eplb_rebalance_num_iterations",
-                 "expert_balancedness_report_mode", "eplb_min_rebalancing_utilization_threshold")
+                 "expert_balancedness_report_mode", "eplb_min_rebalancing_utilization_threshold", "context_length",
+                 "chunked_prefill_size", "max_running_requests", "kv_cache_dtype", "page_size", "disable_radix_cache",
+                 "disable_cuda_graph")
+
+
+def bench_args(argv: list[str]) -> dict:
+    """``python -m sglang.benchmark.serving ARGV`` parsed by its own ``cli_main`` (run_benchmark replaced by a
+    recorder), plus the lengths its random dataset draws for the parsed ISL / OSL / range ratio."""
+    import importlib.util
+
+    if "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:
+        # sglang.benchmark.datasets imports HF `datasets` at module level (for MMMU), which this venv does not
+        # install: a stand-in whose load_dataset refuses, so the parser and the random-ids sampler import
+        # (neither loads an HF dataset)
+        import types
+
+        def _no_hf_datasets(*args, **kwargs):
+            raise RuntimeError("HF datasets is not installed in the SGLang test venv")
+
+        stand_in = types.ModuleType("datasets")
+        stand_in.__spec__ = importlib.util.spec_from_loader("datasets", loader=None)
+        stand_in.load_dataset = _no_hf_datasets
+        sys.modules["datasets"] = stand_in
+    import sglang.benchmark.serving as serving
+    from sglang.benchmark.datasets.common import compute_random_lens
+
+    got = {}
+    old_run, old_argv = serving.run_benchmark, sys.argv
+    serving.run_benchmark = lambda args: got.update(vars(args))
+    try:
+        sys.argv = ["sglang.benchmark.serving", *argv]
+        serving.cli_main()
+    finally:
+        serving.run_benchmark, sys.argv = old_run, old_argv
+    out = {k: v for k, v in got.items() if isinstance(v, (str, int, float, bool, type(None)))}
+    if got.get("dataset_name") in ("random", "random-ids"):
+        out["sampled_input_lens"] = sorted(set(compute_random_lens(got["random_input_len"], got["random_range_ratio"], 64)))
+        out["sampled_output_lens"] = sorted(set(compute_random_lens(got["random_output_len"], got["random_range_ratio"], 64)))
+    return out
 
 
 def attempt(fn):
@@ -151,7 +189,10 @@ def main() -> None:
                                                  {"MEGA_MAX_TOKENS_PER_RANK": "16"}))
     if len(sys.argv) > 4:
         for name, argv in json.loads(open(sys.argv[4]).read()).items():
-            res[f"script:{name}"] = attempt(lambda argv=argv: {"parsed": fields(prepare_server_args(argv), SCRIPT_FIELDS)})
+            if name.startswith("bench:"):
+                res[f"script:{name}"] = attempt(lambda argv=argv: {"parsed": bench_args(argv)})
+            else:
+                res[f"script:{name}"] = attempt(lambda argv=argv: {"parsed": fields(prepare_server_args(argv), SCRIPT_FIELDS)})
     res["total_s"] = time.perf_counter() - t0
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1, default=str)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 import time
 import traceback
+from types import SimpleNamespace
 
 import torch
 
@@ -288,43 +289,132 @@ def eplb_scenario(rank: int, world: int, fmt: str = "bf16", redundant: int = 2) 
 
 
 def record_bounds() -> list[dict]:
-    """Make the plugin treat the layer as the device P2P forward (the one question: takes_token_bound)
-    and record the ``max_tokens_across_ranks`` each forward receives; the CPU layer (torch forward,
-    which refuses the argument) then runs without it. Numbers are unchanged."""
+    """A pass-through around ``MegaMoELayer.forward``: after the real forward returned, note the
+    tokens it got, the ``max_tokens_across_ranks`` it received and which forward ran it. Nothing is
+    changed: the plugin's runner decides whether to pass a bound (``token_bound.takes_token_bound``)
+    and the layer's torch forward checks it against both ranks' numbers (its dispatch header), so a
+    record is a bound the real forward took and accepted."""
     from megamoe_backend.layer import MegaMoELayer
-    from megamoe_backend.plan import token_bound
 
     calls: list[dict] = []
     inner = MegaMoELayer.forward
-    token_bound.takes_token_bound = lambda layer: True
 
     def forward(self, x, topk_ids, topk_weights, output_scale=1.0, out=None, max_tokens_across_ranks=None):
-        calls.append({"tokens": int(x.shape[0]), "bound": max_tokens_across_ranks})
-        return inner(self, x, topk_ids, topk_weights, output_scale, out)
+        result = inner(self, x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks)
+        calls.append({"tokens": int(x.shape[0]), "bound": max_tokens_across_ranks, "forward": type(self.path).__name__})
+        return result
 
     MegaMoELayer.forward = forward
     return calls
 
 
+class SchedulerSide:
+    """SGLang's DP bookkeeping for one step, run by SGLang's own functions, from this rank's batch:
+
+    the scheduler's ``prepare_mlp_sync_batch_raw`` (the DP all-gather of every rank's token count
+    over the TP group's CPU group, the idle batch for a rank without work — SGLang's own
+    ``ScheduleBatch.init_new([]) + prepare_for_idle()`` — and ``_update_gather_batch``), then
+    ``ForwardBatch.prepare_mlp_sync_batch`` (the DP padding mode — SUM_LEN for extend, MAX_LEN for
+    decode — the padded per-rank counts, this rank's padded batch, and ``set_dp_buffer_len`` that
+    publishes them for the MoE). What stands in for the scheduler's state: the local batch (mode,
+    requests, lengths: ``local_batch``), the model runner's few answers (no prefill graph runner,
+    the attention backend's padding value), the graph config SGLang resolves for a real model
+    (its defaults; the dummy model stops resolution before that step), and the CPU-engine flag
+    (``SGLANG_USE_CPU_ENGINE=1`` needs sgl_kernel's CPU ops, not installable here; it only turns
+    pinned memory off)."""
+
+    def __init__(self, model_config) -> None:
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        self.runner = SimpleNamespace(
+            attn_backend=SimpleNamespace(folds_encoder_swa_replay=False, late_layer_num_tokens=lambda fb: None,
+                                         get_cpu_graph_seq_len_fill_value=lambda: 1),
+            prefill_cuda_graph_runner=None, spec_algorithm=SpeculativeAlgorithm.NONE, model_config=model_config,
+            is_draft_worker=False, attn_tp_sequence_sharded=lambda num_tokens: False)
+
+    def idle_batch(self):
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+        batch = ScheduleBatch.init_new([], SimpleNamespace(device="cpu"), None, None, self.runner.model_config, False,
+                                       self.runner.spec_algorithm)
+        batch.prepare_for_idle()
+        return batch
+
+    @staticmethod
+    def local_batch(mode: str, lengths: list[int]):
+        """This rank's scheduled batch: ``lengths`` = each request's new tokens (extend) or its
+        sequence length (decode, one new token each); None: nothing scheduled here."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        if not lengths:
+            return None
+        if mode == "extend":
+            return SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=[], spec_info=None, encoder_swa_reset=None,
+                                   batch_size=lambda: len(lengths), extend_num_tokens=sum(lengths), extend_lens=lengths,
+                                   extend_logprob_start_lens=[n - 1 for n in lengths], return_logprob=False,
+                                   prefix_lens=[0] * len(lengths), seq_lens=torch.tensor(lengths),
+                                   input_ids=torch.zeros(sum(lengths), dtype=torch.int64))
+        seq = torch.tensor(lengths)
+        return SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=[], spec_info=None, batch_size=lambda: len(lengths),
+                               seq_lens_cpu=seq, seq_lens=seq, prefix_lens=[],
+                               input_ids=torch.zeros(len(lengths), dtype=torch.int64))
+
+    def step(self, mode: str, lengths: list[int]) -> dict:
+        """The scheduler's sync and the forward batch's padding for this step; returns what the MoE
+        input of this rank is (its padded token count) and what SGLang decided."""
+        from sglang.srt.layers.dp_attention import get_dp_global_num_tokens
+        from sglang.srt.managers.scheduler_components.dp_attn import prepare_mlp_sync_batch_raw
+        from sglang.srt.model_executor import forward_batch_info
+        from sglang.srt.model_executor.cuda_graph_config import default_cuda_graph_config
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+        from sglang.srt.runtime_context import get_exec
+        from sglang.srt.utils.common import require_mlp_tp_gather
+
+        batch = prepare_mlp_sync_batch_raw(
+            self.local_batch(mode, lengths), model_runner=self.runner, get_idle_batch=self.idle_batch,
+            disable_cuda_graph=True, require_mlp_tp_gather=require_mlp_tp_gather(), disable_overlap_schedule=True,
+            offload_tags=set())
+        tokens = int(batch.input_ids.shape[0])
+        seq = batch.seq_lens if len(batch.seq_lens) else torch.zeros(0, dtype=torch.int64)
+        fb = ForwardBatch(
+            forward_mode=batch.forward_mode, batch_size=batch.batch_size(), input_ids=batch.input_ids,
+            req_pool_indices=torch.arange(batch.batch_size()), seq_lens=seq, out_cache_loc=torch.zeros(tokens, dtype=torch.int64),
+            seq_lens_sum=int(seq.sum()), positions=torch.zeros(tokens, dtype=torch.int64), seq_lens_cpu=seq,
+            extend_num_tokens=getattr(batch, "extend_num_tokens", None),
+            global_num_tokens_cpu=batch.global_num_tokens, global_num_tokens_for_logprob_cpu=batch.global_num_tokens_for_logprob,
+            global_num_tokens_gpu=torch.zeros(len(batch.global_num_tokens), dtype=torch.int64),
+            is_extend_in_batch=batch.is_extend_in_batch, can_run_dp_prefill_cuda_graph=batch.can_run_dp_prefill_cuda_graph,
+            tbo_split_seq_index=batch.tbo_split_seq_index)
+        saved, forward_batch_info._is_cpu = forward_batch_info._is_cpu, True
+        try:
+            with get_exec().graph.override(cuda_graph_config=default_cuda_graph_config()):
+                fb.prepare_mlp_sync_batch(self.runner)
+        finally:
+            forward_batch_info._is_cpu = saved
+        return {"mode": batch.forward_mode.name, "gathered": list(batch.global_num_tokens),
+                "padding": fb.dp_padding_mode.name, "published": list(get_dp_global_num_tokens()),
+                "moe_tokens": int(fb.input_ids.shape[0])}
+
+
 def bound_scenario(rank: int, world: int) -> dict:
-    """Issue 32's token bound through SGLang's own DP bookkeeping, 2 DP ranks with 3 and 17 tokens.
+    """Issue 32's token bound through SGLang's own DP bookkeeping, 2 DP ranks (SchedulerSide): for
+    each step every rank runs SGLang's scheduler sync and forward-batch padding, then the MoE
+    (SGLang's FusedMoE.forward -> the megamoe_ep runner -> MegaMoELayer.forward) on its padded batch.
 
-    Eager: SGLang's scheduler sync (``MLPSyncBatchInfo.all_gather`` over the TP group's CPU group,
-    ``_update_gather_batch`` with ``require_mlp_tp_gather()`` as the scheduler calls it), then
-    ``set_dp_buffer_len_from_batch`` as ``ForwardBatch.prepare_mlp_sync_batch`` publishes the counts
-    (SUM_LEN padding; attention TP 1, so ceil-aligning changes nothing), then FusedMoE.forward.
-    Capture: the counts SGLang's graph runner publishes for a captured batch of 8
-    (base_runner: ``[num_tokens] * num_dp_ranks`` when ``require_mlp_tp_gather()``), then the
-    forward of that padded batch. Also: the runtime exists once the weights are loaded."""
-    from types import SimpleNamespace
-
-    from sglang.srt.layers.dp_attention import DpPaddingMode, set_dp_buffer_len, set_dp_buffer_len_from_batch
+    Steps (rank 0 | rank 1): extend 3 | 17 tokens; extend 5 | nothing (rank 1 runs SGLang's idle
+    batch: 0 tokens); decode 2 | 1 requests; decode 3 | nothing (the idle batch, padded to rank 0's
+    3 by MAX_LEN); then the counts SGLang's graph runner publishes when it captures a batch of 8
+    (base_runner: ``[num_tokens] * num_dp_ranks`` when ``require_mlp_tp_gather()``) and that padded
+    batch. Also: the runtime exists once the weights are loaded."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.dp_attention import set_dp_buffer_len
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.layers.moe.topk import StandardTopKOutput
     from sglang.srt.managers.scheduler_components.dp_attn import MLPSyncBatchInfo, _update_gather_batch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils.common import require_mlp_tp_gather
+    import os
 
     layer = FusedMoE(num_experts=EXPERTS, top_k=TOPK, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=3,
                      params_dtype=torch.bfloat16, reduce_results=False, quant_config=None,
@@ -333,14 +423,16 @@ def bound_scenario(rank: int, world: int) -> dict:
     built_at_load = getattr(layer, "_megamoe_ep", None) is not None
     calls = record_bounds()
     parallel = get_parallel()
+    sched = SchedulerSide(ModelConfig(os.environ["MEGAMOE_TEST_MODEL"], trust_remote_code=False))
 
-    def forward(tokens: int) -> None:
-        g = torch.Generator().manual_seed(40 + rank)
+    def moe(tokens: int) -> None:
+        g = torch.Generator().manual_seed(40 + rank + tokens)
         x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
         w, ids = torch.softmax(torch.randn(tokens, EXPERTS, generator=g), -1).topk(TOPK, dim=-1)
         layer.forward(x, StandardTopKOutput(w, ids.to(torch.int32), torch.zeros(tokens, EXPERTS)))
 
-    def scheduler_sync(tokens: int, gather: bool) -> list[int]:
+    def unhooked_gather(tokens: int) -> list[int]:
+        """What the scheduler would keep for a CUSTOMIZED a2a backend without the plugin's hook."""
         info = MLPSyncBatchInfo(num_dp_ranks=parallel.num_dp_ranks, tp_size=parallel.attn_tp_size,
                                 cp_size=parallel.attn_cp_size, num_tokens=tokens, num_tokens_for_logprob=tokens,
                                 can_run_decode_cuda_graph=False, can_run_draft_cuda_graph=False,
@@ -348,24 +440,24 @@ def bound_scenario(rank: int, world: int) -> dict:
                                 local_forward_mode=ForwardMode.EXTEND.value)
         info.all_gather(device="cpu", group=parallel.tp_group.cpu_group)
         batch = SimpleNamespace()
-        _update_gather_batch(batch, info, gather)
+        _update_gather_batch(batch, info, False)
         return list(batch.global_num_tokens)
 
-    local = 3 + 14 * rank
-    gathered = scheduler_sync(local, require_mlp_tp_gather())
-    set_dp_buffer_len_from_batch(SimpleNamespace(
-        global_num_tokens_padded_cpu=None, global_num_tokens_cpu=gathered, global_dp_buffer_len=sum(gathered),
-        dp_padding_mode=DpPaddingMode.SUM_LEN, global_num_tokens_gpu=None))
-    forward(local)
+    plan = [("extend", ([3], [17])), ("extend", ([5], [])), ("decode", ([9, 12], [7])), ("decode", ([9, 12, 4], []))]
+    steps = []
+    for mode, lengths in plan:
+        step = sched.step(mode, lengths[rank])
+        moe(step["moe_tokens"])
+        steps.append(step)
     graph_bs = 8
     captured = [graph_bs] * parallel.num_dp_ranks if require_mlp_tp_gather() else [graph_bs]
     set_dp_buffer_len(sum(captured), graph_bs, True, captured)
-    forward(graph_bs)
+    moe(graph_bs)
     return {
         "runtime_built_at_load": built_at_load,
         "require_mlp_tp_gather": require_mlp_tp_gather(),
-        "gathered": gathered,
-        "unhooked_gathered": scheduler_sync(local, False),  # what the scheduler keeps for CUSTOMIZED without the hook
+        "steps": steps,
+        "unhooked_gathered": unhooked_gather((3, 17)[rank]),
         "calls": calls,
     }
 

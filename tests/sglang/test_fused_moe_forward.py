@@ -139,15 +139,30 @@ def test_eplb_redundant_experts_and_sglangs_rebalance_over_gloo(tmp_path, model_
     assert crossed, (old, new)  # some expert came from the other rank
 
 
-def test_dp_ranks_pass_the_same_token_bound_eager_and_captured(tmp_path):
-    """2 DP ranks with 3 and 17 tokens (sglang_worker.bound_scenario): through SGLang's own DP sync,
-    both ranks' layers receive max_tokens_across_ranks=32 (17 rounded up to a power of two), not
-    4 and 32; for a captured batch of 8 on every rank, 8. The hook is what makes the counts global:
-    without it SGLang keeps each rank's own count for a CUSTOMIZED a2a backend."""
-    ranks = run_ranks(2, tmp_path, "bound")
+def test_dp_ranks_pass_the_same_token_bound_through_sglangs_dp_steps(tmp_path, model_dirs):
+    """2 DP ranks through SGLang's own DP bookkeeping (sglang_worker.bound_scenario: the scheduler's
+    prepare_mlp_sync_batch_raw with its idle batch, ForwardBatch.prepare_mlp_sync_batch's padding
+    and publication), then FusedMoE.forward on each rank's padded batch: the real MegaMoELayer.forward
+    (the torch forward over gloo, which checks the bound against both ranks' dispatch header)
+    received and accepted the same bound on both ranks, in extend, decode, idle-rank and captured
+    steps. The hook is what makes the counts global: without it SGLang keeps each rank's own count
+    for a CUSTOMIZED a2a backend. What this is not: an SGLang server (its CPU engine needs
+    sgl_kernel's CPU ops, not installable here), so no scheduler loop, model or graph runner runs."""
+    ranks = run_ranks(2, tmp_path, "bound", {"MEGAMOE_TEST_MODEL": str(model_dirs[8])})
+    # per step: each rank's batch mode, the gathered counts, SGLang's padding, the published counts,
+    # each rank's MoE batch (its padded token count), the bound both ranks' layers must receive
+    expected = [
+        (("EXTEND", "EXTEND"), [3, 17], "SUM_LEN", [3, 17], (3, 17), 32),
+        (("EXTEND", "IDLE"), [5, 0], "SUM_LEN", [5, 0], (5, 0), 8),  # rank 1: SGLang's idle batch, 0 tokens
+        (("DECODE", "DECODE"), [2, 1], "MAX_LEN", [2, 2], (2, 2), 2),
+        (("DECODE", "IDLE"), [3, 0], "MAX_LEN", [3, 3], (3, 3), 4),  # the idle batch padded to rank 0's 3
+    ]
     for rank, r in enumerate(ranks):
         assert r["runtime_built_at_load"]  # before SGLang sizes its KV cache, not at the first forward
         assert r["require_mlp_tp_gather"] is True
-        assert r["gathered"] == [3, 17]
         assert r["unhooked_gathered"] == [(3, 17)[rank]]
-        assert r["calls"] == [{"tokens": (3, 17)[rank], "bound": 32}, {"tokens": 8, "bound": 8}], r["calls"]
+        assert r["steps"] == [{"mode": modes[rank], "gathered": gathered, "padding": padding, "published": published,
+                               "moe_tokens": moe_tokens[rank]}
+                              for modes, gathered, padding, published, moe_tokens, _ in expected], r["steps"]
+        assert r["calls"] == [{"tokens": e[4][rank], "bound": e[5], "forward": "TorchForward"} for e in expected] + [
+            {"tokens": 8, "bound": 8, "forward": "TorchForward"}], r["calls"]  # the captured batch of 8

@@ -1,26 +1,36 @@
-"""The SGLang plugin runs the scheme of tests/fixtures/quant_scheme_table.json for every (checkpoint, knob) pair.
+"""The SGLang plugin runs the scheme and wire of tests/fixtures/quant_scheme_table.json for every sglang-0.5.23 row.
 
 The quant method comes from SGLang itself where it can be built without a model: SGLang's own
 QuarkConfig picks the MoE scheme object from the checkpoint's ``quantization_config``
 (``get_moe_scheme``), its Fp8Config + Fp8MoEMethod carry ``is_fp4_experts`` as SGLang's
 ModelConfig sets it (``routed_experts_quant_method: mxfp4``, or a DeepSeek V4 model with
-SGLANG_DSV4_FP4_EXPERTS, default on); no quantization gets UnquantizedFusedMoEMethod.
+SGLANG_DSV4_FP4_EXPERTS, default on); no quantization gets UnquantizedFusedMoEMethod. The layer the
+plugin reads carries what SGLang's FusedMoE carries on this platform (quant method, Quark scheme; no
+``fp8_activations``: SGLang 0.5.23 sets that only for DeepSeek V4.1 on aiter, tested separately below,
+against `megamoe info --engine sglang-0.5.23 --device rocm`). The plugin's decision is
+``weights.layer_scheme``, what ``runtime.convert_layer_weights`` / ``build_layer_runtime`` call.
 `megamoe info` and the vLLM plugin are held to the same table (tests/core, tests/vllm).
+
+Planted mutation (run once, then restored): ``engine_reading`` in plugins/sglang/megamoe_sglang/weights.py
+returning None (SGLang's ``fp8_activations`` ignored): 3 failed (the V4.1-on-aiter cases), 24 passed -- the
+table rows pass either way, since SGLang 0.5.23 names no activation format for DeepSeek V4.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import sglang
 import torch
 
-from megamoe_backend.experts import A_OPERAND
-from megamoe_backend.knobs import Knobs
+from megamoe_backend.knobs import KnobError, Knobs
 from megamoe_backend.plan.layer_plan import check_wire_matches_quant
-from megamoe_sglang.weights import UnsupportedExpertsError, expert_format_of
+from megamoe_sglang.weights import UnsupportedExpertsError, engine_reading, layer_scheme, scheme_choice_of
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TABLE = json.loads((FIXTURES / "quant_scheme_table.json").read_text())["rows"]
@@ -55,17 +65,85 @@ def sglang_routed_experts_method(config: dict) -> tuple[object, object]:
     return method, None
 
 
-@pytest.mark.parametrize("row", TABLE, ids=lambda r: f"{r['checkpoint']}-force={r['AITER_FORCE_A8W4']}")
-def test_sglang_plugin_runs_the_table_scheme(row) -> None:
+def row_id(row: dict) -> str:
+    return f"{row['engine']}-{row['checkpoint']}-force={row['AITER_FORCE_A8W4']}-wire={row['MEGA_DISPATCH_WIRE']}"
+
+
+def knob_env(force: str | None, wire: str | None) -> dict[str, str]:
+    return {k: v for k, v in (("AITER_FORCE_A8W4", force), ("MEGA_DISPATCH_WIRE", wire)) if v is not None}
+
+
+@pytest.mark.parametrize("row", [r for r in TABLE if r["engine"] == f"sglang-{sglang.__version__}"], ids=row_id)
+def test_sglang_plugin_runs_the_table_row(row) -> None:
     config = json.loads((FIXTURES / row["checkpoint"]).read_text())
-    env = {} if row["AITER_FORCE_A8W4"] is None else {"AITER_FORCE_A8W4": row["AITER_FORCE_A8W4"]}
-    knobs = Knobs.from_env(env)
+    knobs = Knobs.from_env(knob_env(row["AITER_FORCE_A8W4"], row["MEGA_DISPATCH_WIRE"]))
     method, scheme = sglang_routed_experts_method(config)
+    layer = SimpleNamespace(quant_method=method, scheme=scheme)
     if row["scheme"] == "refused":
-        with pytest.raises(UnsupportedExpertsError, match="block-FP8"):
-            expert_format_of(method, knobs.aiter_force_a8w4, scheme=scheme)
+        with pytest.raises((UnsupportedExpertsError, KnobError), match=re.escape(row["refusal"])):
+            fmt, layer_knobs = layer_scheme(layer, knobs)
+            check_wire_matches_quant(layer_knobs.dispatch_wire, fmt.quant)  # convert_layer_weights' check
         return
-    fmt = expert_format_of(method, knobs.aiter_force_a8w4, scheme=scheme)
-    assert fmt.quant == row["scheme"], fmt
+    fmt, layer_knobs = layer_scheme(layer, knobs)
+    check_wire_matches_quant(layer_knobs.dispatch_wire, fmt.quant)
+    overridden = scheme_choice_of(method, knobs, scheme, layer).overridden_by
+    assert (fmt.quant, layer_knobs.dispatch_wire, overridden) == (row["scheme"], row["wire"], row["overridden_by"])
     assert fmt.weights == ("bf16" if row["scheme"] == "bf16" else "mxfp4")
-    check_wire_matches_quant(A_OPERAND[fmt.quant] or "bf16", fmt.quant)  # e.g. fp8 wire for forced A8W4: legal
+
+
+def test_table_has_rows_for_this_sglang() -> None:
+    assert sum(r["engine"] == f"sglang-{sglang.__version__}" for r in TABLE) == 22
+
+
+@pytest.fixture()
+def v41_config(tmp_path) -> Path:
+    """DeepSeek V4.1 with fp4 experts (V4 Pro's shapes): the model SGLang 0.5.23 runs on MXFP8 activations on aiter."""
+    config = json.loads((FIXTURES / "dsv4_pro_fp4_experts_config.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config, "model_type": "deepseek_v41"}))
+    return path
+
+
+@pytest.mark.parametrize("force, wire, expect", [
+    (None, None, ("a8w4", "fp8", None)),
+    ("0", None, ("a4w4", "bf16", "AITER_FORCE_A8W4=0")),
+    (None, "fp4", ("a4w4", "fp4", "MEGA_DISPATCH_WIRE=fp4")),
+])
+def test_v41_on_aiter_follows_sglangs_fp8_activations_as_info_does(force, wire, expect, v41_config, monkeypatch,
+                                                                     capsys, caplog) -> None:
+    """SGLang's decoder sets ``experts.fp8_activations = model_type == "deepseek_v41"`` when it runs aiter
+    (SGLANG_USE_AITER on ROCm): the plugin reads that layer attribute; info reads the same from the release."""
+    from megamoe_backend.cli.main import main
+    from megamoe_backend.spec import expert_scheme
+
+    config = json.loads(v41_config.read_text())
+    method, scheme = sglang_routed_experts_method(config)
+    layer = SimpleNamespace(quant_method=method, scheme=scheme, fp8_activations=True)
+    expert_scheme._warn_once.cache_clear()  # the once-per-process line, fresh for this case
+    with caplog.at_level(logging.WARNING, logger="megamoe"):
+        fmt, layer_knobs = layer_scheme(layer, Knobs.from_env(knob_env(force, wire)))
+    overridden = scheme_choice_of(method, Knobs.from_env(knob_env(force, wire)), scheme, layer).overridden_by
+    assert (fmt.quant, layer_knobs.dispatch_wire, overridden) == expect
+    lines = [r.getMessage() for r in caplog.records if "engine's reading" in r.getMessage()]
+    assert len(lines) == (0 if expect[2] is None else 1), lines
+    if expect[2]:
+        assert f"is overridden by {expect[2]}: experts run {expect[0]}, dispatch wire {expect[1]}" in lines[0]
+
+    for name in ("AITER_FORCE_A8W4", "MEGA_DISPATCH_WIRE", "MEGA_WIRE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in knob_env(force, wire).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SGLANG_USE_AITER", "1")
+    assert main(["info", "--model", str(v41_config), "--device", "rocm", "--engine", f"sglang-{sglang.__version__}",
+                 "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["spec"]["quant"], info["scheme"]["dispatch_wire"], info["scheme"]["overridden_by"]) == expect
+
+
+def test_v4_without_fp8_activations_names_no_reading() -> None:
+    """Plain DeepSeek V4 (SGLang sets no fp8_activations): the checkpoint's own A4W4, bf16 wire."""
+    config = json.loads((FIXTURES / "dsv4_pro_fp4_experts_config.json").read_text())
+    method, scheme = sglang_routed_experts_method(config)
+    assert engine_reading(method, SimpleNamespace(quant_method=method)) is None
+    fmt, knobs = layer_scheme(SimpleNamespace(quant_method=method, scheme=scheme), Knobs.from_env({}))
+    assert (fmt.quant, knobs.dispatch_wire) == ("a4w4", "bf16")

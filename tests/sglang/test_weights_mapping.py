@@ -7,6 +7,7 @@ import torch
 
 from megamoe_backend.experts import interleave_gate_up
 from megamoe_backend.formats import quantize_mx
+from megamoe_backend.knobs import Knobs
 from megamoe_sglang.weights import (
     ExpertFormat,
     UnsupportedExpertsError,
@@ -41,7 +42,7 @@ def test_format_classification_uses_sglang_quant_methods():
         assert (fmt.quant, fmt.weights, fmt.scale_param) == (quant, "mxfp4", "_scale")
     v4 = _quant_method("sglang.srt.layers.quantization.fp8.Fp8MoEMethod", is_fp4_expert=True)
     assert expert_format_of(v4).quant == "a4w4"
-    assert expert_format_of(v4, force_a8w4=True).quant == "a8w4"
+    assert expert_format_of(v4, Knobs(aiter_force_a8w4=True)).quant == "a8w4"
     fp8 = _quant_method("sglang.srt.layers.quantization.fp8.Fp8MoEMethod", is_fp4_expert=False)
     with pytest.raises(UnsupportedExpertsError, match="block-FP8"):
         expert_format_of(fp8)

@@ -118,7 +118,7 @@ def test_quantised_wire_mean_logprob_shift(engines, tiny_models, oracle, run):
 
 @pytest.mark.parametrize("knobs,needle", [
     ({"MEGA_DISPATCH_WIRE": "fp16"}, "MEGA_DISPATCH_WIRE='fp16' is not valid; allowed values: bf16 | fp8 | fp4"),
-    ({"MEGA_DISPATCH_WIRE": "fp8"}, "MEGA_DISPATCH_WIRE=fp8 does not match the expert GEMM's A operand for quant=bf16"),
+    ({"MEGA_DISPATCH_WIRE": "fp8"}, "MEGA_DISPATCH_WIRE=fp8 does not match the experts: quant=bf16"),
 ])
 def test_bad_knob_fails_start_with_clear_error(engines, knobs, needle):
     run = engines.get("bf16", "--moe-backend", "megamoe_ep", **knobs)

@@ -16,7 +16,7 @@ from megamoe_backend.plan.capture import GraphCaptureError
 from megamoe_backend.spec import preset
 from megamoe_vllm.dp_bound import max_tokens_across_ranks
 from megamoe_vllm.engine_checks import (
-    MegaMoEConfigError, check_capturable, check_no_microbatching, engine_captures_graphs,
+    MegaMoEConfigError, check_no_microbatching, engine_captures_graphs, engine_graphs,
 )
 
 
@@ -112,13 +112,20 @@ def _plan(transport: str, ep_size: int = 2):
                       backends=("triton", transport))
 
 
-def test_uncapturable_layer_fails_the_start_naming_enforce_eager(engine_configs):
+def test_uncapturable_layer_fails_the_start_naming_enforce_eager(engine_configs, monkeypatch):
+    """vLLM's graph setting (``engine_graphs``) through the layer's start-up decision, as on a CUDA host."""
+    from megamoe_backend.layer import startup
+    from megamoe_backend.platform import facts as platform_facts
+
+    cpu = torch.device("cpu")
+    settle = lambda plan, cfg: startup.settle_plan(plan, object(), cpu, engine_graphs(cfg))  # noqa: E731
+    settle(_plan("nccl"), engine_configs["default"])  # on CPU nothing is captured
+    monkeypatch.setattr(platform_facts, "device_kind", lambda device: "cuda")
     with pytest.raises(GraphCaptureError, match=r"MEGA_DISPATCH=nccl \(ep_size 2\).*Add --enforce-eager"):
-        check_capturable(_plan("nccl"), "cuda", engine_configs["default"])
-    check_capturable(_plan("nccl"), "cuda", engine_configs["eager"])  # eager: the torch forward serves
-    check_capturable(_plan("ipc"), "cuda", engine_configs["default"])  # the device P2P forward is captured
-    check_capturable(_plan("nccl", ep_size=1), "cuda", engine_configs["default"])
-    check_capturable(_plan("nccl"), "cpu", engine_configs["default"])  # nothing is captured on CPU
+        settle(_plan("nccl"), engine_configs["default"])
+    settle(_plan("nccl"), engine_configs["eager"])  # eager: the torch forward serves
+    settle(_plan("ipc"), engine_configs["default"])  # the device P2P forward is captured
+    settle(_plan("nccl", ep_size=1), engine_configs["default"])
 
 
 def _moe(dp_size=2, sp_size=1):

@@ -23,12 +23,84 @@ def registered():
     megamoe_vllm.register()  # idempotent: vLLM may call it more than once per process
 
 
-def test_supported_versions():
-    assert megamoe_vllm.vllm_version_supported("0.32.0")
-    assert megamoe_vllm.vllm_version_supported("0.33.1+cpu")
-    assert not megamoe_vllm.vllm_version_supported("0.31.2")
-    assert not megamoe_vllm.vllm_version_supported("0.34.0")
-    assert not megamoe_vllm.vllm_version_supported("dev")
+@pytest.mark.parametrize("version,action", [
+    ("0.32.0", "register"), ("0.33.1+cpu", "register"), ("0.34.0", "register"), ("0.34.7", "register"),
+    ("0.35.0", "try"), ("0.35.0rc1", "try"), ("1.0.0", "try"), ("dev", "try"),
+    ("0.31.2", "refuse"), ("0.9.2", "refuse"),
+])
+def test_version_policy(version, action):
+    verdict = megamoe_vllm.version_verdict(version)
+    assert verdict.action == action
+    assert megamoe_vllm.vllm_version_supported(version) == (action == "register")
+    if action == "register":
+        assert verdict.message is None
+    else:  # every other answer names the version seen and the tested range
+        assert version in verdict.message and "0.32-0.34" in verdict.message
+    if action == "refuse":
+        assert "older than 0.32" in verdict.message and "NOT registered" in verdict.message
+        assert "Upgrade vLLM to 0.32-0.34" in verdict.message
+
+
+@pytest.fixture
+def megamoe_log():
+    """Records of the "megamoe" logger (which stops propagating once the core layer module is imported)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("megamoe")
+    log.addHandler(handler)
+    yield records
+    log.removeHandler(handler)
+
+
+@pytest.fixture
+def unregistered(monkeypatch):
+    """As before vLLM's first register() call in a process: the flag of done-ness off, no OOT layer
+    (both restored after the test)."""
+    import vllm
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    monkeypatch.setattr(megamoe_vllm, "_registered", False)
+    monkeypatch.delitem(op_registry_oot, "RoutedExperts")
+    return lambda version: monkeypatch.setattr(vllm, "__version__", version)
+
+
+def test_register_on_a_newer_minor_warns_then_registers(unregistered, megamoe_log):
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from megamoe_vllm.routed_experts import MegaMoERoutedExperts
+
+    unregistered("0.35.0")
+    megamoe_vllm.register()
+    warnings = [r.getMessage() for r in megamoe_log if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "vLLM 0.35.0 is newer than the tested range 0.32-0.34" in warnings[0], warnings
+    assert op_registry_oot["RoutedExperts"] is MegaMoERoutedExperts and megamoe_vllm._registered
+
+
+def test_register_refuses_older_than_032(unregistered, megamoe_log):
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    unregistered("0.31.2")
+    megamoe_vllm.register()
+    assert "RoutedExperts" not in op_registry_oot and not megamoe_vllm._registered
+    assert any("vLLM 0.31.2 is older than 0.32" in r.getMessage() for r in megamoe_log)
+
+
+def test_register_refuses_a_newer_minor_with_a_known_break(unregistered, megamoe_log, monkeypatch):
+    """A newer vLLM without a name the plugin needs (here: EPLB's initial map builder, removed from
+    the real class): nothing is registered and the log names the missing piece."""
+    from vllm.distributed.eplb.eplb_state import EplbState
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    unregistered("0.35.0")
+    monkeypatch.delattr(EplbState, "build_initial_global_physical_to_logical_map")
+    megamoe_vllm.register()
+    assert "RoutedExperts" not in op_registry_oot and not megamoe_vllm._registered
+    refusal = megamoe_log[-1].getMessage()
+    assert "vLLM 0.35.0: megamoe_ep is NOT registered" in refusal
+    assert "EplbState.build_initial_global_physical_to_logical_map (vLLM's EPLB load-time map" in refusal
 
 
 def test_kernel_config_accepts_backend_and_still_rejects_unknown():

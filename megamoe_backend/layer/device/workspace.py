@@ -32,6 +32,46 @@ from ...plan import LayerPlan
 from .status import InputStatus
 
 
+Shape = tuple[tuple[int, ...], torch.dtype]
+
+
+def device_buffers(plan: LayerPlan) -> dict[str, Shape]:
+    """The ep_size-1 workspace's buffers, name -> (shape, dtype), from the plan alone: what
+    ``DeviceWorkspace`` allocates, and what ``megamoe info`` reports (layer/memory.py) without a GPU."""
+    pairs = plan.mtpr * plan.topk
+    a_format = plan.math.a_format  # fp8 | fp4 | None; a quantised dispatch wire equals it (plan check)
+    a_bytes = dispatch_wire(a_format).row_bytes(plan.hidden) if a_format else 0
+    return {
+        "token_rows": ((plan.mtpr if a_bytes else 0, a_bytes), torch.uint8),
+        "pair_row": ((pairs,), torch.int64),
+        "pair_slot": ((pairs,), torch.int64),
+        "pair_weight": ((pairs,), torch.float32),
+        "combine_rows": ((pairs, plan.combine.row_bytes(plan.hidden)), torch.uint8),
+    }
+
+
+def p2p_arena_layout(plan: LayerPlan):
+    """The peer arena of the device P2P forward (ep_size > 1): the A operand's rows travel (bf16, or fp8 /
+    fp4 quantised once by the sender), GEMM2's rows come back in the combine wire."""
+    from ...transport.peer_arena import ArenaLayout
+
+    row_bytes = dispatch_wire(plan.math.a_format or "bf16").row_bytes(plan.hidden)
+    return ArenaLayout.build(plan.ep_size, plan.mtpr, plan.topk, row_bytes, plan.combine.row_bytes(plan.hidden))
+
+
+def p2p_buffers(plan: LayerPlan) -> dict[str, Shape]:
+    """The P2P workspace's buffers outside the arena, name -> (shape, dtype)."""
+    return {
+        "pair_row": ((plan.ep_size * plan.mtpr * plan.topk,), torch.int64),
+        "pair_live": ((plan.mtpr * plan.topk,), torch.int64),
+        "epochs": ((2,), torch.int64),
+    }
+
+
+def buffers_bytes(buffers: dict[str, Shape]) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in buffers.values())
+
+
 class _Workspace:
     """What both workspaces hold: the status word and the names of the layers that report into it."""
 
@@ -64,14 +104,13 @@ class _Workspace:
 class DeviceWorkspace(_Workspace):
     def __init__(self, plan: LayerPlan, device: torch.device) -> None:
         super().__init__(plan, device)
-        pairs = self.mtpr * self.topk
-        self.a_format = plan.math.a_format  # fp8 | fp4 | None; a quantised dispatch wire equals it (plan check)
-        a_bytes = dispatch_wire(self.a_format).row_bytes(self.hidden) if self.a_format else 0
-        self.token_rows = torch.empty(self.mtpr if a_bytes else 0, a_bytes, dtype=torch.uint8, device=self.device)
-        self.pair_row = torch.arange(pairs, dtype=torch.int64, device=self.device) // self.topk
-        self.pair_slot = torch.full((pairs,), -1, dtype=torch.int64, device=self.device)
-        self.pair_weight = torch.zeros(pairs, dtype=torch.float32, device=self.device)
-        self.combine_rows = torch.empty(pairs, plan.combine.row_bytes(self.hidden), dtype=torch.uint8, device=self.device)
+        self.a_format = plan.math.a_format
+        shapes, dev = device_buffers(plan), self.device
+        self.token_rows = torch.empty(shapes["token_rows"][0], dtype=torch.uint8, device=dev)
+        self.pair_row = torch.arange(shapes["pair_row"][0][0], dtype=torch.int64, device=dev) // self.topk
+        self.pair_slot = torch.full(shapes["pair_slot"][0], -1, dtype=torch.int64, device=dev)
+        self.pair_weight = torch.zeros(shapes["pair_weight"][0], dtype=torch.float32, device=dev)
+        self.combine_rows = torch.empty(shapes["combine_rows"][0], dtype=torch.uint8, device=dev)
         self.status = self._make_status(plan)
 
     @property
@@ -95,7 +134,7 @@ class P2PWorkspace(_Workspace):
 
     def __init__(self, plan: LayerPlan, group, device: torch.device, timeout_s: float) -> None:
         from ...transport.handshake import handshake
-        from ...transport.peer_arena import ALIGN, ArenaLayout, make_arena
+        from ...transport.peer_arena import ALIGN, make_arena
         from .p2p import wait_budget
 
         super().__init__(plan, device)
@@ -103,7 +142,7 @@ class P2PWorkspace(_Workspace):
         # what travels: the A operand's rows (bf16, or fp8 / fp4 quantised once by the sender)
         self.wire = dispatch_wire(plan.math.a_format or "bf16")
         row_bytes = self.wire.row_bytes(self.hidden)
-        self.layout = ArenaLayout.build(self.ep, self.mtpr, self.topk, row_bytes, plan.combine.row_bytes(self.hidden))
+        self.layout = p2p_arena_layout(plan)
         self.arena = make_arena(plan.backends.transport, self.layout, group, self.device)
         if self.arena.needs_handshake:  # every peer can write this arena, or every rank fails naming who cannot
             handshake(self.arena, group, timeout_s)
@@ -112,14 +151,15 @@ class P2PWorkspace(_Workspace):
         self.recv_slot = self.arena.view(lay.recv_slot, pairs, torch.int64)
         self.recv_weight = self.arena.view(lay.recv_weight, pairs, torch.float32)
         self.combine_rows = self.arena.view(lay.combine, self.mtpr * self.topk * lay.comb_bytes, torch.uint8).view(-1, lay.comb_bytes)
-        self.pair_row = torch.arange(pairs, dtype=torch.int64, device=self.device) // self.topk
+        shapes = p2p_buffers(plan)
+        self.pair_row = torch.arange(shapes["pair_row"][0][0], dtype=torch.int64, device=self.device) // self.topk
         self.recv_tokens = self.arena.view(lay.header + self.ep * 8, self.ep, torch.int64)
         self.combine_base = self.arena.peer_offsets + lay.combine
         # every arena and region starts on ALIGN bytes (PeerArena checks the peers' offsets), so with the row
         # stride this is what GEMM2's destination may promise (SegmentDest.align: 16-byte vector stores)
         self.combine_align = math.gcd(ALIGN, lay.comb_bytes)
-        self.pair_live = torch.full((self.mtpr * self.topk,), -1, dtype=torch.int64, device=self.device)
-        self.epochs = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.pair_live = torch.full(shapes["pair_live"][0], -1, dtype=torch.int64, device=self.device)
+        self.epochs = torch.zeros(shapes["epochs"][0], dtype=torch.int64, device=self.device)
         self.timeout_s = timeout_s
         self.budget = wait_budget(timeout_s, self.device)
         self.status = self._make_status(plan, rank=plan.ep_rank, timeout_s=timeout_s)

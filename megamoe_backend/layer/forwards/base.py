@@ -30,7 +30,9 @@ class LayerForward(ABC):
 
     @property
     def takes_token_bound(self) -> bool:
-        """Whether forward(max_tokens_across_ranks=) sizes anything here (the P2P forward only)."""
+        """Whether forward(max_tokens_across_ranks=) applies here: the forwards that exchange rows
+        (P2P: sized by it; torch: checked and agreed on by it). The ep_size-1 device forward and the
+        fused runtime say no, so engines pass nothing there (plan/token_bound.py)."""
         return False
 
     def shape_status(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, str]:

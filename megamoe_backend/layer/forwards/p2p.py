@@ -21,6 +21,7 @@ import torch
 
 from ...experts import ExpertPairs
 from ...experts.live import LiveRows, SegmentDest
+from ...plan.token_bound import bound_problem
 from ...transport import PeerInputError, PeerTimeoutError
 from .device import WorkspaceForward
 
@@ -48,12 +49,10 @@ class P2PForward(WorkspaceForward):
     def rows_per_source(self, t: int, max_tokens_across_ranks: int | None) -> int:
         """B: the bound the engine passed (checked), else MEGA_MAX_TOKENS_PER_RANK."""
         mtpr = self.plan.mtpr
-        rows = mtpr if max_tokens_across_ranks is None else int(max_tokens_across_ranks)
-        if not t <= rows <= mtpr or rows < 1:
-            raise PeerInputError(
-                f"[megamoe] {self.layer_name}: max_tokens_across_ranks={max_tokens_across_ranks} must lie in [tokens on this "
-                f"rank ({t}), MEGA_MAX_TOKENS_PER_RANK={mtpr}] and be >= 1; no token was dropped")
-        return rows
+        problem = bound_problem(t, max_tokens_across_ranks, mtpr)
+        if problem:
+            raise PeerInputError(f"[megamoe] {self.layer_name}: {problem}")
+        return mtpr if max_tokens_across_ranks is None else int(max_tokens_across_ranks)
 
     def steps(self, x, topk_ids, topk_weights, output_scale: float = 1.0, out=None, max_tokens_across_ranks=None,
               split_barriers: bool = False):

@@ -1,6 +1,14 @@
 """The torch forward: a Transport (torch.distributed NCCL / gloo, mori) moves the rows; the dispatch
 layout is built in torch and data checks run on the host, so it runs eagerly (CPU, gloo, and EP
-over NCCL on CUDA). Every rank takes part in the exchange even with bad input, so peers fail fast."""
+over NCCL on CUDA). Every rank takes part in the exchange even with bad input, so peers fail fast.
+
+``max_tokens_across_ranks``: nothing here is sized by it (the exchange moves the rows there are),
+but it holds the same contract as on the device P2P forward, which is sized by it: this rank's
+tokens <= bound <= MEGA_MAX_TOKENS_PER_RANK (else status 4, refused on every rank like bad ids),
+and one number on every rank (the dispatch header carries each rank's bound: ranks that disagree
+raise the same error on every rank, as the P2P barrier's check does). So an engine that passes a
+wrong bound fails on a CPU run as it would on the GPU, instead of only where the bound sizes work.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ import logging
 import torch
 
 from ...experts import ExpertPairs
+from ...plan.token_bound import NO_BOUND, bound_problem
 from ...transport import PeerInputError, Transport, get_transport, received_pairs
 from ...transport.cache import cached_transport_keys, transport_key
 from ...transport.layout import DispatchLayout
@@ -30,6 +39,14 @@ def host_input_status(path: LayerForward, x: torch.Tensor, topk_ids: torch.Tenso
     return 0, ""
 
 
+BOUND_OUT_OF_RANGE = 4  # the transports' status 4 (transport/torch_dist.py STATUS_MEANING)
+
+
+def bound_word(max_tokens_across_ranks: int | None) -> int:
+    """The bound as the dispatch header carries it (NO_BOUND: the forward got none)."""
+    return NO_BOUND if max_tokens_across_ranks is None else int(max_tokens_across_ranks)
+
+
 class TorchForward(LayerForward):
     def __init__(self, layer, group, transport: Transport | None) -> None:
         super().__init__(layer.plan, layer.device, layer.name)
@@ -48,12 +65,18 @@ class TorchForward(LayerForward):
     def name(self) -> str:
         return self.transport.name
 
+    @property
+    def takes_token_bound(self) -> bool:
+        return True  # checked, and agreed through the dispatch header (module docstring)
+
     def __call__(self, x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks):
         plan = self.plan
-        if out is not None or max_tokens_across_ranks is not None:
-            raise ValueError("[megamoe] out= / max_tokens_across_ranks= are supported by the device forward only")
+        if out is not None:
+            raise ValueError("[megamoe] out= is supported by the device forwards only")
         refuse_capture(self)
         status, message = host_input_status(self, x, topk_ids, topk_weights)
+        if not status and (problem := bound_problem(x.shape[0], max_tokens_across_ranks, plan.mtpr)):
+            status, message = BOUND_OUT_OF_RANGE, f"{self.layer_name}: {problem}"
         if status:
             # Still take part in the header exchange with nothing to send, so peers fail fast too.
             x = torch.zeros(0, plan.hidden, dtype=torch.bfloat16, device=self.device)
@@ -63,7 +86,7 @@ class TorchForward(LayerForward):
         token_rows = plan.dispatch.encode(x)  # one quantisation per token, whatever the fan-out
         layout = DispatchLayout.build(topk_ids, topk_weights, self.owner, self.slot, plan.ep_size)
         try:
-            received = self.transport.dispatch(token_rows, layout, status)
+            received = self.transport.dispatch(token_rows, layout, status, bound=bound_word(max_tokens_across_ranks))
         except PeerInputError as exc:
             if status:
                 raise PeerInputError(f"[megamoe] {message}") from exc

@@ -17,11 +17,12 @@ import torch
 from megamoe_backend.knobs import Knobs
 from megamoe_backend.layer import MegaMoELayer
 from megamoe_backend.plan import ExpertPlacement, PlacementError, build_plan, check_wire_matches_quant
-from megamoe_backend.plan.capture import CaptureFacts, require_capturable
+from megamoe_backend.plan.capture import EngineGraphs
+from megamoe_backend.platform import facts as platform_facts
 from megamoe_backend.spec import MoESpec
 
 from .selection import BACKEND_NAME, MegaMoEConfigError, check_ep_divides
-from .weights import expert_format_of, expert_weights_from_params
+from .weights import expert_weights_from_params, layer_scheme
 
 logger = logging.getLogger("megamoe")
 
@@ -118,8 +119,7 @@ def layer_spec(layer: Any, quant: str) -> MoESpec:
 
 def convert_layer_weights(layer: Any, knobs: Knobs | None = None):
     """The layer's loaded expert parameters as MegaMoE ``ExpertWeights`` (interleaved, no padding)."""
-    knobs = knobs or Knobs.from_env()
-    fmt = expert_format_of(layer.quant_method, knobs.aiter_force_a8w4, scheme=getattr(layer, "scheme", None))
+    fmt, knobs = layer_scheme(layer, knobs or Knobs.from_env())  # knobs: with the wire the scheme choice runs
     check_wire_matches_quant(knobs.dispatch_wire, fmt.quant)  # at weight loading, not at the first forward
     params = {name: p.data for name, p in layer.named_parameters(recurse=False)}
     if any(t.is_meta for t in params.values()):
@@ -149,7 +149,7 @@ def build_layer_runtime(
             f"--moe-a2a-backend {BACKEND_NAME} splits experts, not their weights: set --ep-size equal to "
             f"--tp (MoE TP size is {layer.moe_tp_size})"
         )
-    fmt = expert_format_of(layer.quant_method, knobs.aiter_force_a8w4, scheme=getattr(layer, "scheme", None))
+    fmt, knobs = layer_scheme(layer, knobs)  # knobs: with the wire the scheme choice runs
     ep_rank, ep_size = int(layer.moe_ep_rank), int(layer.moe_ep_size)
     p2l, num_logical = eplb if eplb is not None else (None, None)
     placement = sglang_placement(int(cfg.num_experts), ep_size, p2l, num_logical, cfg.layer_id)
@@ -160,15 +160,12 @@ def build_layer_runtime(
             f"EP rank {ep_rank} {placement.num_local(ep_rank)}"
         )
     device = torch.device(device) if device is not None else weights.w1.device
-    plan = build_plan(layer_spec(layer, fmt.quant), knobs, ep_rank, ep_size, placement, device_type=_device_kind(device))
-    require_capturable(CaptureFacts.of(plan, _device_kind(device)), sglang_captures_graphs(), "--disable-cuda-graph")
-    return MegaMoELayer(plan, weights.to(device), group=group, device=device, layer_id=int(cfg.layer_id or 0))
-
-
-def _device_kind(device: torch.device) -> str:
-    if device.type == "cuda":
-        return "rocm" if torch.version.hip else "cuda"
-    return "cpu"
+    plan = build_plan(layer_spec(layer, fmt.quant), knobs, ep_rank, ep_size, placement,
+                      device_type=platform_facts.device_kind(device))
+    # the layer settles MEGA_DISPATCH=auto over the EP group, then refuses (every rank alike, before its
+    # buffers exist) a forward SGLang would capture but cannot be
+    return MegaMoELayer(plan, weights.to(device), group=group, device=device, layer_id=int(cfg.layer_id or 0),
+                        graphs=EngineGraphs(sglang_captures_graphs(), "--disable-cuda-graph"))
 
 
 def captures_graphs(cuda_graph_config: Any) -> bool:

@@ -19,12 +19,16 @@ Fp8MoEMethod, fp4 experts      ``w13_weight`` [E, 2I, H/2] int8 (e2m1 pairs), sc
 fp4)                           or float32 powers of two (CUDA); same for ``w2_*``
 =============================  ==================================================================
 
-This module only reads SGLang's quant-method classes and where they keep the scales; the
-conversion (interleave, padding, E8M0) and which scheme runs (``AITER_FORCE_A8W4``) are core's
-(``megamoe_backend.experts.loaded``), shared with ``megamoe info`` and the vLLM plugin.
+This module only reads SGLang's quant-method classes, where they keep the scales and, where SGLang
+names it, the activation format SGLang itself runs the experts with (the engine's reading: in 0.5.23
+only DeepSeek V4.1 on aiter, ``FusedMoE.fp8_activations``; plain V4 names none). The conversion
+(interleave, padding, E8M0) and which scheme and dispatch wire run (the reading, ``AITER_FORCE_A8W4``,
+``MEGA_DISPATCH_WIRE``: ``spec.choose_scheme``) are core's, shared with ``megamoe info`` and the vLLM plugin.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from megamoe_backend.experts.loaded import (
     ExpertFormat,
@@ -33,6 +37,8 @@ from megamoe_backend.experts.loaded import (
     expert_format,
     expert_weights_from_params,
 )
+from megamoe_backend.knobs import Knobs
+from megamoe_backend.spec import EngineReading, SchemeChoice, choose_scheme, log_override
 
 FLAG = "--moe-a2a-backend megamoe_ep"
 _QUARK_SCHEMES = {"QuarkW4A4MXFp4MoE": "a4w4", "QuarkW4A8MXFp4MoE": "a8w4"}
@@ -43,7 +49,8 @@ def declared_scheme(quant_method: object, scheme: object = None) -> tuple[str, s
 
     ``QuarkFusedMoEMethod`` delegates to a scheme object (SGLang keeps it on the layer,
     ``layer.scheme``; pass it as ``scheme``) whose class names the activation format. DeepSeek V4
-    fp4 experts declare no activation format: A4W4, as upstream MegaMoE runs them.
+    fp4 experts declare no activation format: A4W4, as upstream MegaMoE runs them (SGLang's own
+    reading, where it has one, is ``engine_reading``'s).
     """
     name = type(quant_method).__name__
     if name == "UnquantizedFusedMoEMethod":
@@ -65,11 +72,42 @@ def declared_scheme(quant_method: object, scheme: object = None) -> tuple[str, s
     )
 
 
-def expert_format_of(quant_method: object, force_a8w4: bool | None = None, scheme: object = None) -> ExpertFormat:
-    """What MegaMoE runs for the layer's quant method under AITER_FORCE_A8W4 (``force_a8w4``; core decides)."""
-    declared, scale_param, source = declared_scheme(quant_method, scheme)
-    return expert_format(declared, force_a8w4, source, FLAG, scale_param)
+def engine_reading(quant_method: object, layer: object = None) -> EngineReading | None:
+    """The activation format SGLang names for the layer's MXFP4 experts, or None where it names none.
+
+    SGLang 0.5.23's DeepSeek V4 decoder sets ``experts.fp8_activations`` (True for model_type
+    deepseek_v41) when it runs aiter on ROCm, and its aiter runner then quantises the activations to
+    fp8 for the fp4 experts (``Fp8MoEMethod`` ... ``fp8_activations=is_fp4_expert and layer.fp8_activations``).
+    """
+    fp4_experts = type(quant_method).__name__ == "Fp8MoEMethod" and getattr(quant_method, "is_fp4_expert", False)
+    if fp4_experts and getattr(layer, "fp8_activations", False) is True:
+        return EngineReading("a8w4", "SGLang FusedMoE.fp8_activations (DeepSeek V4.1 on aiter)")
+    return None
 
 
-__all__ = ["ExpertFormat", "UnsupportedExpertsError", "declared_scheme", "e8m0_bytes", "expert_format_of",
-           "expert_weights_from_params"]
+def scheme_choice_of(quant_method: object, knobs: Knobs | None = None, scheme: object = None,
+                     layer: object = None) -> SchemeChoice:
+    """The scheme and dispatch wire MegaMoE runs for the layer's quant method under the knobs (core decides)."""
+    declared, _, _ = declared_scheme(quant_method, scheme)
+    return choose_scheme(declared, engine_reading(quant_method, layer), knobs or Knobs(), FLAG)
+
+
+def expert_format_of(quant_method: object, knobs: Knobs | None = None, scheme: object = None,
+                     layer: object = None) -> ExpertFormat:
+    """What MegaMoE runs for the layer's quant method under the knobs (``scheme_choice_of``), as an ExpertFormat."""
+    _, scale_param, source = declared_scheme(quant_method, scheme)
+    return expert_format(scheme_choice_of(quant_method, knobs, scheme, layer), source, scale_param)
+
+
+def layer_scheme(layer: Any, knobs: Knobs) -> tuple[ExpertFormat, Knobs]:
+    """An SGLang FusedMoE's ExpertFormat and the knobs its plan is built from (the dispatch wire the
+    scheme choice runs); logs, once per process, a knob that overrode SGLang's reading."""
+    qm, scheme = layer.quant_method, getattr(layer, "scheme", None)
+    choice = scheme_choice_of(qm, knobs, scheme, layer)
+    log_override(choice)
+    _, scale_param, source = declared_scheme(qm, scheme)
+    return expert_format(choice, source, scale_param), choice.knobs_for_layer(knobs)
+
+
+__all__ = ["ExpertFormat", "UnsupportedExpertsError", "declared_scheme", "e8m0_bytes", "engine_reading",
+           "expert_format_of", "expert_weights_from_params", "layer_scheme", "scheme_choice_of"]

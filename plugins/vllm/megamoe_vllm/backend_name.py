@@ -1,4 +1,4 @@
-"""Make ``megamoe_ep`` an accepted ``--moe-backend`` value in vLLM 0.32 / 0.33.
+"""Make ``megamoe_ep`` an accepted ``--moe-backend`` value in vLLM 0.32 - 0.34 (one mechanism in all).
 
 vLLM has no registry for MoE backend names: ``vllm.config.kernel.MoEBackend`` is a ``Literal`` and
 two things are derived from it — the argparse ``choices`` of ``--moe-backend`` (computed from the

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megamoe_backend.plan.capture import CaptureFacts, require_capturable
+from megamoe_backend.plan.capture import EngineGraphs
 
 
 class MegaMoEConfigError(ValueError):
@@ -47,6 +47,8 @@ def engine_captures_graphs(vllm_config: Any) -> bool:
     return mode is not None and mode != CUDAGraphMode.NONE
 
 
-def check_capturable(plan: Any, device_type: str, vllm_config: Any) -> None:
-    """Refuse a layer whose forward cannot be captured when vLLM will capture graphs."""
-    require_capturable(CaptureFacts.of(plan, device_type), engine_captures_graphs(vllm_config), "--enforce-eager")
+def engine_graphs(vllm_config: Any) -> EngineGraphs:
+    """vLLM's CUDA-graph setting as the layer takes it: the layer refuses, once its transport is
+    settled over the EP group (megamoe_backend/layer/startup.py), a forward vLLM would capture but
+    cannot be, naming --enforce-eager."""
+    return EngineGraphs(engine_captures_graphs(vllm_config), "--enforce-eager")

@@ -26,11 +26,12 @@ from megamoe_backend.layer import MegaMoELayer
 from megamoe_backend.layer.eplb import expose_expert_tensors
 from megamoe_backend.plan import ExpertPlacement, LayerPlan, PlacementError, build_plan
 from megamoe_backend.plan import token_bound
+from megamoe_backend.platform import facts as platform_facts
 from megamoe_backend.spec import MoESpec
 
 from . import op
 from .dp_bound import max_tokens_across_ranks
-from .engine_checks import MegaMoEConfigError, check_capturable
+from .engine_checks import MegaMoEConfigError, engine_graphs
 from .weights import ExpertFormat, expert_format_of, expert_weights_from_params
 
 if TYPE_CHECKING:
@@ -185,12 +186,10 @@ class MegaMoEMethod:
         )
         placement = vllm_placement(moe.num_experts, mpc.ep_size, layer.expert_placement_strategy, eplb_initial_map(moe),
                                    moe.num_logical_experts)
-        device_type = "cpu" if weights.w1.device.type == "cpu" else ("rocm" if torch.version.hip else "cuda")
         self.plan = build_plan(spec, self.knobs, ep_rank=mpc.ep_rank, ep_size=mpc.ep_size,
-                               placement=placement, device_type=device_type)
+                               placement=placement, device_type=platform_facts.device_kind(weights.w1.device))
         from vllm.config import get_current_vllm_config
 
-        check_capturable(self.plan, device_type, get_current_vllm_config())  # before the arena is allocated
         group = None
         if mpc.ep_size > 1:
             ep_group = get_ep_group()
@@ -200,7 +199,11 @@ class MegaMoEMethod:
                     f"the MoE parallel config (ep_rank {mpc.ep_rank} of {mpc.ep_size})"
                 )
             group = ep_group.device_group
-        self.runtime = MegaMoELayer(self.plan, weights, group=group, device=weights.w1.device, name=self.layer_name)
+        # the layer settles MEGA_DISPATCH=auto over the EP group, then refuses (every rank alike, before its
+        # buffers exist) a forward vLLM would capture but cannot be
+        self.runtime = MegaMoELayer(self.plan, weights, group=group, device=weights.w1.device, name=self.layer_name,
+                                    graphs=engine_graphs(get_current_vllm_config()))
+        self.plan = self.runtime.plan
 
         if mpc.enable_eplb:
             expose_for_eplb(layer, self.runtime)

@@ -19,14 +19,18 @@ MX_BLOCK = 32
 
 
 class MXFP4ExpertParams:
-    """Stand-in for vLLM's MXFP4 MoE quant method: parameters only. ``quant``: "a4w4" | "a8w4"."""
+    """Stand-in for vLLM's MXFP4 MoE quant method: parameters only. ``quant``: "a4w4" | "a8w4", the
+    parameter layout the checkpoint declares; ``activation_key``: the activation format vLLM's own
+    method was given (``Mxfp4MoEMethod(activation_key=...)``, kept so the engine's reading survives
+    the method vLLM could not build here), None where it was given none."""
 
     weight_dtype = "mxfp4"
 
-    def __init__(self, quant: str) -> None:
+    def __init__(self, quant: str, activation_key: object = None) -> None:
         if quant not in ("a4w4", "a8w4"):
             raise ValueError(f"quant={quant!r}; expected a4w4 or a8w4")
         self.quant = quant
+        self.activation_key = activation_key
 
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype,

@@ -63,21 +63,50 @@ class MegaMoERoutedExperts(RoutedExperts):
             # vLLM found no MoE kernel for this checkpoint's format on this platform (e.g. MXFP4
             # on CPU). MegaMoE brings its own experts; it only needs the parameters declared.
             inner = _mxfp4_params_or_raise(quant_config, exc)
-        from .method import make_method
+        from megamoe_backend.spec import log_override
 
-        return make_method(inner, moe_config, self._megamoe_knobs, prefix)
+        from .method import make_method
+        from .weights import scheme_choice_of
+
+        # The engine's reading (vLLM 0.33+ DeepSeek V4: A8W4) x the knobs -> the scheme and wire this layer runs.
+        choice = scheme_choice_of(inner, self._megamoe_knobs)
+        log_override(choice)
+        return make_method(inner, moe_config, choice.knobs_for_layer(self._megamoe_knobs), prefix)
+
+
+def _failed_mxfp4_activation_key(exc: BaseException) -> tuple[bool, Any]:
+    """(True, the ``activation_key`` vLLM passed) when ``exc`` was raised inside ``Mxfp4MoEMethod.__init__``.
+
+    Why the traceback: vLLM's DeepSeek V4 config builds ``Mxfp4MoEMethod(moe, activation_key=...)``
+    and its kernel oracle, run inside that constructor, raises where it has no MXFP4 kernel (CPU):
+    the method object, and with it the engine's reading of the activations, is lost, except as the
+    constructor's own argument in the frame that raised. (False, None): the error came from elsewhere
+    (e.g. an NVFP4 expert method), which these parameters do not describe.
+    """
+    from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
+
+    code = Mxfp4MoEMethod.__init__.__code__
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True, tb.tb_frame.f_locals.get("activation_key")
+        tb = tb.tb_next
+    return False, None
 
 
 def _mxfp4_params_or_raise(quant_config: Any, exc: Exception) -> Any:
     """MXFP4ExpertParams (the checkpoint's declared scheme: its parameters) for a Quark MXFP4 or
-    DeepSeek V4 (fp4 experts) checkpoint; else re-raise."""
+    DeepSeek V4 (fp4 experts) checkpoint, with the activation key vLLM gave its own method; else re-raise."""
     from megamoe_backend.spec import ConfigError, quant_scheme_from_config
 
     from .mxfp4_params import MXFP4ExpertParams
 
     name = quant_config.get_name() if quant_config is not None else None
     if name == "deepseek_v4_fp8":  # V4 routed experts are MXFP4 (vLLM's Mxfp4MoEMethod layout), declared A4W4
-        return MXFP4ExpertParams("a4w4")  # AITER_FORCE_A8W4 is applied by expert_format_of, as for every method
+        was_mxfp4, activation_key = _failed_mxfp4_activation_key(exc)
+        if not was_mxfp4:
+            raise exc
+        return MXFP4ExpertParams("a4w4", activation_key)  # scheme_choice_of reads the key as from Mxfp4MoEMethod
     raw = getattr(quant_config, "quant_config", None)
     if name != "quark" or not isinstance(raw, dict):
         raise exc

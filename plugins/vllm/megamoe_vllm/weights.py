@@ -5,8 +5,10 @@ weight loaders fill them from every checkpoint layout it knows (per-expert ``gat
 down_proj``, fused ``gate_up_proj``, DeepSeek V4 ``w1/w3/w2``, EPLB replicas, TP/EP slicing). After
 loading, the layout is the one core maps (``megamoe_backend.experts.loaded``): ``w13_weight`` /
 ``w2_weight`` (+ ``*_weight_scale`` E8M0 for MXFP4). This module only reads vLLM's quant-method
-classes; which scheme then runs (``AITER_FORCE_A8W4``) is core's decision, shared with
-``megamoe info`` and the SGLang plugin.
+classes -- the scheme the checkpoint declares and, where vLLM's quant method names it, the
+activation format vLLM itself runs (the engine's reading: ``Mxfp4MoEMethod.activation_key``); which
+scheme and dispatch wire then run (the reading, ``AITER_FORCE_A8W4``, ``MEGA_DISPATCH_WIRE``) is core's
+decision (``spec.choose_scheme``), shared with ``megamoe info`` and the SGLang plugin.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from megamoe_backend.experts import ExpertWeights
 from megamoe_backend.experts.loaded import ExpertFormat, UnsupportedExpertsError, expert_format
 from megamoe_backend.experts.loaded import expert_weights_from_params as _from_params
 from megamoe_backend.knobs import Knobs
+from megamoe_backend.spec import EngineReading, SchemeChoice, choose_scheme
 
 FLAG = "--moe-backend megamoe_ep"
 # Quark OCP-MX scheme -> the scheme the checkpoint declares.
@@ -26,14 +29,17 @@ _QUARK_SCHEMES = {"w_mxfp4_a_mxfp4": "a4w4", "w_mxfp4_a_fp8": "a8w4"}
 def declared_scheme(quant_method: object) -> str:
     """The scheme vLLM's routed-experts quant method loads; raise for anything MegaMoE cannot serve.
 
-    ``Mxfp4MoEMethod`` (DeepSeek V4 ``expert_dtype=fp4`` checkpoints, ``quant_method: mxfp4``)
-    declares no activation format: A4W4, as upstream MegaMoE runs it.
+    ``Mxfp4MoEMethod`` (DeepSeek V4 ``expert_dtype=fp4`` checkpoints, ``quant_method: mxfp4``) loads
+    MXFP4 weights without activation scales: A4W4, as upstream MegaMoE runs it. The activation format
+    vLLM's method itself names (``activation_key``, vLLM 0.33+ for DeepSeek V4) is ``engine_reading``'s.
     """
     name = type(quant_method).__name__
     if name == "MXFP4ExpertParams":
         return quant_method.quant
     if name == "UnquantizedFusedMoEMethod":
         return "bf16"
+    if name == "Fp8MoEMethod" and getattr(quant_method, "block_quant", False):
+        return "fp8_block"  # refused by core, with the message `megamoe info` and SGLang give (DeepSeek V3/R1 FP8)
     if name == "Mxfp4MoEMethod":
         if getattr(quant_method, "weight_dtype", "mxfp4") != "mxfp4":
             raise UnsupportedExpertsError(f"{FLAG}: {name} with weights {quant_method.weight_dtype!r}")
@@ -52,12 +58,42 @@ def declared_scheme(quant_method: object) -> str:
     )
 
 
+def _activation_key_names() -> list[tuple[object, str, str]]:
+    """(vLLM's QuantKey, its name, the scheme it makes MXFP4 weights): the activation keys MegaMoE runs."""
+    from vllm.model_executor.layers.quantization.utils import quant_utils
+
+    return [(quant_utils.kMxfp8Dynamic, "kMxfp8Dynamic", "a8w4"), (quant_utils.kMxfp4Dynamic, "kMxfp4Dynamic", "a4w4")]
+
+
+def engine_reading(quant_method: object) -> EngineReading | None:
+    """The activation format vLLM's MXFP4 quant method names (``activation_key``: "checkpoint-declared
+    activation quantization", set by vLLM 0.33+'s DeepSeek V4 config), or None where it names none."""
+    name = type(quant_method).__name__
+    key = getattr(quant_method, "activation_key", None) if name in ("Mxfp4MoEMethod", "MXFP4ExpertParams") else None
+    if key is None:
+        return None
+    import vllm
+
+    for known, key_name, scheme in _activation_key_names():
+        if key == known:
+            return EngineReading(scheme, f"vLLM {vllm.__version__} Mxfp4MoEMethod(activation_key={key_name})")
+    raise UnsupportedExpertsError(
+        f"{FLAG}: vLLM's {name} declares activations {key} for these MXFP4 experts; MegaMoE runs MXFP4 weights "
+        "with MXFP8 (A8W4) or MXFP4 (A4W4) activations. Serve this model with vLLM's default MoE backend."
+    )
+
+
+def scheme_choice_of(quant_method: object, knobs: Knobs) -> SchemeChoice:
+    """The scheme and dispatch wire MegaMoE runs for vLLM's quant method under the knobs (core decides)."""
+    return choose_scheme(declared_scheme(quant_method), engine_reading(quant_method), knobs, FLAG)
+
+
 def expert_format_of(quant_method: object, knobs: Knobs) -> ExpertFormat:
-    """What MegaMoE runs for vLLM's quant method under the knobs (AITER_FORCE_A8W4: core decides)."""
+    """What MegaMoE runs for vLLM's quant method under the knobs (``scheme_choice_of``), as an ExpertFormat."""
     name = type(quant_method).__name__
     scheme = getattr(quant_method, "quant", None) or getattr(quant_method, "ocp_mx_scheme", None)
     source = f"{name}({scheme})" if scheme else name
-    return expert_format(declared_scheme(quant_method), knobs.aiter_force_a8w4, source, FLAG)
+    return expert_format(scheme_choice_of(quant_method, knobs), source)
 
 
 def expert_weights_from_params(params: dict[str, torch.Tensor], fmt: ExpertFormat) -> ExpertWeights:
@@ -65,4 +101,5 @@ def expert_weights_from_params(params: dict[str, torch.Tensor], fmt: ExpertForma
     return _from_params(params, fmt)
 
 
-__all__ = ["ExpertFormat", "UnsupportedExpertsError", "declared_scheme", "expert_format_of", "expert_weights_from_params"]
+__all__ = ["ExpertFormat", "UnsupportedExpertsError", "declared_scheme", "engine_reading", "expert_format_of",
+           "expert_weights_from_params", "scheme_choice_of"]

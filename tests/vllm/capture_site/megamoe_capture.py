@@ -14,13 +14,14 @@ engine core is stopped, not shut down cleanly, so nothing may wait for exit) hol
 name, copies of the three inputs and of the returned tensor, and the plugin's quant scheme and
 dispatch wire, for ``layer_oracle.py`` to recompute with the core ``MegaMoELayer``.
 
-Token bound (``$MEGAMOE_TEST_BOUND_DIR``): on a CPU the layer runs the torch forward, which refuses
-``max_tokens_across_ranks`` (only the CUDA device P2P forward takes it), so the plugin passes none
-there. The recorder makes the plugin's one "does the layer take the bound" question
-(``token_bound.takes_token_bound``) answer yes and wraps ``MegaMoELayer.forward``: every call appends
-(EP rank, layer, tokens on this rank, the bound it received, whether vLLM's ``_dummy_run`` — warm-up,
-profiling, idle DP ranks, CUDA-graph capture — is on the stack) to ``{pid}.jsonl``, then runs the
-torch forward without the bound. Numbers are unchanged; only the bound's value is observed.
+Token bound (``$MEGAMOE_TEST_BOUND_DIR``): a pass-through around ``MegaMoELayer.forward`` that
+appends, for every call, (EP rank, layer, tokens on this rank, the ``max_tokens_across_ranks`` the
+layer received, which forward ran it, whether vLLM's ``_dummy_run`` — warm-up, profiling, idle DP
+ranks, CUDA-graph capture on a GPU — is on the stack) to ``{pid}.jsonl``, AFTER the real forward
+returned. It changes no argument and no result: the plugin decides on its own whether to pass a
+bound (``token_bound.takes_token_bound``), and the layer's own forward uses it (on CPU the torch
+forward checks it against every rank's in the dispatch header and would refuse a wrong one on
+both ranks), so a record is a bound the real forward took and accepted.
 """
 
 from __future__ import annotations
@@ -82,21 +83,21 @@ def _in_dummy_run() -> bool:
 
 def _record_bounds(out_dir: Path) -> None:
     from megamoe_backend.layer import MegaMoELayer
-    from megamoe_backend.plan import token_bound
 
     if getattr(MegaMoELayer.forward, "_megamoe_bound", False):
         return  # idempotent
     inner = MegaMoELayer.forward
-    token_bound.takes_token_bound = lambda layer: True
     path = out_dir / f"{os.getpid()}.jsonl"
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def forward(self, x, topk_ids, topk_weights, output_scale=1.0, out=None, max_tokens_across_ranks=None):
+        dummy_run = _in_dummy_run()
+        result = inner(self, x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks)
         record = {"ep_rank": self.plan.ep_rank, "layer": self.name, "tokens": int(x.shape[0]),
-                  "bound": max_tokens_across_ranks, "dummy_run": _in_dummy_run()}
+                  "bound": max_tokens_across_ranks, "forward": type(self.path).__name__, "dummy_run": dummy_run}
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        return inner(self, x, topk_ids, topk_weights, output_scale, out)
+        return result
 
     forward._megamoe_bound = True
     MegaMoELayer.forward = forward
