@@ -25,20 +25,7 @@ BENCH_VARIABLES='Variables (the same in both engines; unset = the default shown)
   LM_EVAL=lm_eval  the lm_eval executable (DATASET=gsm8k)
 Options: --help, --dry-run (print the commands, run nothing); other arguments go to the bench command.'
 
-bench_parse_args() {
-  DRY_RUN=0; EXTRA=()
-  local arg
-  for arg in "$@"; do
-    case $arg in
-      --dry-run) DRY_RUN=1 ;;
-      -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; echo; echo "$BENCH_VARIABLES"; exit 0 ;;
-      --) ;;
-      *) EXTRA+=("$arg") ;;
-    esac
-  done
-}
-
-_bench_fail() { echo "error: $*" >&2; return 2; }
+bench_parse_args() { script_parse_args "$BENCH_VARIABLES" "$@"; }
 
 # bench_resolve: validates the variables and sets MODEL, DATASET, ISL, OSL, RATE, WARMUPS, SEED, BACKEND,
 # RESULT_DIR, STAMP and POINTS (one "concurrency:prompts" per run, in order).
@@ -46,28 +33,28 @@ bench_resolve() {
   MODEL=${MODEL:-deepseek-ai/DeepSeek-V4-Pro}
   DATASET=${DATASET:-random}
   case $DATASET in random|sharegpt|gsm8k) ;; *)
-    _bench_fail "DATASET=$DATASET is not valid; allowed: random | sharegpt | gsm8k"; return 2;;
+    script_fail "DATASET=$DATASET is not valid; allowed: random | sharegpt | gsm8k"; return 2;;
   esac
   PRESET=${PRESET:-}
   case $PRESET in ''|none) PRESET= ;; reference) ;; *)
-    _bench_fail "PRESET=$PRESET is not valid; allowed: reference (or unset)"; return 2;;
+    script_fail "PRESET=$PRESET is not valid; allowed: reference (or unset)"; return 2;;
   esac
   local warm_default=1
   [[ $PRESET == reference ]] && warm_default=64
   ISL=${ISL:-8192} OSL=${OSL:-1024} WARMUPS=${WARMUPS:-$warm_default} SEED=${SEED:-0} RATE=${REQUEST_RATE:-inf}
   local v
   for v in ISL OSL; do
-    [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { _bench_fail "$v=${!v} must be a positive integer (tokens)"; return 2; }
+    [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { script_fail "$v=${!v} must be a positive integer (tokens)"; return 2; }
   done
-  [[ $WARMUPS =~ ^[0-9]+$ ]] || { _bench_fail "WARMUPS=$WARMUPS must be a number of requests >= 0"; return 2; }
-  [[ $SEED =~ ^[0-9]+$ ]] || { _bench_fail "SEED=$SEED must be an integer >= 0"; return 2; }
-  [[ $RATE == inf || $RATE =~ ^[0-9]+(\.[0-9]+)?$ ]] || { _bench_fail "REQUEST_RATE=$RATE must be inf or requests per second"; return 2; }
+  [[ $WARMUPS =~ ^[0-9]+$ ]] || { script_fail "WARMUPS=$WARMUPS must be a number of requests >= 0"; return 2; }
+  [[ $SEED =~ ^[0-9]+$ ]] || { script_fail "SEED=$SEED must be an integer >= 0"; return 2; }
+  [[ $RATE == inf || $RATE =~ ^[0-9]+(\.[0-9]+)?$ ]] || { script_fail "REQUEST_RATE=$RATE must be inf or requests per second"; return 2; }
   BACKEND=${BACKEND:-megamoe}
   case $BACKEND in megamoe|default) ;; *)
-    _bench_fail "BACKEND=$BACKEND is not valid; allowed: megamoe | default"; return 2;;
+    script_fail "BACKEND=$BACKEND is not valid; allowed: megamoe | default"; return 2;;
   esac
   if [[ $DATASET == sharegpt ]]; then
-    [[ -n ${DATASET_PATH:-} ]] || { _bench_fail "DATASET=sharegpt needs DATASET_PATH=<ShareGPT json> (nothing is downloaded)"; return 2; }
+    [[ -n ${DATASET_PATH:-} ]] || { script_fail "DATASET=sharegpt needs DATASET_PATH=<ShareGPT json> (nothing is downloaded)"; return 2; }
   fi
   if [[ $PRESET == reference && $DATASET != gsm8k ]]; then
     [[ -n ${CONCURRENCY:-}${PROMPTS:-}${NUM_PROMPTS:-} ]] &&
@@ -76,13 +63,13 @@ bench_resolve() {
       '') POINTS=("512:5120"); [[ $DATASET == random ]] && POINTS+=("4096:8192") ;;
       512) POINTS=("512:5120") ;;
       4096) POINTS=("4096:8192") ;;
-      *) _bench_fail "POINT=$POINT is not valid; allowed: 512 | 4096 (the reference run's concurrencies)"; return 2 ;;
+      *) script_fail "POINT=$POINT is not valid; allowed: 512 | 4096 (the reference run's concurrencies)"; return 2 ;;
     esac
   else
     local c=${CONCURRENCY:-64}
     local n=${PROMPTS:-${NUM_PROMPTS:-$((4 * ${c//[!0-9]/0}))}}
     for v in c n; do
-      [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { _bench_fail "$([[ $v == c ]] && echo CONCURRENCY || echo PROMPTS)=${!v} must be a positive integer"; return 2; }
+      [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { script_fail "$([[ $v == c ]] && echo CONCURRENCY || echo PROMPTS)=${!v} must be a positive integer"; return 2; }
     done
     POINTS=("$c:$n")
   fi

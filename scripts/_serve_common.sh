@@ -40,20 +40,7 @@ is dropped).'
 
 # serve_parse_args "$@": DRY_RUN (0 | 1) and EXTRA (the engine's arguments); --help prints the calling
 # script's header and SERVE_VARIABLES, then exits 0.
-serve_parse_args() {
-  DRY_RUN=0; EXTRA=()
-  local arg
-  for arg in "$@"; do
-    case $arg in
-      --dry-run) DRY_RUN=1 ;;
-      -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; echo; echo "$SERVE_VARIABLES"; exit 0 ;;
-      --) ;;
-      *) EXTRA+=("$arg") ;;
-    esac
-  done
-}
-
-_serve_fail() { echo "error: $*" >&2; return 2; }
+serve_parse_args() { script_parse_args "$SERVE_VARIABLES" "$@"; }
 
 # _serve_knob VAR MEGA_NAME ALLOWED PRESET_VALUE: the MEGA_* value the server gets (appended to MEGA_ENV),
 # refusing a VAR that disagrees with an exported MEGA_NAME; ALLOWED: "a|b|c" or "int".
@@ -62,12 +49,12 @@ _serve_knob() {
   local value=${!var:-} exported=${!mega:-}
   if [[ -n $value ]]; then
     if [[ $allowed == int ]]; then
-      [[ $value =~ ^[1-9][0-9]*$ ]] || { _serve_fail "$var=$value must be a positive token count (it becomes $mega)"; return 2; }
+      [[ $value =~ ^[1-9][0-9]*$ ]] || { script_fail "$var=$value must be a positive token count (it becomes $mega)"; return 2; }
     elif ! [[ "|$allowed|" == *"|$value|"* ]]; then
-      _serve_fail "$var=$value is not valid; allowed: ${allowed//|/ | } (it becomes $mega)"; return 2
+      script_fail "$var=$value is not valid; allowed: ${allowed//|/ | } (it becomes $mega)"; return 2
     fi
     if [[ -n $exported && $exported != "$value" ]]; then
-      _serve_fail "$var=$value disagrees with the exported $mega=$exported (an exported MEGA_* value is never overridden): unset $mega or $var, or make them equal"; return 2
+      script_fail "$var=$value disagrees with the exported $mega=$exported (an exported MEGA_* value is never overridden): unset $mega or $var, or make them equal"; return 2
     fi
     MEGA_ENV+=("$mega=$value")
   elif [[ -n $exported ]]; then
@@ -85,21 +72,21 @@ _serve_knob() {
 serve_resolve() {
   local engine=$1
   N=${N:-${DP:-8}}
-  [[ $N =~ ^[1-9][0-9]*$ ]] || { _serve_fail "N=$N must be a positive GPU count (the EP size)"; return 2; }
+  [[ $N =~ ^[1-9][0-9]*$ ]] || { script_fail "N=$N must be a positive GPU count (the EP size)"; return 2; }
   BACKEND=${BACKEND:-megamoe}
   case $BACKEND in megamoe|default) ;; *)
-    _serve_fail "BACKEND=$BACKEND is not valid; allowed: megamoe | default (the engine's own MoE backend)"; return 2;;
+    script_fail "BACKEND=$BACKEND is not valid; allowed: megamoe | default (the engine's own MoE backend)"; return 2;;
   esac
   PRESET=${PRESET:-}
   case $PRESET in ''|none) PRESET= ;; reference) ;; *)
-    _serve_fail "PRESET=$PRESET is not valid; allowed: reference (or unset)"; return 2;;
+    script_fail "PRESET=$PRESET is not valid; allowed: reference (or unset)"; return 2;;
   esac
   local reference=0
   [[ $PRESET == reference ]] && reference=1
   KV=${KV_CACHE:-$( ((reference)) && echo fp8 || echo "${KV_DEFAULT:-auto}")}
-  case $KV in fp8|auto) ;; *) _serve_fail "KV_CACHE=$KV is not valid; allowed: fp8 | auto"; return 2;; esac
+  case $KV in fp8|auto) ;; *) script_fail "KV_CACHE=$KV is not valid; allowed: fp8 | auto"; return 2;; esac
   MAX_LEN=${MAX_MODEL_LEN:-$( ((reference)) && echo 9472 || true)}
-  [[ -z $MAX_LEN || $MAX_LEN =~ ^[1-9][0-9]*$ ]] || { _serve_fail "MAX_MODEL_LEN=$MAX_LEN must be a positive token count"; return 2; }
+  [[ -z $MAX_LEN || $MAX_LEN =~ ^[1-9][0-9]*$ ]] || { script_fail "MAX_MODEL_LEN=$MAX_LEN must be a positive token count"; return 2; }
   MEGA_ENV=()
   local combine_preset="" mtpr_preset=""
   ((reference)) && combine_preset=fp8_blockwise_1x32 mtpr_preset=8192
@@ -118,7 +105,7 @@ serve_resolve() {
   local transport=${TRANSPORT:-${MEGA_DISPATCH:-auto}} eager=0
   [[ $BACKEND == megamoe && $N != 1 && $transport =~ ^(nccl|mori|flydsl)$ ]] && eager=1
   GRAPHS=${CUDA_GRAPH:-$((1 - eager))}
-  case $GRAPHS in 0|1) ;; *) _serve_fail "CUDA_GRAPH=$GRAPHS must be 0 or 1"; return 2;; esac
+  case $GRAPHS in 0|1) ;; *) script_fail "CUDA_GRAPH=$GRAPHS must be 0 or 1"; return 2;; esac
   ((reference)) && EPLB=${EPLB:-r0}
   source "$(dirname "${BASH_SOURCE[0]}")/_eplb.sh"
   eplb_flags "$engine" || return 2
@@ -147,7 +134,7 @@ serve_check() {
   [[ $BACKEND == default || ${CHECK:-1} == 0 ]] && return 0
   local megamoe=${MEGAMOE:-megamoe}
   if ! command -v "$megamoe" >/dev/null 2>&1; then
-    _serve_fail "$megamoe not found: install megamoe-backend into the engine's environment (docs/install.md) or set MEGAMOE=/path/to/megamoe; CHECK=0 skips the check of the knobs against the checkpoint"
+    script_fail "$megamoe not found: install megamoe-backend into the engine's environment (docs/install.md) or set MEGAMOE=/path/to/megamoe; CHECK=0 skips the check of the knobs against the checkpoint"
     return 2
   fi
   local source=(--preset "$preset_name")
@@ -165,7 +152,7 @@ serve_check() {
   local out
   if ! out=$(env "${MEGA_ENV[@]}" "${cmd[@]}" 2>&1); then
     echo "$out" | grep -E "error|Error" | tail -3 >&2
-    _serve_fail "megamoe info refuses this environment (${MEGA_ENV[*]:-no MEGA_* set}): fix the knob it names (WIRE sets MEGA_DISPATCH_WIRE, COMBINE_WIRE MEGA_COMBINE_WIRE, TRANSPORT MEGA_DISPATCH, MTPR MEGA_MAX_TOKENS_PER_RANK); ran: ${cmd[*]}"
+    script_fail "megamoe info refuses this environment (${MEGA_ENV[*]:-no MEGA_* set}): fix the knob it names (WIRE sets MEGA_DISPATCH_WIRE, COMBINE_WIRE MEGA_COMBINE_WIRE, TRANSPORT MEGA_DISPATCH, MTPR MEGA_MAX_TOKENS_PER_RANK); ran: ${cmd[*]}"
     return 2
   fi
   echo "check: ${cmd[*]}" >&2
