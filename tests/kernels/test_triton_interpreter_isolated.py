@@ -21,7 +21,8 @@ pytest.importorskip("triton")
 
 
 INTERPRETER_MODULES = ("test_triton_interpreter.py", "test_device_forward_interpreter.py", "test_p2p_interpreter.py",
-                       "test_watchdog_interpreter.py", "test_live_interpreter.py")
+                       "test_watchdog_interpreter.py", "test_live_interpreter.py",
+                       "../rocm/test_mori_device_forward.py")  # paths from this folder
 
 
 @pytest.mark.parametrize("module", INTERPRETER_MODULES)
@@ -32,7 +33,7 @@ def test_interpreter_suite_in_fresh_process(module):
 
     if type(std._elementwise_max).__name__ == "InterpretedFunction":
         pytest.skip(f"this process interprets Triton: {module} ran in-process")
-    target = Path(__file__).with_name(module)
+    target = Path(__file__).parent / module
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(target)],
                           env=env, capture_output=True, text=True, timeout=900)
