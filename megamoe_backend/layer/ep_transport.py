@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from ..plan import LayerPlan
+from ..platform import facts as platform_facts
 from ..platform.select import cuda_auto_transport
 from ..platform.topology import EpTopology, gather_ep_topology
 from ..transport.cache import get_ep_transport
@@ -61,7 +62,7 @@ def resolve_ep_transport(plan: LayerPlan, group: Any, device: torch.device, deci
     """``plan`` with auto's EP transport decided (once per group); plans that chose already pass through.
     ``kind``: the device's platform (platform.facts.device_kind), "cuda" where auto waits for the group."""
     selection = plan.backends
-    kind = kind or ("cuda" if torch.device(device).type == "cuda" else "cpu")
+    kind = kind or platform_facts.device_kind(torch.device(device))
     if not selection.needs_ep_topology or group is None or kind != "cuda":
         return plan
     choice = get_ep_transport(group, device, lambda: decide(plan, group, device))
