@@ -246,8 +246,16 @@ class FlashInferCutlass(Peer):
 
     def _flat_call(self, x, ids32, w32):
         """An EP rank: ``cutlass_fused_moe`` with ``ep_size`` / ``ep_rank`` (global ids in, the rank's
-        local experts' partial sums out), its workspace and output allocated once here."""
+        local experts' partial sums out), its workspace and output allocated once here.
+
+        Tuned at exactly the rank's token count: the flat call's autotuner otherwise profiles every
+        bucket up to ``tune_max_num_tokens`` (the next power of two of the tokens that reach the rank,
+        up to 65536 at EP 8 x 8192), minutes per case. ``flashinfer.autotune(tuning_buckets=...)`` is
+        FlashInfer's own way to tune the sizes a caller knows it will run ("passing those exact sizes
+        yields the best results"); every call enters it (host-side only, so a CUDA-graph capture
+        records the tuned tactic), and inside ``warm``'s ``autotune(True)`` it profiles that one bucket."""
         fm, v, n = self.fm, self.view, self.experts
+        buckets = (int(x.shape[0]),)
         humming = self.kind == "humming"
         scales = ([v["fc1_expert_scales"].view(torch.int32), v["fc1_residual_scale"], v["fc2_act_global"],
                    v["fc2_expert_scales"].view(torch.int32), v["fc2_residual_scale"]] if humming else
@@ -263,9 +271,11 @@ class FlashInferCutlass(Peer):
         out = torch.empty(x.shape[0], self.shape.hidden, dtype=torch.bfloat16, device=self.device)
 
         def call():
-            fm.cutlass_fused_moe(x, ids32, w32, v["fc1_expert_weights"], v["fc2_expert_weights"], torch.bfloat16, scales,
-                                 ep_size=self.ep_size, ep_rank=self.ep_rank, output=out, use_w4_group_scaling=True,
-                                 use_wfp4afp8_humming=humming, tune_max_num_tokens=self.ceiling, workspace_buffer=ws, **act)
+            with self.fi.autotune(False, tuning_buckets=buckets):  # look up (or, inside warm, tune) this bucket
+                fm.cutlass_fused_moe(x, ids32, w32, v["fc1_expert_weights"], v["fc2_expert_weights"], torch.bfloat16,
+                                     scales, ep_size=self.ep_size, ep_rank=self.ep_rank, output=out,
+                                     use_w4_group_scaling=True, use_wfp4afp8_humming=humming,
+                                     tune_max_num_tokens=self.ceiling, workspace_buffer=ws, **act)
             return out
 
         return call
@@ -285,11 +295,29 @@ class FlashInferCutlass(Peer):
                 return runner, tactic
         return None
 
+    def _flat_winners(self, tokens: int) -> dict:
+        """The flat call's tuned (gemm1, gemm2) tactics at ``tokens``, read from FlashInfer's winner caches
+        (every partition: which one a tactic lands in depends on the cache file's store); {} if absent."""
+        from flashinfer.autotuner import AutoTuner
+
+        tuner, found = AutoTuner.get(), {}
+        for cache in (tuner.profiling_cache, *getattr(tuner, "_winner_partitions", {}).values()):
+            for key, value in cache.items():
+                shapes = getattr(key, "nearest_profile", ())
+                if (getattr(key, "custom_op", "").startswith("trtllm::fused_moe::gemm") and len(shapes) > 1
+                        and shapes[0][:1] == (tokens,) and shapes[1][:1] == (self.experts,)):
+                    found[key.custom_op.rsplit("::", 1)[1]] = value[0]
+        return found
+
     def tactic(self, tokens):
+        if self.layer is None:
+            won = self._flat_winners(tokens)
+            where = f"flat cutlass_fused_moe, autotuned at exactly {tokens} tokens (tuning_buckets)"
+            if {"gemm1", "gemm2"} <= won.keys():
+                return f"{where}: (gemm1, gemm2) = ({won['gemm1']}, {won['gemm2']})"
+            return f"{where}: winners not found in FlashInfer's caches (a fallback tactic may have run)"
         won = self._winner(tokens)
-        if won is None:
-            return "flat cutlass_fused_moe: tactics chosen by flashinfer.autotune (not exposed)" if self.layer is None else ""
-        return f"{won[0].backend_key} (gemm1, gemm2) = {won[1]}"
+        return "" if won is None else f"{won[0].backend_key} (gemm1, gemm2) = {won[1]}"
 
     def stages_us(self, x):
         """GEMM1 and GEMM2 alone at this token count with the winning tactics, through the GEMM profiler

@@ -5,6 +5,7 @@ Peer boundary (CPU timing). The peers themselves run on the H200 (benchmarks/run
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -247,6 +248,77 @@ def test_a_peer_that_fails_is_recorded_not_raised(weights):
     ids, w = torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2)
     (r,) = peers.run_peers([Broken()], fp4, peers.PeerShape(H, I, 2, None), x, ids, w, lambda y: 0.0, max_tokens=4)
     assert r.error.startswith("load: RuntimeError: bad layout") and r.us != r.us
+
+
+CacheKey = collections.namedtuple("CacheKey", "custom_op nearest_profile")  # ProfilingCacheKey's fields the peer reads
+
+
+class FakeFlashInferTuner:
+    """FlashInfer's autotune surface as the flat EP call meets it: ``autotune`` contexts stack their
+    ``tuning_buckets`` and count the tuning ones (flashinfer/autotuner/autotuner.py: a nested
+    ``autotune(False)`` keeps tuning on while an ``autotune(True)`` is open); a tuning call records its
+    winners under keys shaped like ProfilingCacheKey, as the real tuner does."""
+
+    def __init__(self):
+        self.stack, self.tuning, self.calls = [], 0, []
+        self.profiling_cache, self._winner_partitions = {}, {}
+
+    def autotune(self, tune_mode=True, cache=None, tuning_buckets=None):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            self.stack.append(tuple(tuning_buckets) if tuning_buckets is not None else (self.stack or [None])[-1])
+            self.tuning += bool(tune_mode)
+            try:
+                yield
+            finally:
+                self.stack.pop()
+                self.tuning -= bool(tune_mode)
+        return ctx()
+
+    def cutlass_fused_moe(self, x, ids, w, fc1, fc2, dtype, scales, *, output, **kw):
+        bucket = self.stack[-1] if self.stack else None
+        self.calls.append(("tune" if self.tuning else "lookup", bucket))
+        if self.tuning and bucket:
+            for gemm, tactic in (("gemm1", 7), ("gemm2", 11)):
+                key = CacheKey(f"trtllm::fused_moe::{gemm}", ((bucket[0], x.shape[1]), tuple(fc1.shape)))
+                self.profiling_cache[key] = (tactic, None)
+        output.fill_(1.0)
+
+
+def test_flat_ep_call_is_tuned_and_looked_up_at_the_ranks_exact_token_count(monkeypatch):
+    """The emulated EP rank's FlashInfer peer (flat cutlass_fused_moe): every call enters
+    ``autotune(tuning_buckets=(rows,))``, so ``warm`` profiles that one bucket (not every bucket up to
+    65536 tokens: minutes a case) and the timed / captured calls look the same bucket up; the JSON's
+    tactic names the winners. Mutation run once: a call without the bucket context records
+    ('tune', None) and the tactic says no winner was found."""
+    tuner = FakeFlashInferTuner()
+    fake = types.ModuleType("flashinfer")
+    fake.autotune = tuner.autotune
+    fm = types.SimpleNamespace(cutlass_fused_moe=tuner.cutlass_fused_moe, cutlass_fused_moe_workspace_size=lambda *a, **k: 16)
+    autotuner_mod = types.ModuleType("flashinfer.autotuner")
+    autotuner_mod.AutoTuner = types.SimpleNamespace(get=lambda: tuner)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setitem(sys.modules, "flashinfer.autotuner", autotuner_mod)
+    peer = object.__new__(peers.FlashInferCutlass)
+    peers.Peer.__init__(peer)
+    rows, local_experts = 37, 4
+    peer.fi, peer.fm, peer.kind, peer.tune_cache, peer.layer = fake, fm, "humming", None, None
+    peer.device, peer.experts, peer.ep_size, peer.ep_rank, peer.ceiling = CPU, local_experts, 2, 1, 8192
+    peer.shape = peers.PeerShape(H, I, 2, 10.0)
+    peer.activation = types.SimpleNamespace(alpha=1.0, beta=0.0, limit=10.0)
+    peer.view = {k: torch.zeros(local_experts, 2) for k in ("fc1_expert_weights", "fc2_expert_weights", "fc1_expert_scales",
+                                                            "fc2_expert_scales", "fc1_residual_scale", "fc2_residual_scale")}
+    peer.view["fc2_act_global"] = torch.ones(())
+    x = torch.zeros(rows, H, dtype=torch.bfloat16)
+    ids, w = torch.zeros(rows, 2, dtype=torch.int64), torch.ones(rows, 2)
+    call = peer.bind(x, ids, w)
+    assert peer.warm(call).eq(1.0).all()
+    call()
+    assert tuner.calls == [("tune", (rows,)), ("lookup", (rows,))]
+    assert peer.tactic(rows).endswith("(gemm1, gemm2) = (7, 11)") and f"exactly {rows} tokens" in peer.tactic(rows)
+    assert "not found" in peer.tactic(rows + 1)
 
 
 def test_layer_cases_draw_their_peers(tmp_path):
