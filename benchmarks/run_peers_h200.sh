@@ -12,9 +12,12 @@
 #     bash benchmarks/run_peers_h200.sh --emulated   # the emulated EP 8 / EP 2 rank with the peers on its share
 #     bash benchmarks/run_peers_h200.sh --experts-only | --layer-only   # one half of the default run
 # Environment: OUT (default out/peers), PY (python3), DEADLINE_S (530), PEER_LIST (default: all peers,
-# e.g. "flashinfer_humming triton_kernels"). FlashInfer's tactic cache lives in /tmp (kept while the
-# device stays warm, so a later call skips the autotuning) and is copied to $OUT.
-# Writes JSON + PNG + logs to $OUT. Each step runs under the time left of DEADLINE_S (default 530 s):
+# e.g. "flashinfer_humming triton_kernels"), TUNE_SEED (a tactic cache an earlier call returned as
+# $OUT/flashinfer_autotune.json, carried: the buckets it holds are not tuned again, as a user's
+# persisted cache). FlashInfer's tactic cache lives in /tmp (kept while the device stays warm) and is
+# copied to $OUT.
+# Writes JSON + PNG + logs to $OUT, named by the card (h200_* on an H200, h100_* on an H100).
+# Each step runs under the time left of DEADLINE_S (default 530 s):
 # a bench starts no new case past its --budget-s (the JSON lists what did not run, meta.not_run) and
 # is stopped by `timeout` past the deadline; every JSON is rewritten after each case and a missing PNG
 # is redrawn from it. Peers that cannot be imported are listed in meta.peers.skipped with the reason.
@@ -26,7 +29,7 @@ case "${1:-}" in
   --experts-only) MODE=experts ;;
   --layer-only) MODE=layer ;;
   "" ) ;;
-  -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,/^set -u/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
   *) echo "run_peers_h200.sh: unknown argument '$1' (expected --smoke, --emulated, --experts-only, --layer-only or nothing; --help)" >&2
      exit 2 ;;
 esac
@@ -46,8 +49,14 @@ fi
 export PYTHONPATH="$PWD/.peers/triton_kernels:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "setup $((SECONDS - T0)) s; mode $MODE; out $OUT"
 nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1 || true
+# result files are named by the card that made them (h200_*, h100_*): an H100 run never passes for an H200 one
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E 'H[0-9]{3}' | tr 'H' 'h')
+GPU=${GPU:-gpu}
 
 TUNE=/tmp/megamoe_flashinfer_autotune.json  # FlashInfer's tactic cache: a later bench reuses the first one's tuning
+if [ -n "${TUNE_SEED:-}" ] && [ ! -f "$TUNE" ]; then
+  cp "$TUNE_SEED" "$TUNE" || { echo "TUNE_SEED=$TUNE_SEED: cannot copy it to $TUNE (a JSON a previous call left in \$OUT)" >&2; exit 2; }
+fi
 # shellcheck disable=SC2206
 PEERS=(--peers ${PEER_LIST:-} --peer-tune-cache "$TUNE")
 status=0
@@ -82,21 +91,21 @@ if [ "$MODE" = smoke ]; then
     --plot "$OUT/smoke_emulated.png"
 elif [ "$MODE" = emulated ]; then
   step emulated 100 -m megamoe_backend.bench.bench_layer --emulate --tokens 8 128 1024 8192 --routings uniform \
-    --schemes a8w4 a4w4 --combine-wires bf16 "${PEERS[@]}" --json "$OUT/h200_layer_ep_emulated_peers.json" \
-    --plot "$OUT/h200_layer_ep_emulated_peers.png"
-  replot megamoe_backend.bench.bench_layer "$OUT/h200_layer_ep_emulated_peers.json"
+    --schemes a8w4 a4w4 --combine-wires bf16 "${PEERS[@]}" --json "$OUT/${GPU}_layer_ep_emulated_peers.json" \
+    --plot "$OUT/${GPU}_layer_ep_emulated_peers.png"
+  replot megamoe_backend.bench.bench_layer "$OUT/${GPU}_layer_ep_emulated_peers.json"
 else
   # 48 experts first: one EP 8 rank's share of DSV4-Pro, the issues' headline figures
   share=62; [ "$MODE" = experts ] && share=100
   if [ "$MODE" != layer ]; then
     step experts $share -m megamoe_backend.bench.bench_experts --experts 48 192 --tokens 8 128 1024 8192 \
-      --schemes a8w4 a4w4 "${PEERS[@]}" --json "$OUT/h200_experts_peers.json" --plot "$OUT/h200_experts_peers.png"
-    replot megamoe_backend.bench.bench_experts "$OUT/h200_experts_peers.json"
+      --schemes a8w4 a4w4 "${PEERS[@]}" --json "$OUT/${GPU}_experts_peers.json" --plot "$OUT/${GPU}_experts_peers.png"
+    replot megamoe_backend.bench.bench_experts "$OUT/${GPU}_experts_peers.json"
   fi
   if [ "$MODE" != experts ]; then
     step layer 100 -m megamoe_backend.bench.bench_layer --experts 48 192 --tokens 8 128 1024 8192 --schemes a8w4 a4w4 \
-      --combine-wires bf16 --no-chain "${PEERS[@]}" --json "$OUT/h200_layer_peers.json" --plot "$OUT/h200_layer_peers.png"
-    replot megamoe_backend.bench.bench_layer "$OUT/h200_layer_peers.json"
+      --combine-wires bf16 --no-chain "${PEERS[@]}" --json "$OUT/${GPU}_layer_peers.json" --plot "$OUT/${GPU}_layer_peers.png"
+    replot megamoe_backend.bench.bench_layer "$OUT/${GPU}_layer_peers.json"
   fi
 fi
 [ -f "$TUNE" ] && cp "$TUNE" "$OUT/flashinfer_autotune.json"
