@@ -13,9 +13,9 @@
 #     bash benchmarks/run_peers_h200.sh --experts-only | --layer-only   # one half of the default run
 # Environment: OUT (default out/peers), PY (python3), DEADLINE_S (530), PEER_LIST (default: all peers,
 # e.g. "flashinfer_humming triton_kernels"), TUNE_SEED (a tactic cache an earlier call returned as
-# $OUT/flashinfer_autotune.json, carried: the buckets it holds are not tuned again, as a user's
-# persisted cache). FlashInfer's tactic cache lives in /tmp (kept while the device stays warm) and is
-# copied to $OUT.
+# $OUT/flashinfer_autotune.json: the buckets it holds are not tuned again, as with a user's persisted
+# cache; default benchmarks/results/<card>_flashinfer_autotune.json where one is committed).
+# FlashInfer's tactic cache lives in /tmp (kept while the device stays warm) and is copied to $OUT.
 # Writes JSON + PNG + logs to $OUT, named by the card (h200_* on an H200, h100_* on an H100).
 # Each step runs under the time left of DEADLINE_S (default 530 s):
 # a bench starts no new case past its --budget-s (the JSON lists what did not run, meta.not_run) and
@@ -54,6 +54,8 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | 
 GPU=${GPU:-gpu}
 
 TUNE=/tmp/megamoe_flashinfer_autotune.json  # FlashInfer's tactic cache: a later bench reuses the first one's tuning
+# default seed: the committed cache of this card (FlashInfer ignores one whose metadata names another GPU)
+[ -z "${TUNE_SEED:-}" ] && [ -f "benchmarks/results/${GPU}_flashinfer_autotune.json" ] && TUNE_SEED="benchmarks/results/${GPU}_flashinfer_autotune.json"
 if [ -n "${TUNE_SEED:-}" ] && [ ! -f "$TUNE" ]; then
   cp "$TUNE_SEED" "$TUNE" || { echo "TUNE_SEED=$TUNE_SEED: cannot copy it to $TUNE (a JSON a previous call left in \$OUT)" >&2; exit 2; }
 fi

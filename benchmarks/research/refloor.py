@@ -18,10 +18,10 @@ import json
 import sys
 
 from megamoe_backend.bench.bench_experts import SCHEMES
-from megamoe_backend.bench.floor import H200_HBM_BYTES_PER_S, H200_MMA_FLOPS_PER_S, expert_floor
+from megamoe_backend.bench.floor import H200_SXM, expert_floor
 from megamoe_backend.experts import ExpertMath
 
-BF16_ONLY = {"bf16": H200_MMA_FLOPS_PER_S["bf16"], "fp8": H200_MMA_FLOPS_PER_S["bf16"]}  # the old floors' peak
+BF16_ONLY = {"bf16": H200_SXM.mma_flops_per_s["bf16"], "fp8": H200_SXM.mma_flops_per_s["bf16"]}  # the old floors' peak
 
 
 def case_inputs(case: dict, layer: bool, topk: int) -> dict:
@@ -48,13 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         if c.get("error"):
             continue
         kw = dict(**case_inputs(c, layer, shape["topk"]), hidden=shape["hidden"], intermediate=shape["intermediate"],
-                  hbm_bytes_per_s=H200_HBM_BYTES_PER_S)
+                  hbm_bytes_per_s=H200_SXM.hbm_bytes_per_s)
         old = expert_floor(**kw, mma_flops_per_s=BF16_ONLY)
         if abs(old.us - c["floor_us"]) > 1e-6 * c["floor_us"]:
             print(f"stored floor {c['floor_us']} != {old.us} recomputed with the bf16 peak: not this model's inputs",
                   file=sys.stderr)
             return 1
-        new = expert_floor(**kw, mma_flops_per_s=H200_MMA_FLOPS_PER_S)
+        new = expert_floor(**kw, mma_flops_per_s=H200_SXM.mma_flops_per_s)
         us = c["experts_us"] if layer else c["us"]
         iso = "" if layer else f"{c['us_isolated'] / new.us:.2f}"
         who = c["combine_wire"] if layer else c["provider"]

@@ -11,7 +11,7 @@ computation (dequantised weights, unquantised activations), relL2 against the ex
 reference (same quantisation, fp64; for wire outputs passed through the same wire), and the floor
 max(weight bytes of the experts actually hit / HBM BW, FLOPs / MMA peak) of floor.py: the FP8 peak for
 MX activations (A8W4 / A4W4 run FP8 MMA on Hopper), the bf16 one for bf16 activations (A16W4, bf16, the
-torch baseline). ``floor_us`` / ``x_floor`` use the H200 datasheet ceilings (``floor_peak`` names the
+torch baseline). ``floor_us`` / ``x_floor`` use the card's datasheet ceilings (``floor_peak`` names the
 MMA peak); ``floor_measured_us`` / ``x_floor_measured`` the ceilings measured at the start of the same
 run (a copy, a bf16 GEMM, an FP8 ``torch._scaled_mm``: meta.ceilings).
 
@@ -57,8 +57,8 @@ from ..formats import MX_BLOCK, dequantize_mx
 from ..formats.wire import combine_wire
 from . import peers as peer_bench
 from .floor import (
-    H200_HBM_BYTES_PER_S,
-    H200_MMA_FLOPS_PER_S,
+    datasheet_ceilings,
+    datasheet_of,
     expert_floor,
     expert_flops,
     experts_hit,
@@ -67,12 +67,6 @@ from .floor import (
 from .gpu_clock import ClockSampler
 from .references import check_subset, check_tokens, rel_l2, subset_reference, token_reference  # noqa: F401 - re-exported
 from .timing import CEILING_GEMM_N, capture_graph, graph_or_eager, measure_ceilings, time_fn, time_isolated  # noqa: F401 - re-exported
-
-# Datasheet ceilings of an H200 SXM (dense; floor.py), in the units the JSON and tables print; the run
-# also measures a copy, a bf16 GEMM and an FP8 GEMM (measure_ceilings).
-HBM_TBS = H200_HBM_BYTES_PER_S / 1e12
-BF16_TFLOPS = H200_MMA_FLOPS_PER_S["bf16"] / 1e12
-FP8_TFLOPS = H200_MMA_FLOPS_PER_S["fp8"] / 1e12
 
 SCHEMES = {  # name -> (ExpertMath.quant, weight format)
     "a8w4": ("a8w4", "mxfp4"),
@@ -103,7 +97,7 @@ VARIANTS = {
 # What the JSON says about its floors (meta.floor): which peak each case's floor_us divides by.
 FLOOR_META = {
     "model": "max(weight bytes of the experts hit / HBM, 6 P H I FLOPs / MMA peak): megamoe_backend/bench/floor.py",
-    "floor_us": "H200 datasheet ceilings (meta.ceilings hbm_tbs, bf16_tflops, fp8_tflops)",
+    "floor_us": "the card's datasheet ceilings (meta.ceilings datasheet, hbm_tbs, bf16_tflops, fp8_tflops)",
     "floor_measured_us": "this run's measured ceilings (meta.ceilings measured_copy_tbs, measured_*_gemm_tflops)",
     "mma_peak": "fp8 for MX activations on MXFP4 weights (A8W4, A4W4: FP8 MMA on Hopper), bf16 otherwise "
                 "(A16W4, bf16, the torch baseline); per case: floor_peak",
@@ -311,13 +305,15 @@ def measured_peaks(ceilings: dict) -> tuple[float, dict[str, float]] | None:
 
 def case_floors(ceilings: dict | None, **shape) -> dict:
     """The floor fields both benches write (floor.expert_floor of ``shape``): floor_us, floor_peak,
-    floor_bound, mma_floor_us with the datasheet ceilings; floor_fp8_us / floor_bf16_us with either
-    datasheet peak; floor_measured_us with ``ceilings``' measured ones (meta.ceilings; NaN if none)."""
-    f = expert_floor(**shape, hbm_bytes_per_s=H200_HBM_BYTES_PER_S, mma_flops_per_s=H200_MMA_FLOPS_PER_S)
+    floor_bound, mma_floor_us with the card's datasheet ceilings (as ``ceilings`` records them:
+    floor.datasheet_of); floor_fp8_us / floor_bf16_us with either datasheet peak; floor_measured_us with
+    ``ceilings``' measured ones (meta.ceilings; NaN if none)."""
+    sheet = datasheet_of(ceilings)
+    f = expert_floor(**shape, hbm_bytes_per_s=sheet.hbm_bytes_per_s, mma_flops_per_s=sheet.mma_flops_per_s)
     flops = expert_flops(shape["pairs"], shape["hidden"], shape["intermediate"])
     out = {"floor_us": f.us, "floor_peak": f.mma, "floor_bound": f.bound, "mma_floor_us": f.mma_us,
-           "floor_fp8_us": max(f.hbm_us, flops / H200_MMA_FLOPS_PER_S["fp8"] * 1e6),
-           "floor_bf16_us": max(f.hbm_us, flops / H200_MMA_FLOPS_PER_S["bf16"] * 1e6),
+           "floor_fp8_us": max(f.hbm_us, flops / sheet.mma_flops_per_s["fp8"] * 1e6),
+           "floor_bf16_us": max(f.hbm_us, flops / sheet.mma_flops_per_s["bf16"] * 1e6),
            "floor_measured_us": float("nan")}
     measured = measured_peaks(ceilings or {})
     if measured is not None and f.mma in measured[1]:
@@ -356,7 +352,7 @@ def fill_metrics(c: Case, hidden: int, inter: int, wfmt: str, a_fmt: str | None,
         c.x_floor_measured = c.us / c.floor_measured_us
         c.hbm_tbs = c.hbm_bytes / c.us / 1e6
         c.tflops = c.flops / c.us / 1e6
-        c.mma_peak_frac = c.tflops * 1e12 / H200_MMA_FLOPS_PER_S[c.floor_peak]
+        c.mma_peak_frac = c.tflops * 1e12 / datasheet_of(ceilings).mma_flops_per_s[c.floor_peak]
         for key, value in ceiling_ratios(c.us, ceilings, experts_hit=c.active_experts, pairs=c.pairs, hidden=hidden,
                                          intermediate=inter, weight_fmt=wfmt).items():
             setattr(c, key, value)
@@ -367,7 +363,7 @@ def peer_ratios(r, cases: list[Case], ceilings: dict, active: int, hidden: int, 
     measured ceilings) and the project's figures of the same routing (``<scheme>_over_peer`` = project
     µs / peer µs: below 1, the project is faster; ``naive_torch_over_peer`` likewise;
     ``<scheme>_over_peer_gemms``: over the peer's two GEMMs alone, where its API times them, stages_us)."""
-    if r.us != r.us:
+    if not r.usable():
         return
     stages = [r.stages_us.get(k) for k in ("gemm1", "gemm2")]
     gemms_us = sum(stages) if all(isinstance(v, float) and v == v for v in stages) else None
@@ -423,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
     hidden, inter, topk = args.hidden, args.intermediate, args.topk
     t_start = time.time()
     meta = environment(args)
-    meta["ceilings"] = {"hbm_tbs": HBM_TBS, "bf16_tflops": BF16_TFLOPS, "fp8_tflops": FP8_TFLOPS, **measure_ceilings(device)}
+    meta["ceilings"] = {**datasheet_ceilings(device), **measure_ceilings(device)}
     meta["floor"] = FLOOR_META
     print(json.dumps({k: v for k, v in meta["ceilings"].items() if not k.endswith("_clock")}))
     cases: list[Case] = []
@@ -669,7 +665,7 @@ def print_peer_table(results: list) -> None:
                   f"{q.get('naive_torch_over_peer', float('nan')):.3f}", f"{q.get('a8w4_over_peer_gemms', float('nan')):.3f}",
                   f"{q.get('x_copy_measured', float('nan')):.2f}",
                   f"{q.get('x_fp8_gemm_measured', float('nan')):.2f}", "y" if r.graph else "n", f"{r.first_call_s:.1f}",
-                  r.tactic[:40], r.error[:60])
+                  r.tactic[:40], (r.error or (f"UNTUNED: {r.untuned}" if r.untuned else ""))[:60])
     Console(width=220).print(t)
 
 
@@ -700,7 +696,7 @@ def plot(cases: list[Case], path: str, peers: list | None = None) -> None:
         for key in sorted({(c.provider, c.scheme) for c in rows}):
             pts = sorted((c.tokens, c.us) for c in rows if (c.provider, c.scheme) == key)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[1]} ({key[0]})")
-        ok_peers = [r for r in peers or [] if r.experts == e and not r.error]
+        ok_peers = [r for r in peers or [] if r.experts == e and r.usable()]
         for name in sorted({r.peer for r in ok_peers}):
             pts = sorted((r.tokens, r.us) for r in ok_peers if r.peer == name)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="--", marker="^", label=f"{name} (peer, whole MoE)")

@@ -10,7 +10,7 @@ A8W4 + fp8 dispatch wire and A4W4 + fp4 wire, both combine wires. Per case, all 
   experts_us          the same layer's experts half alone (``forward_wire`` on the same pairs), graph
   naive_torch_us      argsort + bf16 ``torch._grouped_mm`` on the dequantised weights + index_add
   floor_us            max(weight bytes of the experts hit / HBM, FLOPs / FP8 MMA peak): floor.py with
-                      the datasheet H200 ceilings, as ``megamoe bench experts``; FP8 because both
+                      the card's datasheet ceilings, as ``megamoe bench experts``; FP8 because both
                       schemes have MX activations (FP8 MMA on Hopper; floor_peak says so per case).
                       floor_measured_us: the same with this run's measured copy / FP8 GEMM ceilings
                       (meta.ceilings); floor_bf16_us: with the bf16 peak (floor_us before issue 35)
@@ -46,10 +46,7 @@ from ..plan import build_plan
 from ..spec import preset
 from ..transport import clear_transport_cache
 from .bench_experts import (
-    BF16_TFLOPS,
     FLOOR_META,
-    FP8_TFLOPS,
-    HBM_TBS,
     case_floors,
     ceiling_ratios,
     environment,
@@ -61,7 +58,7 @@ from .bench_experts import (
     time_fn,
 )
 from . import peers as peer_bench
-from .floor import experts_hit
+from .floor import datasheet_ceilings, experts_hit
 from .gpu_clock import ClockSampler
 from .layer_common import CHAIN_LAYERS, COMBINES, SCHEMES, Routes, naive_torch_layer, replay_us, rms_norm  # noqa: F401 - re-exported
 from .references import check_tokens, rel_l2, token_reference
@@ -203,7 +200,7 @@ def run_peers_for(n_exp: int, tokens: int, ready: list, fp4: ExpertWeights, bf16
                                    lambda y: rel_l2(y[sample].float(), ref), max_tokens=max(args.tokens))
     active = experts_hit(routes.ids)
     for r in results:
-        if r.us != r.us:
+        if not r.usable():
             continue
         r.ratios.update(ceiling_ratios(r.us, ceilings, experts_hit=active, pairs=r.pairs, hidden=hidden, intermediate=inter))
         for c in cases:
@@ -274,8 +271,7 @@ def run(args: argparse.Namespace) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     meta = environment(argparse.Namespace(**{**vars(args), "hidden": 7168, "intermediate": 3072, "topk": 6}), __name__)
     meta["what"] = "megamoe bench layer: MegaMoELayer device forward, ep_size 1, one GPU"
-    meta["ceilings"] = {"hbm_tbs": HBM_TBS, "bf16_tflops": BF16_TFLOPS, "fp8_tflops": FP8_TFLOPS,
-                        **measure_ceilings(device)}
+    meta["ceilings"] = {**datasheet_ceilings(device), **measure_ceilings(device)}
     meta["floor"] = FLOOR_META
     meta["experts_gemm"] = Knobs.from_env().experts_gemm  # MEGA_EXPERTS_GEMM: who ran the frag8 expert GEMMs
     spec = preset("dsv4-pro")

@@ -163,7 +163,7 @@ def run_rank_peers(ready, routes, rank: int, ep: int, experts: int, weights, spe
                         max_tokens=x.shape[0], ep_size=ep, ep_rank=rank)
     hit = int(torch.unique(local[here]).numel())
     for r in results:
-        if r.us == r.us:
+        if r.usable():
             r.ratios.update(ceiling_ratios(r.us, ceilings, experts_hit=hit, pairs=r.pairs, hidden=spec.hidden_size,
                                            intermediate=spec.moe_intermediate_size))
     return results
@@ -234,11 +234,12 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
     from ..transport import clear_transport_cache
     from .bench_experts import graph_or_eager, make_weights, measured_peaks, time_fn
     from .layer_common import SCHEMES
-    from .floor import H200_HBM_BYTES_PER_S, H200_MMA_FLOPS_PER_S, expert_floor, weight_bytes_per_expert
+    from .floor import datasheet_of, expert_floor, weight_bytes_per_expert
 
     device = torch.device("cuda")
     spec = preset("dsv4-pro").scaled(n_routed_experts=ep * experts)
     hidden, inter, topk = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok
+    sheet = datasheet_of(meta.get("ceilings"))
     weights, bf16_rank0 = [], None
     for r in range(ep):
         fp4, bf16 = make_weights(experts, hidden, inter, device, args.seed + r)
@@ -283,8 +284,8 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
                                 floors.append(expert_floor(experts_hit=int(torch.unique(lid).numel()), pairs=int(lid.numel()),
                                                            hidden=hidden, intermediate=inter, weight_fmt="mxfp4",
                                                            a_fmt=plans[0].math.a_format,
-                                                           hbm_bytes_per_s=H200_HBM_BYTES_PER_S,
-                                                           mma_flops_per_s=H200_MMA_FLOPS_PER_S))
+                                                           hbm_bytes_per_s=sheet.hbm_bytes_per_s,
+                                                           mma_flops_per_s=sheet.mma_flops_per_s))
                             worst = max(floors, key=lambda f: f.us)
                             c.floor_us, c.floor_bound = worst.us, worst.bound
                             measured = measured_peaks(meta.get("ceilings", {}))
@@ -326,7 +327,11 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
 def link_peers(c: EmulatedCase, cases: list[EmulatedCase], ready, routes, slowest: int, ep: int, experts: int, weights,
                spec, args, meta: dict, peer_results: list) -> None:
     """The peers' µs for ``c``: run on the slowest rank's share once per routes (ep, routing, tokens; the
-    first case of them picks the rank), reused by the other schemes / wires / bound of the same routes."""
+    first case of them picks the rank), reused by the other schemes / wires / bound of the same routes.
+    The peers' converted weights are dropped after their run: the emulated ranks hold every rank's
+    experts, and the peers' copies of one rank's must not crowd out the cases that follow."""
+    from .peers import release_all
+
     key = (c.ep, c.routing, c.tokens)
     done = next((o for o in cases if (o.ep, o.routing, o.tokens) == key and o.peer_rank >= 0), None)
     if done is not None:
@@ -335,8 +340,9 @@ def link_peers(c: EmulatedCase, cases: list[EmulatedCase], ready, routes, slowes
         c.peer_rank = slowest
         for r in run_rank_peers(ready, routes, slowest, ep, experts, weights, spec, args, meta.get("ceilings", {})):
             peer_results.append(r)
-            if r.us == r.us:
+            if r.usable():
                 c.peers_us[r.peer] = r.us
+        release_all(ready)
     rank = c.peer_rank
     rank_us, experts_us = c.rank_us_by_rank[rank], c.experts_us_by_rank[rank]
     c.rank_over_peer = {name: rank_us / us for name, us in c.peers_us.items()}
@@ -380,7 +386,8 @@ def summary(cases: list[EmulatedCase]) -> dict:
 
 
 def run_emulated(args: argparse.Namespace) -> int:
-    from .bench_experts import BF16_TFLOPS, FP8_TFLOPS, HBM_TBS, environment
+    from .bench_experts import environment
+    from .floor import datasheet_ceilings
     from .peers import describe, select
     from .timing import measure_ceilings
 
@@ -395,8 +402,7 @@ def run_emulated(args: argparse.Namespace) -> int:
                             "note": "a model, not a measurement: dispatch + combine bytes to other ranks / bandwidth + "
                                     "2 barriers x latency, the slowest rank"}
     meta["zipf_s"] = ZIPF_S
-    meta["ceilings"] = {"hbm_tbs": HBM_TBS, "bf16_tflops": BF16_TFLOPS, "fp8_tflops": FP8_TFLOPS,
-                        **measure_ceilings(torch.device("cuda"))}
+    meta["ceilings"] = {**datasheet_ceilings(torch.device("cuda")), **measure_ceilings(torch.device("cuda"))}
     meta["not_run"] = []  # cases left out by --budget-s
     ready_peers, peer_results = [], []
     if args.peers is not None:

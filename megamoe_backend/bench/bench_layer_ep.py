@@ -135,7 +135,8 @@ def _replays_single(call, n: int = REPLAYS) -> float:
 def _baselines(c: EPLayerCase, device, seed: int) -> None:
     """naive torch and floor of the whole step (all ranks' tokens and experts) in this process."""
     from ..spec import preset
-    from .bench_experts import BF16_TFLOPS, HBM_TBS, graph_or_eager, make_weights, time_fn, weight_bytes_per_expert
+    from .bench_experts import graph_or_eager, make_weights, time_fn, weight_bytes_per_expert
+    from .floor import datasheet_for
     from .layer_common import Routes, naive_torch_layer
 
     spec = preset("dsv4-pro")
@@ -145,7 +146,8 @@ def _baselines(c: EPLayerCase, device, seed: int) -> None:
     wbytes = active * weight_bytes_per_expert(spec.hidden_size, spec.moe_intermediate_size, "mxfp4")
     flops = 6 * tokens * spec.num_experts_per_tok * spec.hidden_size * spec.moe_intermediate_size
     gpus = c.ep if torch.cuda.device_count() >= c.ep else 1
-    c.floor_us = max(wbytes / (HBM_TBS * 1e12), flops / (BF16_TFLOPS * 1e12)) * 1e6 / gpus
+    sheet = datasheet_for(torch.cuda.get_device_name(device))
+    c.floor_us = max(wbytes / sheet.hbm_bytes_per_s, flops / sheet.mma_flops_per_s["bf16"]) * 1e6 / gpus
     _, bf16 = make_weights(n_exp, spec.hidden_size, spec.moe_intermediate_size, device, seed)
     naive, _ = graph_or_eager(lambda: naive_torch_layer(routes.x, routes.ids, routes.w, bf16, spec.swiglu_limit))
     c.naive_torch_us, _ = time_fn(naive, use_graph=False)

@@ -20,21 +20,67 @@ What the floor counts, and why it is a lower bound:
 - FLOPs: 2 x P x H x 2I (GEMM1) + 2 x P x I x H (GEMM2) = 6 P H I for P (token, expert) pairs.
 - HBM and MMA are taken as overlapping perfectly: the max, not the sum.
 
-Ceilings are inputs (bytes/s, FLOP/s per MMA kind): the H200 datasheet below, or what a run measured
-(``bench_experts.measure_ceilings``: a copy, a bf16 GEMM, an FP8 ``torch._scaled_mm``).
+Ceilings are inputs (bytes/s, FLOP/s per MMA kind): the datasheet of the card the run is on
+(``datasheet_for``: H200, H100; recorded in meta.ceilings and read back from there by
+``datasheet_of``), or what a run measured (``bench_experts.measure_ceilings``: a copy, a bf16 GEMM, an
+FP8 ``torch._scaled_mm``). Why per card: an H100 run once printed floors at the H200's 4.8 TB/s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..formats import MX_BLOCK
 
-# H200 SXM datasheet, dense (no sparsity): 4.8 TB/s HBM3e, 989.4 / 1978.9 TFLOP/s bf16 / FP8 MMA.
-H200_HBM_BYTES_PER_S = 4.8e12
-H200_MMA_FLOPS_PER_S = {"bf16": 989.4e12, "fp8": 1978.9e12}
+
+
+@dataclass(frozen=True)
+class Datasheet:
+    """A card's datasheet ceilings (dense, no sparsity): the datasheet floor's inputs."""
+
+    name: str
+    hbm_bytes_per_s: float
+    mma_flops_per_s: dict = field(default_factory=dict)  # MMA kind ("bf16", "fp8") -> FLOP/s
+
+    def ceilings(self) -> dict:
+        """The fields meta.ceilings holds for it, in the units the JSON and tables print."""
+        return {"datasheet": self.name, "hbm_tbs": self.hbm_bytes_per_s / 1e12,
+                "bf16_tflops": self.mma_flops_per_s["bf16"] / 1e12, "fp8_tflops": self.mma_flops_per_s["fp8"] / 1e12}
+
+
+H200_SXM = Datasheet("H200 SXM", 4.8e12, {"bf16": 989.4e12, "fp8": 1978.9e12})  # HBM3e
+H100_SXM = Datasheet("H100 SXM", 3.35e12, {"bf16": 989.4e12, "fp8": 1978.9e12})  # HBM3
+H100_PCIE = Datasheet("H100 PCIe", 2.0e12, {"bf16": 756.0e12, "fp8": 1513.0e12})  # HBM2e
+
+
+def datasheet_for(gpu_name: str) -> Datasheet:
+    """The datasheet of the card ``gpu_name`` (``torch.cuda.get_device_name``) names. Another card gets
+    the H200 SXM's figures under a name that says so: its floor is then a lead, its measured floor
+    (floor_measured_us) the figure to read."""
+    upper = gpu_name.upper()
+    if "H200" in upper:
+        return H200_SXM
+    if "H100" in upper:
+        return H100_PCIE if "PCIE" in upper else H100_SXM
+    return replace(H200_SXM, name=f"H200 SXM (no datasheet here for {gpu_name!r})")
+
+
+def datasheet_ceilings(device: torch.device) -> dict:
+    """meta.ceilings' datasheet fields for the card ``device`` is (the H200's off CUDA)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return datasheet_for(name).ceilings()
+
+
+def datasheet_of(ceilings: dict | None) -> Datasheet:
+    """The datasheet a run recorded in meta.ceilings (hbm_tbs, bf16_tflops, fp8_tflops); the H200's for
+    a JSON written before the card was recorded (they were all H200 runs) or none at all."""
+    c = ceilings or {}
+    if not all(k in c for k in ("hbm_tbs", "bf16_tflops", "fp8_tflops")):
+        return H200_SXM
+    return Datasheet(c.get("datasheet", H200_SXM.name), c["hbm_tbs"] * 1e12,
+                     {"bf16": c["bf16_tflops"] * 1e12, "fp8": c["fp8_tflops"] * 1e12})
 
 WEIGHT_FORMATS = ("bf16", "mxfp4")
 ACTIVATION_FORMATS = (None, "fp8", "fp4")  # ExpertMath.a_format: None = bf16 rows

@@ -36,6 +36,7 @@ are imported only by the peers' constructors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import sys
@@ -98,6 +99,11 @@ class PeerResult:
     ratios: dict = field(default_factory=dict)  # the bench's: to the run's ceilings, to the project's figures
     clock: dict = field(default_factory=dict)
     error: str = ""
+    untuned: str = ""  # why ``us`` is not the peer's tuned figure (FlashInfer kept no winner: it fell back)
+
+    def usable(self) -> bool:
+        """Whether ``us`` stands for the peer in ratios, tables and plots: measured, no error, tuned."""
+        return self.us == self.us and not self.error and not self.untuned
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,6 +144,14 @@ class Peer:
 
     def tactic(self, tokens: int) -> str:
         return ""
+
+    def untuned(self, tokens: int) -> str:
+        """Why the call at ``tokens`` did not run the peer's tuned configuration ("" when it did)."""
+        return ""
+
+    def release(self) -> None:
+        """Drop the converted weights (a later ``load`` makes them again): room on a smaller GPU."""
+        self.loaded_key = None
 
     def stages_us(self, x: torch.Tensor) -> dict:
         return {}
@@ -188,6 +202,7 @@ class FlashInferCutlass(Peer):
                       + "GEMM1 + SwiGLU + GEMM2 + finalize (bf16 token rows in and out)")
         self.view: dict | None = None
         self.layer = None
+        self.flat_tactics: dict[int, dict] = {}  # tokens -> {"gemm1": tactic, "gemm2": tactic} the flat call ran
         self.layer_state = None
 
     # weights: FlashInfer's own device-side preparation on the bench's bytes
@@ -213,7 +228,7 @@ class FlashInferCutlass(Peer):
     def load(self, weights, shape, *, max_tokens, ep_size=1, ep_rank=0):
         key = weights_key(weights)
         if key != self.loaded_key:
-            self.view = self.layer = None  # free the previous set before the next one is made
+            self.release()  # free the previous set before the next one is made
             torch.cuda.empty_cache()
             self.view = self._native_view(weights)
             self.loaded_key = key
@@ -236,6 +251,10 @@ class FlashInferCutlass(Peer):
             self.layer = fm.MoELayer(config, device=self.device)
             self.pack = fm.MoEWeightPack()
             self.pack.prepare_for(self.layer.runners[0].backend_key, self.view)
+
+    def release(self):
+        self.view = self.layer = self.layer_state = self.pack = None
+        self.loaded_key = None
 
     def bind(self, x, ids, weights):
         ids32, w32 = ids.to(torch.int32).contiguous(), weights.float().contiguous()
@@ -271,7 +290,8 @@ class FlashInferCutlass(Peer):
         out = torch.empty(x.shape[0], self.shape.hidden, dtype=torch.bfloat16, device=self.device)
 
         def call():
-            with self.fi.autotune(False, tuning_buckets=buckets):  # look up (or, inside warm, tune) this bucket
+            # look up (inside warm: tune) this one bucket; record what the tuner handed out
+            with self.fi.autotune(False, tuning_buckets=buckets), self._recording_tactics(buckets[0]):
                 fm.cutlass_fused_moe(x, ids32, w32, v["fc1_expert_weights"], v["fc2_expert_weights"], torch.bfloat16,
                                      scales, ep_size=self.ep_size, ep_rank=self.ep_rank, output=out,
                                      use_w4_group_scaling=True, use_wfp4afp8_humming=humming,
@@ -295,29 +315,46 @@ class FlashInferCutlass(Peer):
                 return runner, tactic
         return None
 
-    def _flat_winners(self, tokens: int) -> dict:
-        """The flat call's tuned (gemm1, gemm2) tactics at ``tokens``, read from FlashInfer's winner caches
-        (every partition: which one a tactic lands in depends on the cache file's store); {} if absent."""
+    @contextlib.contextmanager
+    def _recording_tactics(self, tokens: int):
+        """Record the (gemm1, gemm2) tactics FlashInfer's tuner hands the flat call at ``tokens``
+        (``self.flat_tactics``): its ``choose_one`` returns -1 when it falls back to the default tactic
+        (OOM while profiling, a bucket it did not tune), a tuned winner otherwise, from memory or from
+        the cache file. The tuner is a process-wide singleton; its method is wrapped for this one call."""
         from flashinfer.autotuner import AutoTuner
 
-        tuner, found = AutoTuner.get(), {}
-        for cache in (tuner.profiling_cache, *getattr(tuner, "_winner_partitions", {}).values()):
-            for key, value in cache.items():
-                shapes = getattr(key, "nearest_profile", ())
-                if (getattr(key, "custom_op", "").startswith("trtllm::fused_moe::gemm") and len(shapes) > 1
-                        and shapes[0][:1] == (tokens,) and shapes[1][:1] == (self.experts,)):
-                    found[key.custom_op.rsplit("::", 1)[1]] = value[0]
-        return found
+        tuner = AutoTuner.get()
+        choose_one, seen = tuner.choose_one, self.flat_tactics.setdefault(tokens, {})
+
+        def recording(custom_op, *args, **kwargs):
+            runner, tactic = choose_one(custom_op, *args, **kwargs)
+            seen[custom_op.rsplit("::", 1)[-1]] = tactic
+            return runner, tactic
+
+        own = "choose_one" in vars(tuner)  # an instance attribute already (not the class's method)
+        tuner.choose_one = recording
+        try:
+            yield
+        finally:
+            if own:
+                tuner.choose_one = choose_one
+            else:
+                del tuner.choose_one  # the class's method again
 
     def tactic(self, tokens):
         if self.layer is None:
-            won = self._flat_winners(tokens)
-            where = f"flat cutlass_fused_moe, autotuned at exactly {tokens} tokens (tuning_buckets)"
-            if {"gemm1", "gemm2"} <= won.keys():
-                return f"{where}: (gemm1, gemm2) = ({won['gemm1']}, {won['gemm2']})"
-            return f"{where}: winners not found in FlashInfer's caches (a fallback tactic may have run)"
+            got = self.flat_tactics.get(tokens, {})
+            return (f"flat cutlass_fused_moe, autotuned at exactly {tokens} tokens (tuning_buckets): (gemm1, gemm2) = "
+                    f"({got.get('gemm1', '?')}, {got.get('gemm2', '?')})")
         won = self._winner(tokens)
         return "" if won is None else f"{won[0].backend_key} (gemm1, gemm2) = {won[1]}"
+
+    def untuned(self, tokens):
+        got = self.flat_tactics.get(tokens, {})
+        tuned = ({"gemm1", "gemm2"} <= got.keys() and -1 not in got.values() if self.layer is None
+                 else self._winner(tokens) is not None)
+        return "" if tuned else (f"FlashInfer kept no autotuned winner at {tokens} tokens: it ran its default tactic "
+                                 "(its log says why: OOM while profiling, or a bucket it did not tune)")
 
     def stages_us(self, x):
         """GEMM1 and GEMM2 alone at this token count with the winning tactics, through the GEMM profiler
@@ -400,7 +437,7 @@ class TritonKernelsOGS(Peer):
     def load(self, weights, shape, *, max_tokens, ep_size=1, ep_rank=0):
         key = weights_key(weights)
         if key != self.loaded_key:
-            self.w1 = self.w2 = self.pc1 = self.pc2 = None
+            self.release()
             torch.cuda.empty_cache()
             tk = to_triton_kernels(weights.to(self.device))
             value = self.layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
@@ -445,15 +482,25 @@ class TritonKernelsOGS(Peer):
     def tactic(self, tokens):
         return "matmul_ogs opt_flags heuristics (no autotuner)"
 
+    def release(self):
+        self.w1 = self.w2 = self.pc1 = self.pc2 = None
+        self.loaded_key = None
+
 
 def run_peers(ready: list[Peer], weights: ExpertWeights, shape: PeerShape, x: torch.Tensor, ids: torch.Tensor,
               route_weights: torch.Tensor, check, *, max_tokens: int, ep_size: int = 1, ep_rank: int = 0) -> list[PeerResult]:
     """Each ready peer loaded with ``weights`` (a no-op when it holds them already) and timed on one
-    routing (time_peer); a peer whose weights fail to load gets a result with the error."""
+    routing (time_peer); a peer whose weights fail to load gets a result with the error. A load that
+    runs out of GPU memory first releases every peer's converted weights (they are made again when next
+    needed) and tries once more: the peers' copies of 192 experts do not fit beside each other on an H100."""
     out = []
     for peer in ready:
         try:
-            peer.load(weights, shape, max_tokens=max_tokens, ep_size=ep_size, ep_rank=ep_rank)
+            try:
+                peer.load(weights, shape, max_tokens=max_tokens, ep_size=ep_size, ep_rank=ep_rank)
+            except torch.cuda.OutOfMemoryError:
+                release_all(ready)
+                peer.load(weights, shape, max_tokens=max_tokens, ep_size=ep_size, ep_rank=ep_rank)
         except Exception as exc:  # noqa: BLE001 - recorded in the JSON
             r = PeerResult(peer.name, weights.num_experts, x.shape[0], 0, ep_size, ep_rank, version=peer.version,
                            config=peer.config, scope=peer.scope, error=f"load: {type(exc).__name__}: {str(exc)[:400]}")
@@ -463,6 +510,15 @@ def run_peers(ready: list[Peer], weights: ExpertWeights, shape: PeerShape, x: to
             continue
         out.append(time_peer(peer, x, ids, route_weights, check))
     return out
+
+
+def release_all(ready: list[Peer]) -> None:
+    """Every peer's converted weights dropped and the allocator's cache returned: before a bench makes
+    its next weight set, or when a load runs out of memory."""
+    for peer in ready:
+        peer.release()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def make_peer(name: str, tune_cache: str | None = None) -> Peer:
@@ -520,6 +576,7 @@ def time_peer(peer: Peer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
         if r.graph:
             r.us_isolated = statistics.median(time_isolated(timed, 7, idle_s=0.05))
         r.tactic = peer.tactic(x.shape[0])
+        r.untuned = peer.untuned(x.shape[0])
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON
         r.error = f"{type(exc).__name__}: {str(exc)[:400]}"
         torch.cuda.synchronize() if x.is_cuda else None
@@ -537,4 +594,5 @@ def peer_line(r: PeerResult) -> str:
     stages = " ".join(f"{k} {v:.1f}" for k, v in r.stages_us.items() if isinstance(v, float) and math.isfinite(v))
     return (f"  peer {r.peer:18s} E{r.experts:<4d} T{r.tokens:<6d}{ep} {r.us:10.1f}us (isolated {r.us_isolated:.0f}) "
             f"relL2 {r.relL2:.4f} {'graph' if r.graph else 'EAGER'} first call {r.first_call_s:.1f}s {r.tactic}"
-            + (f" [{stages}]" if stages else "") + (f" ERR {r.error[:160]}" if r.error else ""))
+            + (f" [{stages}]" if stages else "") + (f" ERR {r.error[:160]}" if r.error else "")
+            + (f" UNTUNED: {r.untuned}" if r.untuned else ""))

@@ -6,9 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megamoe_backend.bench.bench_experts import case_floors
 from megamoe_backend.bench.floor import (
-    H200_HBM_BYTES_PER_S,
-    H200_MMA_FLOPS_PER_S,
+    H100_PCIE,
+    H100_SXM,
+    H200_SXM,
+    datasheet_for,
+    datasheet_of,
     expert_floor,
     experts_hit,
     experts_hit_by_rank,
@@ -17,7 +21,7 @@ from megamoe_backend.bench.floor import (
 )
 
 H, I, TOPK = 7168, 3072, 6  # noqa: E741 - the spec's names
-H200 = dict(hbm_bytes_per_s=H200_HBM_BYTES_PER_S, mma_flops_per_s=H200_MMA_FLOPS_PER_S)
+H200 = dict(hbm_bytes_per_s=H200_SXM.hbm_bytes_per_s, mma_flops_per_s=H200_SXM.mma_flops_per_s)
 
 # One DSV4-Pro expert in MXFP4: 3 x 7168 x 3072 = 66,060,288 weights; 4 bits each = 33,030,144 B,
 # plus one E8M0 byte per 32 = 2,064,384 B: 35,094,528 B.
@@ -97,3 +101,21 @@ def test_bench_cases_get_the_peak_of_their_scheme():
     fill_metrics(base, H, I, "bf16", None, {})
     assert base.floor_peak == "bf16" and base.floor_us == pytest.approx(6563.564, abs=1e-3)
     assert base.floor_measured_us != base.floor_measured_us  # NaN: nothing measured
+
+
+def test_the_floor_follows_the_card_the_run_is_on():
+    """An H100 run printed its floors at the H200's 4.8 TB/s (2026-12-06): the datasheet now comes from
+    the card's name, is recorded in meta.ceilings, and the floor is read back from there; a JSON from
+    before (no datasheet fields) was an H200 run. Mutation run once: case_floors on the H200's sheet
+    regardless of ``ceilings`` fails the H100 line (502.8 us at 3.35 TB/s, not 350.9)."""
+    assert datasheet_for("NVIDIA H100 80GB HBM3") is H100_SXM and datasheet_for("NVIDIA H100 PCIe") is H100_PCIE
+    assert datasheet_for("NVIDIA H200") is H200_SXM
+    other = datasheet_for("NVIDIA A100-SXM4-80GB")
+    assert "no datasheet here for 'NVIDIA A100-SXM4-80GB'" in other.name and other.hbm_bytes_per_s == 4.8e12
+    h100 = H100_SXM.ceilings()
+    assert h100["datasheet"] == "H100 SXM" and h100["hbm_tbs"] == 3.35 and datasheet_of(h100) == H100_SXM
+    assert datasheet_of({}) is H200_SXM and datasheet_of({"measured_copy_tbs": 3.0}) is H200_SXM
+    # 48 experts hit at 8 tokens: 48 x 35,094,528 B = 1,684,537,344 B -> 350.9 us at 4.8 TB/s, 502.8 at 3.35
+    shape = dict(experts_hit=48, pairs=8 * TOPK, hidden=H, intermediate=I, weight_fmt="mxfp4", a_fmt="fp8")
+    assert case_floors(h100, **shape)["floor_us"] == pytest.approx(1_684_537_344 / 3.35e12 * 1e6, rel=1e-9)
+    assert case_floors({}, **shape)["floor_us"] == pytest.approx(1_684_537_344 / 4.8e12 * 1e6, rel=1e-9)

@@ -5,7 +5,6 @@ Peer boundary (CPU timing). The peers themselves run on the H200 (benchmarks/run
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import subprocess
@@ -250,18 +249,17 @@ def test_a_peer_that_fails_is_recorded_not_raised(weights):
     assert r.error.startswith("load: RuntimeError: bad layout") and r.us != r.us
 
 
-CacheKey = collections.namedtuple("CacheKey", "custom_op nearest_profile")  # ProfilingCacheKey's fields the peer reads
-
-
 class FakeFlashInferTuner:
     """FlashInfer's autotune surface as the flat EP call meets it: ``autotune`` contexts stack their
     ``tuning_buckets`` and count the tuning ones (flashinfer/autotuner/autotuner.py: a nested
-    ``autotune(False)`` keeps tuning on while an ``autotune(True)`` is open); a tuning call records its
-    winners under keys shaped like ProfilingCacheKey, as the real tuner does."""
+    ``autotune(False)`` keeps tuning on while an ``autotune(True)`` is open); ``choose_one`` tunes the
+    current bucket when tuning, and otherwise returns its winner, or -1 (the default tactic) for a bucket
+    it never tuned, as the real tuner does."""
+
+    WINNERS = {"trtllm::fused_moe::gemm1": 7, "trtllm::fused_moe::gemm2": 11}
 
     def __init__(self):
-        self.stack, self.tuning, self.calls = [], 0, []
-        self.profiling_cache, self._winner_partitions = {}, {}
+        self.stack, self.tuning, self.calls, self.winners = [], 0, [], {}
 
     def autotune(self, tune_mode=True, cache=None, tuning_buckets=None):
         import contextlib
@@ -277,13 +275,16 @@ class FakeFlashInferTuner:
                 self.tuning -= bool(tune_mode)
         return ctx()
 
+    def choose_one(self, custom_op, runners, tuning_config, inputs, **kwargs):
+        key = (custom_op, self.stack[-1] if self.stack else None)
+        if self.tuning and key[1]:
+            self.winners[key] = self.WINNERS[custom_op]
+        return None, self.winners.get(key, -1)
+
     def cutlass_fused_moe(self, x, ids, w, fc1, fc2, dtype, scales, *, output, **kw):
-        bucket = self.stack[-1] if self.stack else None
-        self.calls.append(("tune" if self.tuning else "lookup", bucket))
-        if self.tuning and bucket:
-            for gemm, tactic in (("gemm1", 7), ("gemm2", 11)):
-                key = CacheKey(f"trtllm::fused_moe::{gemm}", ((bucket[0], x.shape[1]), tuple(fc1.shape)))
-                self.profiling_cache[key] = (tactic, None)
+        self.calls.append(("tune" if self.tuning else "lookup", self.stack[-1] if self.stack else None))
+        for op in self.WINNERS:
+            self.choose_one(op, [], None, [x])
         output.fill_(1.0)
 
 
@@ -291,8 +292,8 @@ def test_flat_ep_call_is_tuned_and_looked_up_at_the_ranks_exact_token_count(monk
     """The emulated EP rank's FlashInfer peer (flat cutlass_fused_moe): every call enters
     ``autotune(tuning_buckets=(rows,))``, so ``warm`` profiles that one bucket (not every bucket up to
     65536 tokens: minutes a case) and the timed / captured calls look the same bucket up; the JSON's
-    tactic names the winners. Mutation run once: a call without the bucket context records
-    ('tune', None) and the tactic says no winner was found."""
+    tactic names the tactics the tuner handed out, and a call FlashInfer gave its default tactic (-1)
+    is flagged untuned. Mutation run once: a call without the bucket context records ('tune', None)."""
     tuner = FakeFlashInferTuner()
     fake = types.ModuleType("flashinfer")
     fake.autotune = tuner.autotune
@@ -305,6 +306,7 @@ def test_flat_ep_call_is_tuned_and_looked_up_at_the_ranks_exact_token_count(monk
     peers.Peer.__init__(peer)
     rows, local_experts = 37, 4
     peer.fi, peer.fm, peer.kind, peer.tune_cache, peer.layer = fake, fm, "humming", None, None
+    peer.flat_tactics = {}
     peer.device, peer.experts, peer.ep_size, peer.ep_rank, peer.ceiling = CPU, local_experts, 2, 1, 8192
     peer.shape = peers.PeerShape(H, I, 2, 10.0)
     peer.activation = types.SimpleNamespace(alpha=1.0, beta=0.0, limit=10.0)
@@ -318,7 +320,53 @@ def test_flat_ep_call_is_tuned_and_looked_up_at_the_ranks_exact_token_count(monk
     call()
     assert tuner.calls == [("tune", (rows,)), ("lookup", (rows,))]
     assert peer.tactic(rows).endswith("(gemm1, gemm2) = (7, 11)") and f"exactly {rows} tokens" in peer.tactic(rows)
-    assert "not found" in peer.tactic(rows + 1)
+    assert peer.untuned(rows) == "" and "choose_one" not in vars(tuner)  # the tuner's own method again
+    untuned_call = peer.bind(torch.zeros(rows + 1, H, dtype=torch.bfloat16), ids[:1].repeat(rows + 1, 1), w[:1].repeat(rows + 1, 1))
+    untuned_call()  # never warmed: FlashInfer's default tactic (-1), as after an OOM while profiling
+    assert peer.tactic(rows + 1).endswith("(-1, -1)") and "default tactic" in peer.untuned(rows + 1)
+
+
+def test_a_load_out_of_gpu_memory_releases_the_peers_and_tries_again(weights):
+    """On an H100 the peers' copies of 192 experts did not fit beside each other (2026-12-06: triton_kernels
+    OutOfMemoryError at load). A load that runs out of memory releases every peer's weights and retries
+    once. Mutation run once: without the retry the second peer's result is the load error."""
+    fp4, _ = weights
+    holders = []
+
+    class Roomy(ScaledReference):
+        def load(self, *a, **k):
+            if any(p.loaded_key is not None for p in holders if p is not self):
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake: another peer holds its weights)")
+            super().load(*a, **k)
+            self.loaded_key = "held"
+
+    first, second = Roomy(), Roomy()
+    second.name = "second_peer"
+    holders += [first, second]
+    x = torch.randn(4, H).to(torch.bfloat16)
+    ids, w = torch.tensor([[0, 1]] * 4), torch.full((4, 2), 0.5)
+    results = peers.run_peers([first, second], fp4, peers.PeerShape(H, I, 2, None), x, ids, w, lambda y: 0.0, max_tokens=4)
+    assert [r.error for r in results] == ["", ""] and all(r.usable() for r in results)
+    assert first.loaded_key is None and second.loaded_key == "held" and second.loads == 1
+
+
+def test_an_untuned_peer_figure_is_recorded_but_stands_for_nothing(weights):
+    """FlashInfer falls back to its default tactic when profiling fails (H100, EP 8 x 8192: OOM while
+    profiling 36306 tokens, 33.8 ms against 6.4 ms tuned at ep_size 1): the result keeps its µs and the
+    reason, and the benches leave it out of ratios, tables' peer columns and plots (PeerResult.usable)."""
+    fp4, _ = weights
+
+    class Untuned(ScaledReference):
+        def untuned(self, tokens):
+            return f"no winner at {tokens} tokens"
+
+    x = torch.randn(4, H).to(torch.bfloat16)
+    ids, w = torch.tensor([[0, 1]] * 4), torch.full((4, 2), 0.5)
+    (r,) = peers.run_peers([Untuned()], fp4, peers.PeerShape(H, I, 2, None), x, ids, w, lambda y: 0.0, max_tokens=4)
+    assert r.untuned == "no winner at 4 tokens" and r.us == r.us and not r.usable()
+    case = bench_experts.Case(E, 4, 8, "a8w4", "triton", us=10.0)
+    bench_experts.peer_ratios(r, [case], {}, E, H, I)
+    assert r.ratios == {}
 
 
 def test_layer_cases_draw_their_peers(tmp_path):

@@ -1,4 +1,4 @@
-"""The torch-emulated quantised layer: the GPU layer's exact-math twin, and the bound its rows keep.
+"""The torch-emulated quantised layer: the GPU layer's exact-math twin, and the bounds its rows keep.
 
 Why a twin besides the fp32 gates: the gates (relL2 vs fp32 on dequantised weights: 0.10 A8W4, 0.28
 A4W4) are the accuracy claim, and they are loose enough that wrong math passes them (issue 46: the
@@ -7,22 +7,25 @@ CPU layer's output x1.10 passes the A4W4 gate, x1.05 the A8W4 one). The twin run
 top-k summed in fp32) with TorchReferenceExperts (fp64 products rounded to fp32 per row) over the
 torch forward, so the Triton layer differs from it only by accumulation order and what that moves.
 
-ROW_TOL, the bound: each output row within 2e-2 relative (L2) of the twin's. Fitted to the
-accumulation: fp32 sums in K-chunk order (the bf16 MMA, and the interpreter's fp32 dot) differ from
-fp64 by ~1e-6, which reaches the output only where it moves an A2 element across an fp8 / fp4 rounding
-edge, and the FP8 tensor core of the frag8 decoder accumulates with a shorter mantissa: on the H200
-the experts differ from the exact reference by relL2 9.3e-3 (A8W4) / 3.2e-3 (A4W4) at DSV4-Pro shapes
-(tests/kernels/test_gpu_experts.py FRAG8_TOL 2e-2; docs/triton.md), and a token's row sums k such pair
-rows with independent errors, so its relative error stays near the pairs' (~1e-2), under 2e-2. Wrong
-math misses it: x1.05 is 5e-2 on every row, a pair dropped from a row of k = 6 ~4e-1 on that row.
-
-The fp8 combine wire (fp8_blockwise_1x32) rounds every pair row to e4m3 (3 mantissa bits) before
-the sum, so an accumulation-order difference that moves an element across an e4m3 rounding edge
-changes it by up to 2^-4 relative: a few rows go further. Measured on the H200 (2026-12-04, tree of
-this change, test_gpu_layer.py a8w4 / fp8 / fp8_blockwise_1x32): worst row 3.0e-2, over the 2e-2
-bound. For that wire the bound is 6e-2 on the worst row (COMBINE_FP8_ROW_TOL) plus 2e-2 on the MEAN
-row error (MEAN_TOL), which x1.05 (5e-2 on every row) still fails; this pair of bounds is fitted to
-that one measured failure and has not run on the GPU since.
+Where the bounds come from: one number the experts' own tests hold, FRAG8_TOL (expert_problems.py,
+2e-2): a pair row of the frag8 GEMMs (the FP8 tensor core adds products with fewer bits than fp32)
+may differ from the exact one by that much (H200: 9.6e-3 A8W4, 3.2e-3 A4W4 at DSV4-Pro shapes). What
+that difference becomes at the layer's output depends on the combine wire:
+- bf16 combine (ROW_TOL 2e-2, every row and the mean): a token's row sums k pair rows with independent
+  differences, so its relative difference stays near the pairs' (the model below: 2.0e-2 per row at
+  pair rows 2e-2 off). x1.05 is 5e-2 on every row, a pair dropped from a row of k = 6 ~4e-1 on it.
+- fp8 combine (fp8_blockwise_1x32: e4m3 + one E8M0 per 32, per pair row, before the fp32 sum): the
+  wire rounds both sides, and a difference that moves an element across an e4m3 rounding edge comes out
+  as a whole e4m3 step (2^-4 to 2^-3 relative), so the output rows differ by more than the pair rows
+  do. COMBINE_FP8_MEAN_TOL 4e-2 on the mean row: the model (test_quantised_twin_bound.py: the twin's
+  pair rows perturbed by additive noise of relative size d before the wire, against the unperturbed
+  twin) gives a mean row of 2.3e-2 at d = 9.3e-3 (measured on the H100, 2026-12-06: 2.24e-2, the GPU
+  layer against this twin, tree 228d517) and 3.5e-2 at d = FRAG8_TOL; x1.05 gives 6.8e-2 (it is
+  rounded too), so 4e-2 lies between. COMBINE_FP8_ROW_TOL 6e-2 on the worst row: measured rows are
+  heavier-tailed than the model's even noise (bf16 combine, H100: worst row 1.72e-2 where the model's
+  rows sit at 1.0e-2), so 1.7x the model's 3.5e-2. History: the first bound (2e-2 worst) failed on the
+  H200 at 3.0e-2 (2026-12-04); its refit (2e-2 mean, fitted to that one failure) failed on the H100 at
+  2.24e-2: hence the model.
 """
 
 from __future__ import annotations
@@ -33,14 +36,14 @@ from megamoe_backend.experts import TorchReferenceExperts
 from megamoe_backend.layer import MegaMoELayer
 from megamoe_backend.transport import LocalTransport
 
-ROW_TOL = 2e-2
-COMBINE_FP8_ROW_TOL = 6e-2  # worst row with the fp8 combine wire (module docstring)
-MEAN_TOL = 2e-2  # mean row error with the fp8 combine wire: every row x1.05 is 5e-2
+ROW_TOL = 2e-2  # bf16 combine: every row (module docstring)
+COMBINE_FP8_ROW_TOL = 6e-2  # fp8 combine: the worst row
+COMBINE_FP8_MEAN_TOL = 4e-2  # fp8 combine: the mean row (model at FRAG8_TOL 3.5e-2 < this < x1.05's 6.8e-2)
 
 
 def tolerances(combine: str) -> tuple[float, float]:
     """(worst row, mean row) bound for this combine wire."""
-    return (COMBINE_FP8_ROW_TOL, MEAN_TOL) if combine == "fp8_blockwise_1x32" else (ROW_TOL, ROW_TOL)
+    return (COMBINE_FP8_ROW_TOL, COMBINE_FP8_MEAN_TOL) if combine == "fp8_blockwise_1x32" else (ROW_TOL, ROW_TOL)
 
 
 def torch_emulated_layer(layer: MegaMoELayer, weights, device) -> MegaMoELayer:

@@ -5,7 +5,7 @@ What the interpreter tests (test_device_forward_interpreter.py) cannot show: eag
 other tokens and routing (masked ids, an empty batch, a full MTPR batch) equal to eager bit for
 bit; a 61-layer chain (RMSNorm + residual, independent routing per layer) captured in one graph;
 bad ids and NaN rows reported from a replayed graph; the accuracy gates at DSV4-Pro's hidden size, and
-every row within 2e-2 of the torch-emulated quantised layer (tests/kernels/quantised_twin.py: the gates
+every row near the torch-emulated quantised layer (tests/kernels/quantised_twin.py: the gates
 are the accuracy claim, the twin catches wrong math the gates let through). Skips without CUDA.
 """
 
@@ -125,7 +125,8 @@ def test_eager_forward_is_sync_free_and_within_the_gates(quant, wire, combine) -
 
 @pytest.mark.parametrize("quant, wire, combine", CASES)
 def test_rows_stay_near_the_torch_emulated_quantised_layer(quant, wire, combine) -> None:
-    """Every output row within quantised_twin.tolerances (2e-2 relative; 6e-2 worst / 2e-2 mean on the fp8 combine wire: quantised_twin.py says why) of the same plan run
+    """Every output row within quantised_twin.tolerances (2e-2 relative; on the fp8 combine wire 6e-2 worst
+    row / 4e-2 mean row, derived from the experts' tolerance in quantised_twin.py) of the same plan run
     by the reference experts (fp64 products, the same A / A2 quantisation and wires), at DSV4-Pro
     shapes, 10 % masked routes. The planted mutations (output x1.05, a wrong scale exponent, a dropped
     pair) were run once against this check's CPU twin,
