@@ -513,8 +513,8 @@ def run_peers(ready: list[Peer], weights: ExpertWeights, shape: PeerShape, x: to
 
 
 def release_all(ready: list[Peer]) -> None:
-    """Every peer's converted weights dropped and the allocator's cache returned: before a bench makes
-    its next weight set, or when a load runs out of memory."""
+    """Every peer's converted weights dropped and the allocator's cache returned: when a load runs out of
+    memory, and after the emulated rank's peers ran (bench_layer_emulated.link_peers)."""
     for peer in ready:
         peer.release()
     if torch.cuda.is_available():
