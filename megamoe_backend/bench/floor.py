@@ -28,12 +28,11 @@ FP8 ``torch._scaled_mm``). Why per card: an H100 run once printed floors at the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..formats import MX_BLOCK
-
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class Datasheet:
 
     name: str
     hbm_bytes_per_s: float
-    mma_flops_per_s: dict = field(default_factory=dict)  # MMA kind ("bf16", "fp8") -> FLOP/s
+    mma_flops_per_s: dict  # MMA kind ("bf16", "fp8") -> FLOP/s
 
     def ceilings(self) -> dict:
         """The fields meta.ceilings holds for it, in the units the JSON and tables print."""
@@ -74,13 +73,15 @@ def datasheet_ceilings(device: torch.device) -> dict:
 
 
 def datasheet_of(ceilings: dict | None) -> Datasheet:
-    """The datasheet a run recorded in meta.ceilings (hbm_tbs, bf16_tflops, fp8_tflops); the H200's for
-    a JSON written before the card was recorded (they were all H200 runs) or none at all."""
+    """The datasheet a run recorded in meta.ceilings (hbm_tbs, bf16_tflops, fp8_tflops: every bench JSON
+    holds them; ``datasheet`` names the card since 2026-12-06, older files used the H200's figures); the
+    H200's where no ceilings were recorded (a CPU run)."""
     c = ceilings or {}
     if not all(k in c for k in ("hbm_tbs", "bf16_tflops", "fp8_tflops")):
         return H200_SXM
     return Datasheet(c.get("datasheet", H200_SXM.name), c["hbm_tbs"] * 1e12,
                      {"bf16": c["bf16_tflops"] * 1e12, "fp8": c["fp8_tflops"] * 1e12})
+
 
 WEIGHT_FORMATS = ("bf16", "mxfp4")
 ACTIVATION_FORMATS = (None, "fp8", "fp4")  # ExpertMath.a_format: None = bf16 rows
