@@ -1,5 +1,5 @@
 """The EP forward's small kernels compiled for sm_90a without a GPU: dispatch (bf16 / fp8 / fp4 wire),
-the MX quantisation (per row piece, and over live rows), the layout's chunk kernels (pairs in order,
+the barrier (signal and wait, alone and together), the status word's publish, the MX quantisation (per row piece, and over live rows), the layout's chunk kernels (pairs in order,
 and over live rows). Prints one JSON row per variant (registers, spilled bytes) and exits non-zero if
 any variant fails to compile.
 
@@ -24,7 +24,8 @@ def variants():
     """(name, kernel, argument types (default i32), constexprs, num_warps) of every launch the EP forward makes here."""
     from megamoe_backend.experts.triton.layout_kernels import CHUNK, _chunk_histogram, _scatter
     from megamoe_backend.experts.triton.quant import BLOCKS_PER_PROGRAM, _quantize_rows_kernel
-    from megamoe_backend.layer.device.p2p import PIECE_BLOCKS, _dispatch_kernel
+    from megamoe_backend.layer.device.p2p import PIECE_BLOCKS, _barrier_kernel, _dispatch_kernel
+    from megamoe_backend.layer.device.status_clear_kernel import publish_kernel
 
     dispatch_types = {"x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "owner_ptr": "*i64", "slot_ptr": "*i64",
                       "arena_u8": "*u8", "arena_i16": "*i16", "arena_i64": "*i64", "arena_f32": "*fp32",
@@ -33,6 +34,13 @@ def variants():
         for blocks in PIECE_BLOCKS:
             yield (f"dispatch {fmt} x{blocks}", _dispatch_kernel, dispatch_types,
                    dict(H=7168, K=6, K_PAD=8, FMT=fmt, BLOCKS=blocks, HW_CVT=True), 4)
+    barrier_types = {"arena_i64": "*i64", "peer_off_ptr": "*i64", "flags_e": "i64", "header_e": "i64",
+                     "rows_per_src": "i64", "epoch_ptr": "*i64", "budget": "i64", "status_ptr": "*i64"}
+    for signal, wait in ((True, True), (True, False), (False, True)):
+        yield (f"barrier{' signal' if signal else ''}{' wait' if wait else ''}", _barrier_kernel, barrier_types,
+               dict(EP_PAD=8, CHECK_ROWS=True, CLOCK="globaltimer", FENCE=True, SIGNAL=signal, WAIT=wait), 1)
+    yield ("status publish", publish_kernel, {"words_ptr": "*i64", "ack_host_ptr": "*i64", "host_ptr": "*i64"},
+           dict(WORDS=4, PAD=8), 1)
     quant_types = {"x_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*u8", "status_ptr": "*i64", "live_ptr": "*i64"}
     for fmt in ("fp8", "fp4"):
         for persist in (False, True):

@@ -76,11 +76,18 @@ class InputStatus:
         """Clear a reported problem, then enqueue the copy of the device word into host memory.
 
         Stream-ordered and without a wait, so capturable (pinned memory): the copy of ``ack`` and
-        the clear run where the stream is, after every kernel of the forward that could record."""
-        cuda = self.device.type == "cuda"
-        self._words[ACK:].copy_(self._ack, non_blocking=cuda)
+        the clear run where the stream is, after every kernel of the forward that could record. On
+        CUDA it is one kernel that reads and writes the pinned host words directly; on CPU (the
+        interpreter tests) the same steps as tensor ops."""
+        if self.device.type == "cuda":
+            from .status_clear_kernel import publish_kernel
+
+            # one launch: ack in, the clear, the words out (status_clear_kernel.py says why)
+            publish_kernel[(1,)](self._words, self._ack, self._host_words, WORDS=WORDS, PAD=8, num_warps=1)
+            return
+        self._words[ACK:].copy_(self._ack)
         clear_reported(self._words)
-        self._host_words.copy_(self._words, non_blocking=cuda)
+        self._host_words.copy_(self._words)
 
     def code(self) -> int:
         """What the host copy says now (a plain host read)."""
