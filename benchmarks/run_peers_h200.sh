@@ -12,7 +12,8 @@
 #     bash benchmarks/run_peers_h200.sh --emulated   # the emulated EP 8 / EP 2 rank with the peers on its share
 #     bash benchmarks/run_peers_h200.sh --experts-only | --layer-only   # one half of the default run
 # Environment: OUT (default out/peers), PY (python3), DEADLINE_S (530), PEER_LIST (default: all peers,
-# e.g. "flashinfer_humming triton_kernels"), TUNE_SEED (a tactic cache an earlier call returned as
+# e.g. "flashinfer_humming triton_kernels"), EMU_EP (--emulated: one EP size, e.g. 2, its files named
+# *_ep2_*; default EP 8 and EP 2 in one file), TUNE_SEED (a tactic cache an earlier call returned as
 # $OUT/flashinfer_autotune.json: the buckets it holds are not tuned again, as with a user's persisted
 # cache; default benchmarks/results/<card>_flashinfer_autotune.json where one is committed).
 # FlashInfer's tactic cache lives in /tmp (kept while the device stays warm) and is copied to $OUT.
@@ -92,10 +93,12 @@ if [ "$MODE" = smoke ]; then
     --routings uniform --schemes a8w4 --combine-wires bf16 "${PEERS[@]}" --json "$OUT/smoke_emulated.json" \
     --plot "$OUT/smoke_emulated.png"
 elif [ "$MODE" = emulated ]; then
-  step emulated 100 -m megamoe_backend.bench.bench_layer --emulate --tokens 8 128 1024 8192 --routings uniform \
-    --schemes a8w4 a4w4 --combine-wires bf16 "${PEERS[@]}" --json "$OUT/${GPU}_layer_ep_emulated_peers.json" \
-    --plot "$OUT/${GPU}_layer_ep_emulated_peers.png"
-  replot megamoe_backend.bench.bench_layer "$OUT/${GPU}_layer_ep_emulated_peers.json"
+  # shellcheck disable=SC2046
+  step emulated 100 -m megamoe_backend.bench.bench_layer --emulate $([ -n "${EMU_EP:-}" ] && echo --ep "$EMU_EP") \
+    --tokens 8 128 1024 8192 --routings uniform \
+    --schemes a8w4 a4w4 --combine-wires bf16 "${PEERS[@]}" --json "$OUT/${GPU}_layer_ep_emulated${EMU_EP:+_ep$EMU_EP}_peers.json" \
+    --plot "$OUT/${GPU}_layer_ep_emulated${EMU_EP:+_ep$EMU_EP}_peers.png"
+  replot megamoe_backend.bench.bench_layer "$OUT/${GPU}_layer_ep_emulated${EMU_EP:+_ep$EMU_EP}_peers.json"
 else
   # 48 experts first: one EP 8 rank's share of DSV4-Pro, the issues' headline figures
   share=62; [ "$MODE" = experts ] && share=100
