@@ -179,14 +179,9 @@ def clear_reported(words: torch.Tensor) -> None:
     bump seq (the next problem recorded is a new one); a word already cleared (seq moved on) is left
     alone, and ack is only ever a seq the host saw with a problem, so a clean word is never touched.
 
-    On CUDA one Triton program does it (one graph node per forward, beside the two copies); on CPU
-    (the interpreter tests' forwards, fake status words) plain tensor ops do the same on host memory.
+    Tensor ops on host memory: the CPU forwards' (interpreter tests, fake status words) form. On CUDA
+    ``publish`` runs the same rule inside its one kernel (status_clear_kernel.publish_kernel).
     """
-    if words.is_cuda:
-        from .status_clear_kernel import clear_reported_kernel
-
-        clear_reported_kernel[(1,)](words, WORDS=WORDS, num_warps=1)
-        return
     if int(words[SEQ]) == int(words[ACK]):
         words[:WORDS].zero_()
         words[SEQ] += 1

@@ -1,5 +1,5 @@
-"""The CUDA forms of status.py's stream-ordered steps, one program each, capturable (status.py has
-the rule): ``clear_reported_kernel`` alone, and ``publish_kernel``, a whole ``publish`` in one launch.
+"""The CUDA form of ``InputStatus.publish``: ack in, the clear of a reported problem (the rule of
+status.clear_reported), the words out to the host copy, in one capturable program.
 
 Why one launch for the publish: as two copies around the clear it was three graph nodes at the end
 of every forward, about 11 µs per layer with the gaps between them; the one kernel takes 2.0 µs
@@ -14,19 +14,9 @@ import triton.language as tl
 
 
 @triton.jit
-def clear_reported_kernel(words_ptr, WORDS: tl.constexpr):
-    seq = tl.load(words_ptr + WORDS)
-    ack = tl.load(words_ptr + WORDS + 1)
-    if seq == ack:
-        i = tl.arange(0, WORDS)
-        tl.store(words_ptr + i, tl.zeros([WORDS], dtype=tl.int64))
-        tl.store(words_ptr + WORDS, seq + 1)
-
-
-@triton.jit
 def publish_kernel(words_ptr, ack_host_ptr, host_ptr, WORDS: tl.constexpr, PAD: tl.constexpr):
     """words (device, int64 [WORDS + 2]: code.., seq, ack) <- ack from the host; clear the reported
-    problem (clear_reported_kernel's rule); the words -> the host copy."""
+    problem (status.clear_reported's rule); the words -> the host copy."""
     i = tl.arange(0, PAD)
     n = i < WORDS + 2
     ack = tl.load(ack_host_ptr, volatile=True)  # the reporter's host write: never a cached value
