@@ -1,6 +1,7 @@
 """The EP forward's small kernels compiled for sm_90a without a GPU: dispatch (bf16 / fp8 / fp4 wire),
-the barrier (signal and wait, alone and together), the status word's publish, the MX quantisation (per row piece, and over live rows), the layout's chunk kernels (pairs in order,
-and over live rows). Prints one JSON row per variant (registers, spilled bytes) and exits non-zero if
+the barrier (signal and wait, alone and together), the status word's publish, the MX quantisation
+(per row piece, and over live rows), the layout's chunk kernels (pairs in order, and over live
+rows). Prints one JSON row per variant (registers, spilled bytes) and exits non-zero if
 any variant fails to compile.
 
 Why: the interpreter (CPU CI) runs these kernels' logic, not their compilation for the GPU; a kernel
@@ -25,7 +26,7 @@ def variants():
     from megamoe_backend.experts.triton.layout_kernels import CHUNK, _chunk_histogram, _scatter
     from megamoe_backend.experts.triton.quant import BLOCKS_PER_PROGRAM, _quantize_rows_kernel
     from megamoe_backend.layer.device.p2p import PIECE_BLOCKS, _barrier_kernel, _dispatch_kernel
-    from megamoe_backend.layer.device.status_clear_kernel import publish_kernel
+    from megamoe_backend.layer.device.status_publish_kernel import publish_kernel
 
     dispatch_types = {"x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "owner_ptr": "*i64", "slot_ptr": "*i64",
                       "arena_u8": "*u8", "arena_i16": "*i16", "arena_i64": "*i64", "arena_f32": "*fp32",

@@ -1,7 +1,7 @@
 """The status word's stream-ordered clear and the watchdog over a real device forward, under the
 Triton interpreter (CPU). On a GPU: tests/kernels/test_gpu_watchdog.py (graphs, a dead peer).
 
-- the publish kernel (status_clear_kernel.py: ack in, the clear, the words out to the host copy in one
+- the publish kernel (status_publish_kernel.py: ack in, the clear, the words out to the host copy in one
   launch) follows the rule of status.clear_reported (zero the word and bump seq iff seq == ack, else
   touch nothing) and leaves what InputStatus.publish's CPU steps leave;
 - a bad expert id in a device forward is reported once by a watchdog (layer, token, value), the
@@ -22,8 +22,8 @@ require_interpreter("tests/kernels/test_gpu_watchdog.py")
 from megamoe_backend.experts.triton import TritonExperts  # noqa: E402
 from megamoe_backend.knobs import Knobs  # noqa: E402
 from megamoe_backend.layer import MegaMoELayer  # noqa: E402
-from megamoe_backend.layer.device.status import InputStatus, clear_reported  # noqa: E402
-from megamoe_backend.layer.device.status_clear_kernel import publish_kernel  # noqa: E402
+from megamoe_backend.layer.device.status import InputStatus  # noqa: E402
+from megamoe_backend.layer.device.status_publish_kernel import publish_kernel  # noqa: E402
 from megamoe_backend.layer.device.watchdog import Watchdog  # noqa: E402
 from megamoe_backend.plan import build_plan  # noqa: E402
 from megamoe_backend.spec import preset  # noqa: E402

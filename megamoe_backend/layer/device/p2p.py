@@ -209,7 +209,7 @@ def _wait(arena_i64, ep, flags_e, header_e, rows_per_src, phase, budget, epoch, 
         else:
             spent += 1
     behind = seen < epoch
-    epoch = _fence_sys(epoch, FENCE)
+    _fence_sys(epoch, FENCE)  # after the polls: the acquire pattern (what follows reads the peers' writes)
     if tl.sum(behind.to(tl.int32), axis=0) > 0:
         _record(status_ptr, _TIMEOUT, layer_id, tl.min(tl.where(behind, s, EP_PAD), axis=0), phase)
     elif CHECK_ROWS:

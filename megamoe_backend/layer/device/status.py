@@ -80,10 +80,13 @@ class InputStatus:
         CUDA it is one kernel that reads and writes the pinned host words directly; on CPU (the
         interpreter tests) the same steps as tensor ops."""
         if self.device.type == "cuda":
-            from .status_clear_kernel import publish_kernel
+            import triton
 
-            # one launch: ack in, the clear, the words out (status_clear_kernel.py says why)
-            publish_kernel[(1,)](self._words, self._ack, self._host_words, WORDS=WORDS, PAD=8, num_warps=1)
+            from .status_publish_kernel import publish_kernel
+
+            # one launch: ack in, the clear, the words out (status_publish_kernel.py says why)
+            publish_kernel[(1,)](self._words, self._ack, self._host_words, WORDS=WORDS,
+                                 PAD=triton.next_power_of_2(WORDS + 2), num_warps=1)
             return
         self._words[ACK:].copy_(self._ack)
         clear_reported(self._words)
@@ -180,7 +183,7 @@ def clear_reported(words: torch.Tensor) -> None:
     alone, and ack is only ever a seq the host saw with a problem, so a clean word is never touched.
 
     Tensor ops on host memory: the CPU forwards' (interpreter tests, fake status words) form. On CUDA
-    ``publish`` runs the same rule inside its one kernel (status_clear_kernel.publish_kernel).
+    ``publish`` runs the same rule inside its one kernel (status_publish_kernel.publish_kernel).
     """
     if int(words[SEQ]) == int(words[ACK]):
         words[:WORDS].zero_()
