@@ -13,7 +13,9 @@
 #     bash benchmarks/run_peers_h200.sh --experts-only | --layer-only   # one half of the default run
 # Environment: OUT (default out/peers), PY (python3), DEADLINE_S (530), PEER_LIST (default: all peers,
 # e.g. "flashinfer_humming triton_kernels"), EMU_EP (--emulated: one EP size, e.g. 2, its files named
-# *_ep2_*; default EP 8 and EP 2 in one file), TUNE_SEED (a tactic cache an earlier call returned as
+# *_ep2_*; default EP 8 and EP 2 in one file), EXPERTS / TOKENS (the default and --experts-only /
+# --layer-only grid, default "48 192" / "8 128 1024 8192"; a narrower grid names its files
+# *_e192_t8192_* so it never overwrites the full run's), TUNE_SEED (a tactic cache an earlier call returned as
 # $OUT/flashinfer_autotune.json: the buckets it holds are not tuned again, as with a user's persisted
 # cache; default benchmarks/results/<card>_flashinfer_autotune.json where one is committed).
 # FlashInfer's tactic cache lives in /tmp (kept while the device stays warm) and is copied to $OUT.
@@ -62,6 +64,10 @@ if [ -n "${TUNE_SEED:-}" ] && [ ! -f "$TUNE" ]; then
 fi
 # shellcheck disable=SC2206
 PEERS=(--peers ${PEER_LIST:-} --peer-tune-cache "$TUNE")
+EXPERTS=${EXPERTS:-48 192}
+TOKENS=${TOKENS:-8 128 1024 8192}
+GRID=""  # file-name tag of a grid narrower than the default one
+[ "$EXPERTS" != "48 192" ] || [ "$TOKENS" != "8 128 1024 8192" ] && GRID="_e${EXPERTS// /-}_t${TOKENS// /-}"
 status=0
 
 # step NAME SHARE CMD...: run CMD with --budget-s (SHARE % of the time left, minus a margin for the last
@@ -103,14 +109,16 @@ else
   # 48 experts first: one EP 8 rank's share of DSV4-Pro, the issues' headline figures
   share=62; [ "$MODE" = experts ] && share=100
   if [ "$MODE" != layer ]; then
-    step experts $share -m megamoe_backend.bench.bench_experts --experts 48 192 --tokens 8 128 1024 8192 \
-      --schemes a8w4 a4w4 "${PEERS[@]}" --json "$OUT/${GPU}_experts_peers.json" --plot "$OUT/${GPU}_experts_peers.png"
-    replot megamoe_backend.bench.bench_experts "$OUT/${GPU}_experts_peers.json"
+    # shellcheck disable=SC2086
+    step experts $share -m megamoe_backend.bench.bench_experts --experts $EXPERTS --tokens $TOKENS \
+      --schemes a8w4 a4w4 "${PEERS[@]}" --json "$OUT/${GPU}_experts${GRID}_peers.json" --plot "$OUT/${GPU}_experts${GRID}_peers.png"
+    replot megamoe_backend.bench.bench_experts "$OUT/${GPU}_experts${GRID}_peers.json"
   fi
   if [ "$MODE" != experts ]; then
-    step layer 100 -m megamoe_backend.bench.bench_layer --experts 48 192 --tokens 8 128 1024 8192 --schemes a8w4 a4w4 \
-      --combine-wires bf16 --no-chain "${PEERS[@]}" --json "$OUT/${GPU}_layer_peers.json" --plot "$OUT/${GPU}_layer_peers.png"
-    replot megamoe_backend.bench.bench_layer "$OUT/${GPU}_layer_peers.json"
+    # shellcheck disable=SC2086
+    step layer 100 -m megamoe_backend.bench.bench_layer --experts $EXPERTS --tokens $TOKENS --schemes a8w4 a4w4 \
+      --combine-wires bf16 --no-chain "${PEERS[@]}" --json "$OUT/${GPU}_layer${GRID}_peers.json" --plot "$OUT/${GPU}_layer${GRID}_peers.png"
+    replot megamoe_backend.bench.bench_layer "$OUT/${GPU}_layer${GRID}_peers.json"
   fi
 fi
 [ -f "$TUNE" ] && cp "$TUNE" "$OUT/flashinfer_autotune.json"
