@@ -21,16 +21,20 @@ import torch
 
 
 def profile_step(emu, routes, bound, replays: int = 5) -> dict:
-    from graph_replay_spans import profiled_kernels
-
     from megamoe_backend.bench.bench_experts import capture_graph
 
-    g = capture_graph(lambda: emu.forward(routes, bound))
+    return graph_spans(capture_graph(lambda: emu.forward(routes, bound)), emu.ep, replays)
+
+
+def graph_spans(g, ranks: int, replays: int = 5) -> dict:
+    """Span, busy and gap µs per rank of graph ``g`` (``ranks`` ranks' work per replay), by kernel name."""
+    from graph_replay_spans import profiled_kernels
+
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
     evs = profiled_kernels(g, replays)
-    per = emu.ep * replays
+    per = ranks * replays
     busy, gaps, count = defaultdict(float), defaultdict(float), defaultdict(int)
     last_end = None
     for e in evs:

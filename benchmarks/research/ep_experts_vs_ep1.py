@@ -10,7 +10,7 @@ forward_wire on the same weights, and measures both the same two ways:
 - sustained: back-to-back graph replays (bench timing.time_fn), the whole EP step graph / ep against the
   ep_size-1 forwards of every rank's share replayed in turn / ep (the same power regime), NVML clock beside
   each, and each share's forward alone;
-- profiled: kernel busy µs per rank by kernel name (the EP step: emulated_kernel_spans.profile_step).
+- profiled: kernel busy µs per rank by kernel name, both graphs through emulated_kernel_spans.graph_spans.
 
     PYTHONPATH=.:benchmarks/research python3 benchmarks/research/ep_experts_vs_ep1.py --tokens 8192 --json $OUT/ep_vs_ep1.json
 
@@ -22,7 +22,6 @@ bench_layer_emulated.rank_token_share); its first run is issue 48 item 2's first
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 
@@ -39,21 +38,8 @@ def share_pairs(routes, rank: int, experts: int):
     return xs[uniq], ExpertPairs(row=row.contiguous(), slot=lid.contiguous(), weight=w.contiguous())
 
 
-def profiled_busy(call, iters: int) -> dict[str, float]:
-    """Kernel busy µs per call by kernel name (torch.profiler over ``iters`` calls)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            call()
-        torch.cuda.synchronize()
-    busy: dict[str, float] = collections.defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            busy[ev.name.split("(")[0][:60]] += ev.device_time / iters
-    return dict(busy)
-
-
 def main() -> int:
-    from emulated_kernel_spans import emulated_dsv4, profile_step
+    from emulated_kernel_spans import emulated_dsv4, graph_spans
 
     from megamoe_backend.bench.bench_experts import capture_graph, forward_call
     from megamoe_backend.bench.bench_layer_emulated import make_routes
@@ -86,37 +72,29 @@ def main() -> int:
             us, _ = time_fn(g.replay, use_graph=False)
         case["ep_step_graph_us_per_rank"] = us / args.ep
         case["ep_clock"] = clock.stats()
-        spans = profile_step(emu, routes, t, replays=args.iters)
+        spans = graph_spans(g, args.ep, args.iters)  # the same graph, profiled
         case["ep_kernels_busy_us_per_rank"] = {n: k["busy_us"] for n, k in spans["kernels"].items()}
         case["ep_span_us_per_rank"] = spans["span_us_per_rank"]
         del g
-        # the ep_size-1 experts on each rank's share, on that rank's own prepared weights (the same tensors); kept
-        # alive so that all ep forwards replay in turn, as the EP step runs its ranks (the same power regime)
-        graphs, keep, pairs_by_rank = [], [], []
+        # the ep_size-1 experts on each rank's share, on that rank's own prepared weights (the same tensors), all ep
+        # forwards in one graph, in turn, as the EP step runs its ranks (the same power regime), profiled the same way
+        calls, pairs_by_rank = [], []
         for r in range(args.ep):
             x, pairs = share_pairs(routes, r, args.experts)
-            prov = TritonExperts(capacity=int(pairs.slot.numel()))
-            w = emu.layers[r].weights
             a = quantize_rows(x, "fp8")
-            call = forward_call(prov, a, pairs, w, math, "bf16")
-            graphs.append(capture_graph(call))
-            keep.append((prov, w, a, pairs, call))
+            calls.append(forward_call(TritonExperts(capacity=int(pairs.slot.numel())), a, pairs, emu.layers[r].weights,
+                                      math, "bf16"))
             pairs_by_rank.append(int(pairs.slot.numel()))
-
-        def ep1_sequence():
-            for gr in graphs:  # noqa: B023
-                gr.replay()
-
+        seq = capture_graph(lambda: [call() for call in calls])  # noqa: B023
         with ClockSampler(dev) as clock:
-            us, _ = time_fn(ep1_sequence, use_graph=False)
+            us, _ = time_fn(seq.replay, use_graph=False)
         case["ep1_sequence_us_per_rank"] = us / args.ep
         case["ep1_clock"] = clock.stats()
-        ep1_us = [time_fn(gr.replay, use_graph=False)[0] for gr in graphs]
-        busy = profiled_busy(ep1_sequence, args.iters)
+        ep1_us = [time_fn(call, use_graph=True)[0] for call in calls]
+        ep1_busy = {n: k["busy_us"] for n, k in graph_spans(seq, args.ep, args.iters)["kernels"].items()}
         case.update(ep1_us_by_rank=ep1_us, ep1_us_mean=statistics.mean(ep1_us), pairs_by_rank=pairs_by_rank,
-                    ep1_kernels_busy_us_per_rank={n: b / args.ep for n, b in busy.items()})
-        ep1_busy = case["ep1_kernels_busy_us_per_rank"]
-        del graphs, keep
+                    ep1_kernels_busy_us_per_rank=ep1_busy)
+        del seq, calls
         torch.cuda.empty_cache()
         case["step_graph_over_ep1_sequence"] = case["ep_step_graph_us_per_rank"] / case["ep1_sequence_us_per_rank"]
         out["cases"].append(case)
