@@ -15,8 +15,8 @@ forward_wire on the same weights, and measures both the same two ways:
     PYTHONPATH=.:benchmarks/research python3 benchmarks/research/ep_experts_vs_ep1.py --tokens 8192 --json $OUT/ep_vs_ep1.json
 
 Needs a CUDA GPU (EP 8 x 48 experts at 8192 tokens: every rank's weights, ~13 GB, and arenas on one card).
-Not run yet: written 2026-12-06, when no H200 was lent (its CPU-checkable part, share_pairs, matches
-bench_layer_emulated.rank_token_share); its first run is issue 48 item 2's first measured round.
+First run on an H100 on 2026-12-06 (no H200 could be started), issue 48 item 2's first measured round:
+benchmarks/results/h100_pdl_rescale_ab.json, docs/ep-device.md "Issue 48: PDL and the re-scale grid".
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
     K: 7168 for GEMM1, 3072 for GEMM2; divisibility 16 hints). out_fmt: what GEMM2 stores ("f32", or
     the combine wire "bf16" (the layer's default) / "fp8"); dest: GEMM2's DEST mode (0 pair order, 1 a
     table, 2 a base per segment); dest_align: DEST 2's promised alignment in bytes (the P2P forward's:
-    16 at DSV4-Pro shapes, SegmentDest.align); persist: the persistent launch over live tiles (experts/live.py)."""
+    16 at DSV4-Pro shapes, SegmentDest.align); persist: the persistent launch over live tiles (experts/live.py).
+    PDL on: the wait for the predecessor (pdl.py), as a Hopper GPU launches them."""
     from megamoe_backend.experts.triton.config import reduction_block
     from megamoe_backend.experts.triton.gemm1 import gemm1_swiglu_kernel
     from megamoe_backend.experts.triton.gemm2 import gemm2_weighted_kernel
@@ -60,7 +61,7 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
         const = dict(W_FMT="mxfp4", A_FMT=a_fmt, PLAIN=False, HAS_LIMIT=True, DECODE=decoder, USE_ASM=True,
                      BN=cfg.block_n1, BM=cfg.block_m, BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m,
                      F32_DOT=False, BK2=reduction_block(INTER, cfg.block_k), TAIL_M=cfg.tail_m, PASS=tile_pass,
-                     TAIL_RIDE=cfg.tail_ride, W_FULL=whole_weight_tiles(2 * INTER, cfg.block_n1), PERSIST=persist)
+                     TAIL_RIDE=cfg.tail_ride, W_FULL=whole_weight_tiles(2 * INTER, cfg.block_n1), PERSIST=persist, PDL=True)
         sig = {n: ("constexpr" if n in const else "fp32" if n == "limit" else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "I"}
     else:
@@ -71,7 +72,7 @@ def compile_gemm(which: str, cfg, decoder: str = "frag", a_fmt: str = "fp8", til
         const = dict(W_FMT="mxfp4", A_FMT="fp8" if decoder == "frag8" else "bf16", DECODE=decoder, USE_ASM=True, BN=cfg.block_n2, BM=cfg.block_m,
                      BK=reduction_block(k, cfg.block_k), GROUP_M=cfg.group_m, F32_DOT=False, TAIL_M=cfg.tail_m, PASS=tile_pass,
                      TAIL_RIDE=cfg.tail_ride, OUT_FMT=out_fmt, W_FULL=whole_weight_tiles(HIDDEN, cfg.block_n2),
-                     DEST=int(dest), PERSIST=persist, DEST_ALIGN=dest_align if dest == 2 else 1)
+                     DEST=int(dest), PERSIST=persist, DEST_ALIGN=dest_align if dest == 2 else 1, PDL=True)
         sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
         divisible = set(ptrs) | {"K", "N"}
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -165,6 +166,23 @@ def registers_used(info: str) -> int:
     return int(re.search(r"Used (\d+) registers", info).group(1))
 
 
+# PTX instructions that touch memory a predecessor kernel may write (kernel parameters are not among them)
+_MEMORY_OPS = re.compile(r"^\s*(@!?%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|ld\.volatile|cp\.async|ld\.acquire|ld\.relaxed|ld\.)"
+                         r"(?!param)")
+
+
+def pdl_wait_first(ptx: str) -> bool | None:
+    """For a kernel launched with programmatic dependent launch (experts/triton/pdl.py): whether its
+    ``griddepcontrol.wait`` comes before its first memory access in the PTX (True), after one (False:
+    that access may race the predecessor), or is absent (None: a kernel compiled without PDL)."""
+    lines = ptx.splitlines()
+    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
+    if wait is None:
+        return None
+    first_memory = next((i for i, line in enumerate(lines) if _MEMORY_OPS.match(line)), len(lines))
+    return wait < first_memory
+
+
 def full_wgmma_waits(loop: list[str]) -> int:
     """Waits in a loop that retire every wgmma in flight (wait_group 0)."""
     return sum("DEPBAR.LE gsb0, 0x0" in x for x in loop)
@@ -177,8 +195,8 @@ def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_
     (GEMM2 writing through a destination per segment, DEST 2), as the P2P forward runs it without a bound;
     dest: GEMM2's DEST mode if not that default (2 with a tile grid: the P2P forward with a bound)."""
     dest = (2 if persist and which == "gemm2" else 0) if dest is None else dest
-    sass, info = machine_code(compile_gemm(which, cfg, decoder, tile_pass=tile_pass, out_fmt=out_fmt,
-                                           dest=dest, persist=persist))
+    kernel = compile_gemm(which, cfg, decoder, tile_pass=tile_pass, out_fmt=out_fmt, dest=dest, persist=persist)
+    sass, info = machine_code(kernel)
     loop = _k_loop(sass)
     ops = collections.Counter()
     for line in loop:
@@ -207,6 +225,7 @@ def report(which: str, cfg, decoder: str = "frag", tile_pass: str = "full", out_
         "loop_full_wgmma_waits": full_wgmma_waits(loop),
         "loop_inflight_a_writes": _inflight_a_writes(loop),
         "loop_instructions_per_weight": round(sum(ops.values()) / max(1, weights_per_thread), 3),
+        "pdl_wait_first": pdl_wait_first(kernel.asm["ptx"]),
     }
 
 

@@ -1,7 +1,8 @@
 """The EP forward's small kernels compiled for sm_90a without a GPU: dispatch (bf16 / fp8 / fp4 wire),
 the barrier (signal and wait, alone and together), the status word's publish, the MX quantisation
-(per row piece, and over live rows), the layout's chunk kernels (pairs in order, and over live
-rows). Prints one JSON row per variant (registers, spilled bytes) and exits non-zero if
+(per row piece, and over live rows), the layout's three kernels (pairs in order, and over live
+rows) and frag8's row re-scales, the experts' kernels as Hopper launches them: with programmatic
+dependent launch (experts/triton/pdl.py), whose wait must come before their first memory access. Prints one JSON row per variant (registers, spilled bytes) and exits non-zero if
 any variant fails to compile.
 
 Why: the interpreter (CPU CI) runs these kernels' logic, not their compilation for the GPU; a kernel
@@ -18,12 +19,13 @@ import json
 import re
 import sys
 
-from sass_report import compile_for_sm90, machine_code, registers_used
+from sass_report import compile_for_sm90, machine_code, pdl_wait_first, registers_used
 
 
 def variants():
     """(name, kernel, argument types (default i32), constexprs, num_warps) of every launch the EP forward makes here."""
-    from megamoe_backend.experts.triton.layout_kernels import CHUNK, _chunk_histogram, _scatter
+    from megamoe_backend.experts.triton.gather import rowscale_e4m3_kernel
+    from megamoe_backend.experts.triton.layout_kernels import CHUNK, _chunk_histogram, _plan, _scatter
     from megamoe_backend.experts.triton.quant import BLOCKS_PER_PROGRAM, _quantize_rows_kernel
     from megamoe_backend.layer.device.p2p import PIECE_BLOCKS, _barrier_kernel, _dispatch_kernel
     from megamoe_backend.layer.device.status_publish_kernel import publish_kernel
@@ -51,11 +53,21 @@ def variants():
         counts = "*i64" if seg else "*i32"
         yield (f"layout histogram{' live rows' if seg else ''}", _chunk_histogram,
                {"slot_ptr": "*i64", "hist_ptr": "*i32", "sorted_pair_ptr": "*i32", "sorted_row_ptr": "*i32",
-                "counts_ptr": counts}, dict(E_PAD=64, CH=CHUNK, FB=1024, SEG=seg, N_SEG=8), 4)
+                "counts_ptr": counts}, dict(E_PAD=64, CH=CHUNK, FB=1024, SEG=seg, N_SEG=8, PDL=True), 4)
         yield (f"layout scatter{' live rows' if seg else ''}", _scatter,
                {"slot_ptr": "*i64", "row_ptr": "*i64", "base_ptr": "*i32", "first_row_ptr": "*i32",
                 "sorted_pair_ptr": "*i32", "sorted_row_ptr": "*i32", "counts_ptr": counts, "live_tiles_ptr": "*i32"},
-               dict(E_PAD=64, CH=CHUNK, SEG=seg, N_SEG=8), 4)
+               dict(E_PAD=64, CH=CHUNK, SEG=seg, N_SEG=8, PDL=True), 4)
+        yield (f"layout plan{' live rows' if seg else ''}", _plan,
+               {"hist_ptr": "*i32", "base_ptr": "*i32", "first_row_ptr": "*i32", "tile_end_ptr": "*i32",
+                "tile_expert_ptr": "*i32", "live_tiles_ptr": "*i32", "counts_ptr": counts},
+               dict(E_PAD=64, CB=64, TB=1024, LOG_E=7, CH=CHUNK, SEG=seg, N_SEG=8, ALL_TILES=not seg, PDL=True), 8)
+    # frag8's row re-scales as the experts forward launches them over live rows: A (received rows), A2 (sorted)
+    rowscale_types = {"sorted_pair_ptr": "*i32", "a_ptr": "*u8", "as_ptr": "*u8", "out_ptr": "*u8", "rs_ptr": "*fp32"}
+    for sort in (False, True):
+        yield (f"rowscale e4m3 {'A2' if sort else 'A'} live rows", rowscale_e4m3_kernel,
+               {**rowscale_types, "live_ptr": "*i32" if sort else "*i64"},
+               dict(A_FMT="fp8", SORTED=sort, NB=256 if not sort else 128, PK=1024, HW_CVT=True, PERSIST=True, N_SEG=8, PDL=True), 2)
 
 
 def main() -> int:
@@ -70,7 +82,8 @@ def main() -> int:
             _, info = machine_code(k)
             spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", info)]
             rows.append({"kernel": name, "registers": registers_used(info), "spill_bytes": sum(spills),
-                         "cubin_bytes": len(k.asm["cubin"])})
+                         "cubin_bytes": len(k.asm["cubin"]), "pdl": bool(const.get("PDL")),
+                         "pdl_wait_first": pdl_wait_first(k.asm["ptx"])})
         except Exception as exc:  # noqa: BLE001 - report every variant, fail at the end
             failed += 1
             rows.append({"kernel": name, "error": f"{type(exc).__name__}: {str(exc)[:800]}"})

@@ -47,6 +47,15 @@ def test_every_bucket_compiles_both_gemms(sass_rows):
     assert {r["decoder"] for r in sass_rows} == {"frag", "frag8", "split"}
 
 
+def test_gemms_wait_for_their_predecessor_first(sass_rows):
+    """Hopper launches both GEMMs with programmatic dependent launch (experts/triton/pdl.py): their
+    programs may start while the kernel before them runs, so griddepcontrol.wait must come before any
+    memory access (a layout or A2 read before it would race the predecessor's writes)."""
+    assert sass_rows
+    for row in sass_rows:
+        assert row["pdl_wait_first"] is True, row
+
+
 def test_wgmma_pipeline_not_serialised(sass_rows):
     for row in sass_rows:
         assert not row["wgmma_serialized"], row

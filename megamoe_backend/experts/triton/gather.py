@@ -23,15 +23,17 @@ import triton.language as tl
 
 from .layout_kernels import live_pairs_total, live_to_index
 from .mxjit import decode_e2m1, decode_e4m3, decode_e8m0, encode_e4m3, pow2
+from .pdl import pdl_enter
 
 
 @triton.jit
 def gather_split_kernel(
     a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, K,
     A_FMT: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr = True,
-    HW_CVT: tl.constexpr = False,
+    HW_CVT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Received row r (program axis 0) -> bf16 row r of ``out``; NB K-blocks of BK per program (axis 1)."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * NB + tl.arange(0, NB)
     m = (blk < K // BK)[:, None]
@@ -88,6 +90,7 @@ def rowscale_e4m3_kernel(
     sorted_pair_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K,
     A_FMT: tl.constexpr, SORTED: tl.constexpr, NB: tl.constexpr, PK: tl.constexpr, HW_CVT: tl.constexpr,
     live_ptr=None, n_seg=1, seg_rows=0, BM=1, PERSIST: tl.constexpr = False, N_SEG: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     """MX rows (fp8 bytes or packed fp4, E8M0 per 32) -> e4m3 bytes over ONE power-of-two scale per
     row (rs_ptr, fp32): the frag8 decoder's A operand, so its K loop needs no per-32 rescale.
@@ -112,7 +115,10 @@ def rowscale_e4m3_kernel(
     rows only: SORTED, the rows of the layout's live tiles (live_ptr: live_tiles, BM rows each);
     else the received rows at the head of each segment (live_ptr: LiveRows.counts, n_seg segments
     of seg_rows rows).
+
+    PDL: launched with programmatic dependent launch (pdl.py): the wait comes before anything else.
     """
+    pdl_enter(PDL)
     if not PERSIST:
         r = tl.program_id(0).to(tl.int64)
         if SORTED:

@@ -16,6 +16,7 @@ import triton.language as tl
 from .mainloop import (assume_k_loop_runs, claim_tile, frag_tile_mainloop, mx_mainloop, next_item, persistent_items,
                        release_claims)
 from .mxjit import fake_quant_blocks, round_bf16
+from .pdl import pdl_enter
 from .quant import quantize_blocks
 
 
@@ -29,9 +30,11 @@ def gemm1_swiglu_kernel(
     W_FMT: tl.constexpr, A_FMT: tl.constexpr, PLAIN: tl.constexpr, HAS_LIMIT: tl.constexpr,
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     GROUP_M: tl.constexpr, F32_DOT: tl.constexpr, BK2: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr,
-    TAIL_RIDE: tl.constexpr, W_FULL: tl.constexpr, PERSIST: tl.constexpr = False,
+    TAIL_RIDE: tl.constexpr, W_FULL: tl.constexpr, PERSIST: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """One tile per program, or PERSIST: a fixed grid claiming the live tiles (live_tiles_ptr) in order (claim_ptr)."""
+    """One tile per program, or PERSIST: a fixed grid claiming the live tiles (live_tiles_ptr) in order (claim_ptr).
+    PDL: launched with programmatic dependent launch (pdl.py)."""
+    pdl_enter(PDL)
     assume_k_loop_runs(K, BK)
     BM_RUN: tl.constexpr = TAIL_M if PASS == "short" else BM  # the short launch runs its tiles' first TAIL_M rows
     RIDE: tl.constexpr = TAIL_M if PASS == "ride" else 0  # rows of the next (short) tile run in this tile's loop

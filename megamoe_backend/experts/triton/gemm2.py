@@ -18,6 +18,7 @@ import triton.language as tl
 from .mainloop import (assume_k_loop_runs, claim_tile, frag_tile_mainloop, mx_mainloop, next_item, persistent_items,
                        release_claims)
 from .mxjit import round_bf16
+from .pdl import pdl_enter
 from .quant import quantize_blocks
 
 
@@ -32,10 +33,13 @@ def gemm2_weighted_kernel(
     DECODE: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     F32_DOT: tl.constexpr, TAIL_M: tl.constexpr, PASS: tl.constexpr, TAIL_RIDE: tl.constexpr, OUT_FMT: tl.constexpr,
     W_FULL: tl.constexpr, DEST: tl.constexpr = 0, PERSIST: tl.constexpr = False, DEST_ALIGN: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     """One tile per program, or PERSIST: a fixed grid claiming the live tiles (live_tiles_ptr) in order (claim_ptr).
     DEST: 0 rows at their pair index, 1 a destination table, 2 a destination per segment (_row_offsets);
-    DEST_ALIGN: bytes every DEST 2 row offset is a multiple of (SegmentDest.align)."""
+    DEST_ALIGN: bytes every DEST 2 row offset is a multiple of (SegmentDest.align). PDL: launched with
+    programmatic dependent launch (pdl.py)."""
+    pdl_enter(PDL)
     assume_k_loop_runs(K, BK)
     BM_RUN: tl.constexpr = TAIL_M if PASS == "short" else BM  # the short launch runs its tiles' first TAIL_M rows
     RIDE: tl.constexpr = TAIL_M if PASS == "ride" else 0  # rows of the next (short) tile run in this tile's loop

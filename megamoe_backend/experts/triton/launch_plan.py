@@ -69,7 +69,8 @@ def plan_launches(config: TileConfig | None, pairs: int, num_experts: int, mode:
     else:
         candidates = ((config or default_config(pairs, num_experts, mode), ALL_COUNTS),)
     persist = persistent_gemms(live, pairs, num_experts, candidates[0][0].block_m, grids)
-    return LaunchPlan(candidates, persist, persistent_grid(device) if live is not None else None, grids)
+    row_programs = persistent_grid(device, per_sm=RESCALE_PROGRAMS_PER_SM) if live is not None else None
+    return LaunchPlan(candidates, persist, row_programs, grids)
 
 
 def tile_candidates(config: TileConfig | None, seg_pairs: int, num_experts: int, mode: str,
@@ -124,14 +125,20 @@ def persistent_gemms(live: LiveRows | None, region_pairs: int, num_experts: int,
 
 
 _SMS: dict[int, int] = {}  # documented cache: multiprocessor count per CUDA device index
+# Programs per SM of frag8's row re-scales (rowscale_e4m3) over live rows: 2 warps and <= 40 registers each, one row
+# in flight per program, so 24 (25 fit by registers) keep more loads in flight. The EP 8 rank's two re-scales at
+# 8192 tokens: 613 us at 8 per SM, 443 at 24, 438 at 64, where the same rows at ep_size 1 (one program per row) take
+# 276 (H100, 2026-12-06, benchmarks/research/ep_experts_vs_ep1.py, benchmarks/results/h100_pdl_rescale_ab.json).
+RESCALE_PROGRAMS_PER_SM = 24
 
 
-def persistent_grid(device: torch.device, cfg: TileConfig | None = None, waves: float = 1.0) -> int:
+def persistent_grid(device: torch.device, cfg: TileConfig | None = None, waves: float = 1.0, per_sm: int = 8) -> int:
     """Programs of a persistent launch (a fixed grid that loops over the live work): about one resident
     wave, so a launch with nothing live (a tile config the live count did not pick) costs one wave of
     programs that exit. GEMMs (``cfg``): 3 CTAs per SM up to 64-row tiles (frag8 decode / mid configs
-    fit 3), 2 for 128-row tiles, times ``waves`` (GridPolicy.gemm_waves; inf: no cap); the row-rescale
-    kernels (2 warps, no shared memory): 8 per SM. Under the interpreter 3 programs, so its tests stride."""
+    fit 3), 2 for 128-row tiles, times ``waves`` (GridPolicy.gemm_waves; inf: no cap); the row kernels
+    (no shared memory): ``per_sm`` per SM (8; frag8's row re-scales RESCALE_PROGRAMS_PER_SM). Under the
+    interpreter 3 programs, so its tests stride."""
     if cfg is not None and waves == float("inf"):
         return WHOLE_REGION
     if device.type != "cuda" or interpreting():
@@ -140,7 +147,7 @@ def persistent_grid(device: torch.device, cfg: TileConfig | None = None, waves: 
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in _SMS:
             _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        base = (8 if cfg is None else (3 if cfg.block_m <= 64 else 2)) * _SMS[index]
+        base = (per_sm if cfg is None else (3 if cfg.block_m <= 64 else 2)) * _SMS[index]
     return base if cfg is None else max(1, int(base * waves))
 
 

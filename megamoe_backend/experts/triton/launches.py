@@ -24,6 +24,7 @@ from .config import TileConfig, interpreting, reduction_block
 from .forward_buffers import ForwardBuffers
 from .launch_plan import LaunchPlan, grid, persistent_grid, register_cap, tile_passes, whole_weight_tiles
 from .layout import ExpertLayout
+from .pdl import pdl_args, pdl_launch
 
 DEST_VECTOR_BYTES = 16  # the widest store GEMM2's epilogue issues: alignment beyond it buys nothing
 
@@ -52,6 +53,7 @@ class ForwardLaunch:
     plan: LaunchPlan
     claims: torch.Tensor  # the persistent GEMMs' counters (ForwardBuffers.gemm_claims), else a placeholder
     use_asm: bool  # inline PTX (CUDA, not the interpreter)
+    pdl: bool  # programmatic dependent launch between this forward's kernels (pdl.pdl_launch)
 
     def weight_row_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w1, w2) fp32 row scales: frag8 weights carry them (fragments.py), the others need none."""
@@ -64,7 +66,7 @@ def forward_launch(weights: ExpertWeights, pairs: ExpertPairs, mode: str, a_fmt:
                    plan: LaunchPlan, bufs: ForwardBuffers) -> ForwardLaunch:
     claims = bufs.gemm_claims() if plan.persist else pairs.slot  # unused by one-tile programs
     use_asm = pairs.weight.device.type == "cuda" and not interpreting()
-    return ForwardLaunch(weights, pairs, mode, a_fmt, limit, plan, claims, use_asm)
+    return ForwardLaunch(weights, pairs, mode, a_fmt, limit, plan, claims, use_asm, pdl_launch(pairs.weight.device))
 
 
 def e4m3_dtype() -> torch.dtype:
@@ -107,7 +109,7 @@ def convert_a(fl: ForwardLaunch, x, bufs: ForwardBuffers, live: LiveRows | None)
         rowscale_e4m3_kernel[(grid(n_recv, fl.plan.row_programs),)](
             fl.pairs.row, data, data.stride(0), scale, scale.stride(0), a8, a8.stride(0), a_rs, hidden,
             A_FMT=fl.a_fmt, SORTED=False, NB=triton.next_power_of_2(hidden // MX_BLOCK), PK=rowscale_piece(hidden),
-            HW_CVT=fl.use_asm, num_warps=2,
+            HW_CVT=fl.use_asm, num_warps=2, **pdl_args(fl.pdl),
             **({} if live is None else live_rows_args(live)),  # walk the live received rows
         )
         return Operand(a8.view(e4m3_dtype()), a8, a_rs, fl.a_fmt)
@@ -119,7 +121,7 @@ def convert_a(fl: ForwardLaunch, x, bufs: ForwardBuffers, live: LiveRows | None)
         gather_split_kernel[(n_recv, 1)](
             data, data.stride(0), scale, scale.stride(0), a_split, a_split.stride(0), hidden,
             A_FMT=fl.a_fmt, BK=bk, NB=triton.next_power_of_2(hidden // bk), SPLIT=fl.mode == "split",
-            HW_CVT=fl.use_asm, num_warps=8,
+            HW_CVT=fl.use_asm, num_warps=8, **pdl_args(fl.pdl),
         )
         return Operand(a_split, a_split, fl.pairs.weight, fl.a_fmt)
     return Operand(data, scale, fl.pairs.weight, fl.a_fmt)
@@ -148,7 +150,7 @@ def _common(fl: ForwardLaunch, cfg: TileConfig) -> dict:
     """Compile-time arguments both GEMMs share."""
     return dict(DECODE=fl.mode, USE_ASM=fl.use_asm, BM=cfg.block_m, GROUP_M=cfg.group_m, F32_DOT=interpreting(),
                 TAIL_M=cfg.tail_m, TAIL_RIDE=cfg.tail_ride, PERSIST=fl.plan.persist, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+                num_stages=cfg.num_stages, **pdl_args(fl.pdl))
 
 
 def _live_tiles(fl: ForwardLaunch, layout: ExpertLayout) -> torch.Tensor:
@@ -193,7 +195,7 @@ def a2_operand(fl: ForwardLaunch, layout: ExpertLayout, cfg: TileConfig, a2: tor
         rowscale_e4m3_kernel[(grid(rows, fl.plan.row_programs),)](
             layout.sorted_pair, a2, a2.stride(0), a2_scale, a2_scale.stride(0), a2e, a2e.stride(0), a2_rs,
             inter, A_FMT=fl.a_fmt, SORTED=True, NB=triton.next_power_of_2(inter // MX_BLOCK), PK=rowscale_piece(inter),
-            HW_CVT=fl.use_asm, num_warps=2,
+            HW_CVT=fl.use_asm, num_warps=2, **pdl_args(fl.pdl),
             **({} if live is None else dict(live_ptr=_live_tiles(fl, layout), BM=cfg.block_m, PERSIST=True)),
         )
         return Operand(a2e.view(e4m3_dtype()), a2e, a2_rs, fl.a_fmt)

@@ -51,7 +51,7 @@ def capacity_reserve(capacity: int, num_experts: int, block_m: int = 0) -> tuple
 
 def build_layout(
     slot: torch.Tensor, num_experts: int, block_m: int, capacity: int | None = None, row: torch.Tensor | None = None,
-    live=None, active: tuple[int, int] = (-1, 2**31 - 1), all_tiles: bool = True, scratch=None,
+    live=None, active: tuple[int, int] = (-1, 2**31 - 1), all_tiles: bool = True, scratch=None, pdl: bool = False,
 ) -> ExpertLayout:
     """Sort pairs by local expert, padding each expert's rows to a multiple of ``block_m``.
 
@@ -73,6 +73,9 @@ def build_layout(
 
     ``scratch`` (experts/scratch.py, Triton build only): the layout's buffers come from it, reserved
     for ``capacity`` pairs (else this call's), so a forward allocates nothing once it has run.
+
+    ``pdl`` (Triton build only): launched with programmatic dependent launch (pdl.py), as the
+    experts forward launches its other kernels.
     """
     if slot.dim() != 1:
         raise ValueError(f"pairs.slot must be 1-D [P], got shape {tuple(slot.shape)}")
@@ -95,7 +98,7 @@ def build_layout(
         n_tiles = max_tiles(p, num_experts, block_m)
         reserve = capacity_reserve(capacity if capacity is not None else p, num_experts, block_m)
         tile_expert, sorted_pair, sorted_row, live_tiles = build_layout_triton(slot, row, num_experts, block_m, n_tiles,
-                                                                               live, active, all_tiles, scratch, reserve)
+                                                                               live, active, all_tiles, scratch, reserve, pdl)
         return ExpertLayout(block_m=block_m, num_tiles=n_tiles, tile_expert=tile_expert, sorted_pair=sorted_pair,
                             sorted_row=sorted_row, live_tiles=live_tiles)
     if live is not None:

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
+from .pdl import pdl_args, pdl_enter
 
 CHUNK = 128  # pairs per chunk: the in-chunk rank is a CHUNK x CHUNK comparison
 # programs of the chunk kernels over live rows (experts/live.py): one wave of an H200's 132 SMs twice over;
@@ -80,7 +81,9 @@ def _chunk_slots(chunk, slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row,
 @triton.jit
 def _chunk_histogram(slot_ptr, P, E, hist_ptr, sorted_pair_ptr, sorted_row_ptr, rows, rows_per_program,
                      counts_ptr, n_seg, seg_rows, per_row, BM, num_tiles,
-                     E_PAD: tl.constexpr, CH: tl.constexpr, FB: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr):
+                     E_PAD: tl.constexpr, CH: tl.constexpr, FB: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     if SEG:  # a fixed grid over the chunks holding live pairs, and only the rows they can fill:
         # ceil(live / BM) + E tiles at most (a region sized by capacity costs its live pairs)
         seg_live, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
@@ -105,8 +108,9 @@ def _plan(
     hist_ptr, base_ptr, first_row_ptr, tile_end_ptr, NC, E, BM, num_tiles, tile_expert_ptr, live_tiles_ptr,
     counts_ptr, n_seg, seg_rows, per_row, active_lo, active_hi,
     E_PAD: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr, LOG_E: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr,
-    N_SEG: tl.constexpr, ALL_TILES: tl.constexpr = True,
+    N_SEG: tl.constexpr, ALL_TILES: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     e = tl.arange(0, E_PAD)
     real = e < E
     if SEG:  # the chunks that hold live pairs (_chunk_slots)
@@ -152,7 +156,8 @@ def _plan(
 @triton.jit
 def _scatter(slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr, sorted_row_ptr,
              counts_ptr, n_seg, seg_rows, per_row, live_tiles_ptr,
-             E_PAD: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr):
+             E_PAD: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     if SEG:  # a fixed grid over the chunks holding live pairs (_chunk_histogram)
         if tl.load(live_tiles_ptr) > 0:  # else nothing to place (no live pair, or another config runs)
             seg_live, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
@@ -189,6 +194,7 @@ def live_rows_args(live) -> dict:
 def build_layout_triton(
     slot: torch.Tensor, row: torch.Tensor, num_experts: int, block_m: int, num_tiles: int, live=None,
     active: tuple[int, int] = (-1, 2**31 - 1), all_tiles: bool = True, scratch=None, reserve: tuple[int, int, int] = (0, 0, 0),
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tile_expert [num_tiles], sorted_pair, sorted_row [num_tiles * block_m]) int32, as build_layout_torch,
     and live_tiles (int32 [1]: the tiles the GEMMs walk).
@@ -200,7 +206,8 @@ def build_layout_triton(
     there), else for all num_tiles (-1 past the routed ones: one program per tile may be launched).
 
     ``scratch`` (experts/scratch.py): the buffers come from it, ``reserve`` = (pairs, tiles, rows) at
-    capacity, so they are allocated once; None: fresh tensors."""
+    capacity, so they are allocated once; None: fresh tensors. ``pdl``: the three launches use
+    programmatic dependent launch (pdl.py; the experts forward's ForwardLaunch.pdl)."""
     from ..scratch import scratch_empty
 
     p = slot.shape[0]
@@ -232,10 +239,10 @@ def build_layout_triton(
     # of 65,536 rows x top-6 is 3,072 chunks, of which a decode step fills a few)
     grid = nc if live is None else min(nc, 3 if interpreting() else LIVE_CHUNK_PROGRAMS)
     _chunk_histogram[(grid,)](slot, p, num_experts, hist, sorted_pair, sorted_row, rows, triton.cdiv(rows, grid),
-                            BM=block_m, num_tiles=num_tiles, E_PAD=e_pad, CH=CHUNK, FB=1024, **seg)
+                            BM=block_m, num_tiles=num_tiles, E_PAD=e_pad, CH=CHUNK, FB=1024, **seg, **pdl_args(pdl))
     _plan[(1,)](hist, base, first_row, tile_end, nc, num_experts, block_m, num_tiles, tile_expert, live_tiles,
                 active_lo=active[0], active_hi=active[1], E_PAD=e_pad, CB=max(1, min(64, 16384 // e_pad)), TB=1024,
-                LOG_E=e_pad.bit_length(), CH=CHUNK, ALL_TILES=all_tiles, num_warps=8, **seg)
+                LOG_E=e_pad.bit_length(), CH=CHUNK, ALL_TILES=all_tiles, num_warps=8, **seg, **pdl_args(pdl))
     _scatter[(grid,)](slot, row, p, num_experts, base, first_row, sorted_pair, sorted_row, live_tiles_ptr=live_tiles,
-                    E_PAD=e_pad, CH=CHUNK, **seg)
+                    E_PAD=e_pad, CH=CHUNK, **seg, **pdl_args(pdl))
     return tile_expert, sorted_pair, sorted_row, live_tiles

@@ -6,7 +6,9 @@ or (``forward_wire``, what the layer calls) those rows as combine wire rows writ
 A forward is five to eleven Triton launches (layout; A converted once per received row, unless bf16
 rows feed frag as they are; GEMM1; frag8's A2 row re-scale; GEMM2; each GEMM twice when the tile
 config has short tiles, three times with tail riders: ``launch_plan.tile_passes``) and a few
-sync-free torch ops, so it can be CUDA-graph captured for a fixed pair count.
+sync-free torch ops, so it can be CUDA-graph captured for a fixed pair count. On Hopper and later these
+launches (not the receiver's quantisation of a bf16 wire) use programmatic dependent launch (pdl.py):
+each kernel's programs are scheduled while its predecessor finishes and wait for it before touching memory.
 
 This module holds the provider's decisions (decoder, weight storage) and the order of a forward;
 the rest has a module each: checks.py (what a forward is handed), launch_plan.py (tile configs,
@@ -222,7 +224,7 @@ class TritonExperts(ExpertsProvider):
         a_operand = convert_a(fl, x, bufs, live)  # once per received row: GEMM1 reads it through layout.sorted_row
         for cfg, active in plan.candidates:
             layout = build_layout(pairs.slot, weights.num_experts, cfg.block_m, self.capacity, row=pairs.row, live=live,
-                                  active=active, all_tiles=not plan.persist, scratch=scratch)
+                                  active=active, all_tiles=not plan.persist, scratch=scratch, pdl=fl.pdl)
             a2, a2_scale = a2_buffers(fl, bufs, layout)
             self._gemm1(fl, layout, cfg, a_operand, a2, a2_scale)
             self._gemm2(fl, layout, cfg, a2_operand(fl, layout, cfg, a2, a2_scale, bufs, live), out, out_fmt, dest)
