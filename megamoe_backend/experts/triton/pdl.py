@@ -47,8 +47,9 @@ def pdl_launch(device: torch.device) -> bool:
 
 
 def pdl_args(pdl: bool) -> dict:
-    """The launch keywords of a PDL-aware kernel: its PDL constexpr and Triton's launch_pdl option."""
-    return dict(PDL=pdl, launch_pdl=pdl)
+    """The launch keywords of a PDL-aware kernel: its PDL constexpr, and Triton's launch_pdl option only
+    when on (Triton's AMD backend has no such option and refuses a launch that names it)."""
+    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
 
 
 @triton.jit
