@@ -16,7 +16,7 @@ forward_wire on the same weights, and measures both the same two ways:
 
 Needs a CUDA GPU (EP 8 x 48 experts at 8192 tokens: every rank's weights, ~13 GB, and arenas on one card).
 First run on an H100 on 2026-12-06 (no H200 could be started), issue 48 item 2's first measured round:
-benchmarks/results/h100_pdl_rescale_ab.json, docs/ep-device.md "Issue 48: PDL and the re-scale grid".
+benchmarks/results/h100_pdl_rescale_ab.json, docs/ep-device.md "Issue 48: PDL across the experts chain ...".
 """
 
 from __future__ import annotations

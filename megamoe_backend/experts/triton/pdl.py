@@ -21,7 +21,8 @@ the barrier, the dispatch) wait for the whole previous kernel as usual, and each
 itself waited for its predecessor, so everything before it is finished too.
 
 CUDA-graph capture keeps the programmatic edges (measured on an H200 with Triton 3.6: eager and
-graph results equal). The Triton interpreter and non-NVIDIA GPUs run without it (``pdl_launch``).
+graph results equal; this project's GPU tests, graph against eager, on an H100 on 2026-12-06). The Triton
+interpreter and non-NVIDIA GPUs run without it (``pdl_launch``).
 """
 
 from __future__ import annotations
