@@ -167,8 +167,7 @@ def registers_used(info: str) -> int:
 
 
 # PTX instructions that touch memory a predecessor kernel may write (kernel parameters are not among them)
-_MEMORY_OPS = re.compile(r"^\s*(@!?%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|ld\.volatile|cp\.async|ld\.acquire|ld\.relaxed|ld\.)"
-                         r"(?!param)")
+_MEMORY_OPS = re.compile(r"^\s*(@!?%p\d+\s+)?(ld\.(?!param)|st\.(?!param)|atom\.|red\.|cp\.async)")
 
 
 def pdl_wait_first(ptx: str) -> bool | None:

@@ -2,7 +2,8 @@
 the barrier (signal and wait, alone and together), the status word's publish, the MX quantisation
 (per row piece, and over live rows), the layout's three kernels (pairs in order, and over live
 rows) and frag8's row re-scales, the experts' kernels as Hopper launches them: with programmatic
-dependent launch (experts/triton/pdl.py), whose wait must come before their first memory access. Prints one JSON row per variant (registers, spilled bytes) and exits non-zero if
+dependent launch (experts/triton/pdl.py), whose wait must come before their first memory access.
+Prints one JSON row per variant (registers, spilled bytes, where the PDL wait lies) and exits non-zero if
 any variant fails to compile.
 
 Why: the interpreter (CPU CI) runs these kernels' logic, not their compilation for the GPU; a kernel
