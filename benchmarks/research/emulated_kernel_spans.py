@@ -27,7 +27,11 @@ def profile_step(emu, routes, bound, replays: int = 5) -> dict:
 
 
 def graph_spans(g, ranks: int, replays: int = 5) -> dict:
-    """Span, busy and gap µs per rank of graph ``g`` (``ranks`` ranks' work per replay), by kernel name."""
+    """Span, busy and gap µs per rank of graph ``g`` (``ranks`` ranks' work per replay), by kernel name.
+
+    A kernel launched n > 1 times per rank step is split by launch order, ``name [i/n]`` (frag8's two
+    row re-scales, A then A2, share one kernel; issue 48 needed them apart): every rank's step makes
+    the same launches in the same order, so the i-th launch of a name within a step is the same job."""
     from graph_replay_spans import profiled_kernels
 
     for _ in range(3):
@@ -35,10 +39,17 @@ def graph_spans(g, ranks: int, replays: int = 5) -> dict:
     torch.cuda.synchronize()
     evs = profiled_kernels(g, replays)
     per = ranks * replays
-    busy, gaps, count = defaultdict(float), defaultdict(float), defaultdict(int)
+    per_step = defaultdict(int)
+    for e in evs:
+        per_step[e.name[:60]] += 1
+    busy, gaps, count, seen = defaultdict(float), defaultdict(float), defaultdict(int), defaultdict(int)
     last_end = None
     for e in evs:
-        name = e.name[:60]
+        name = raw = e.name[:60]
+        n = per_step[raw] // per if per_step[raw] % per == 0 else 1
+        if n > 1:
+            name = f"{raw} [{seen[raw] % n + 1}/{n}]"
+            seen[raw] += 1
         busy[name] += e.time_range.elapsed_us()
         count[name] += 1
         if last_end is not None:

@@ -15,8 +15,11 @@ forward_wire on the same weights, and measures both the same two ways:
     PYTHONPATH=.:benchmarks/research python3 benchmarks/research/ep_experts_vs_ep1.py --tokens 8192 --json $OUT/ep_vs_ep1.json
 
 Needs a CUDA GPU (EP 8 x 48 experts at 8192 tokens: every rank's weights, ~13 GB, and arenas on one card).
-First run on an H100 on 2026-12-06 (no H200 could be started), issue 48 item 2's first measured round:
-benchmarks/results/h100_pdl_rescale_ab.json, docs/ep-device.md "Issue 48: PDL across the experts chain ...".
+Runs so far (H100, 2026-12-06, no H200 could be started), issue 48 item 2's two measured rounds:
+benchmarks/results/h100_pdl_rescale_ab.json and h100_layout_spans_ab.json, docs/ep-device.md's last two sections.
+A kernel launched more than once per step is split by launch order (graph_spans): frag8's re-scales read as
+``rowscale_e4m3_kernel [1/2]`` (A, received rows) and ``[2/2]`` (A2, sorted pair rows). With PDL on, a kernel's
+busy time includes its wait for its predecessor; ``--no-pdl`` launches both forwards without it, for kernel times.
 """
 
 from __future__ import annotations
@@ -55,12 +58,19 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json", default="ep_experts_vs_ep1.json")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch without programmatic dependent launch (each kernel's busy time then excludes its wait)")
     args = ap.parse_args()
+    if args.no_pdl:  # the forward's one PDL decision (ForwardLaunch.pdl), answered "off" for this process
+        from megamoe_backend.experts.triton import launches
+
+        launches.pdl_launch = lambda device: False
     dev = torch.device("cuda")
     spec, emu = emulated_dsv4(args.ep, args.experts, dev)
     math = ExpertMath("a8w4", spec.swiglu_limit)
     out = {"command": "PYTHONPATH=.:benchmarks/research python3 benchmarks/research/ep_experts_vs_ep1.py "
-           f"--ep {args.ep} --experts {args.experts} --tokens {' '.join(map(str, args.tokens))} --iters {args.iters}",
+           f"--ep {args.ep} --experts {args.experts} --tokens {' '.join(map(str, args.tokens))} --iters {args.iters}"
+           + (" --no-pdl" if args.no_pdl else ""),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
     for t in args.tokens:
         routes = make_routes("uniform", [t] * args.ep, args.ep * args.experts, spec.num_experts_per_tok,

@@ -61,8 +61,8 @@ def variants():
                dict(E_PAD=64, CH=CHUNK, SEG=seg, N_SEG=8, PDL=True), 4)
         yield (f"layout plan{' live rows' if seg else ''}", _plan,
                {"hist_ptr": "*i32", "base_ptr": "*i32", "first_row_ptr": "*i32", "tile_end_ptr": "*i32",
-                "tile_expert_ptr": "*i32", "live_tiles_ptr": "*i32", "counts_ptr": counts},
-               dict(E_PAD=64, CB=64, TB=1024, LOG_E=7, CH=CHUNK, SEG=seg, N_SEG=8, ALL_TILES=not seg, PDL=True), 8)
+                "tile_expert_ptr": "*i32", "live_tiles_ptr": "*i32"},
+               dict(E_PAD=64, CB=64, TB=1024, LOG_E=7, ALL_TILES=not seg, PDL=True), 8)
     # frag8's row re-scales as the experts forward launches them over live rows: A (received rows), A2 (sorted)
     rowscale_types = {"sorted_pair_ptr": "*i32", "a_ptr": "*u8", "as_ptr": "*u8", "out_ptr": "*u8", "rs_ptr": "*fp32"}
     for sort in (False, True):

@@ -67,6 +67,32 @@ def test_layout_triton_equals_torch_gpu(p, e, bm):
     assert torch.equal(got.sorted_row, ref.sorted_row)
 
 
+@pytest.mark.parametrize("counts,e,seg_rows", [((5, 0, 3, 1, 0, 2, 7, 4), 48, 8192), ((4400,) * 8, 48, 8192),
+                                               ((8192, 3000, 0, 8192, 6500, 1, 8192, 4096), 192, 8192),
+                                               ((24, 17, 0, 24), 4, 64), ((64, 64), 8, 64)])
+def test_layout_over_live_rows_equals_torch_gpu(counts, e, seg_rows):
+    """Over an EP region (8 segments x 8192 rows x top-6 slots, stale slots past each live head) the
+    layout equals the torch build of the live pairs. The large cases give each of the fixed grid's
+    programs a span of several chunks (~1,650 and ~1,790 chunks over LIVE_CHUNK_PROGRAMS = 264)."""
+    from megamoe_backend.experts.live import LiveRows
+    from megamoe_backend.experts.triton.layout import build_layout, build_layout_torch
+
+    k, bm = 6, 128 if seg_rows > 64 else 16
+    g = torch.Generator(device=DEV).manual_seed(sum(counts))
+    slot = torch.randint(-1, e, (len(counts) * seg_rows * k,), device=DEV, generator=g)  # -1: owned by another rank
+    live = torch.zeros_like(slot, dtype=torch.bool)
+    for s, c in enumerate(counts):
+        live[s * seg_rows * k: (s * seg_rows + c) * k] = True
+    row = torch.arange(slot.numel(), device=DEV) // k
+    ref = build_layout_torch(torch.where(live, slot, -1), e, bm, row)
+    got = build_layout(slot, e, bm, row=row, live=LiveRows(torch.tensor(counts, device=DEV), seg_rows))
+    n = int(got.live_tiles[0])
+    assert n == int((ref.tile_expert >= 0).sum())
+    assert torch.equal(got.tile_expert[:n], ref.tile_expert[:n])
+    assert torch.equal(got.sorted_pair[: n * bm], ref.sorted_pair[: n * bm])
+    assert torch.equal(got.sorted_row[: n * bm], ref.sorted_row[: n * bm])
+
+
 
 # "frag" (the GPU default for prepared MXFP4 weights) and "split" (row-major weights) on every scheme
 # and layout; the other decoders on a few (they compile slowly and are covered on every scheme by the

@@ -4,22 +4,28 @@ Why: at decode sizes the torch build (histogram, cumsums, searchsorted, a stable
 scatters) cost ~50-60 µs of launches on an H200, a tenth of a whole experts forward at 8 tokens per
 rank. Same result, bit for bit: the pairs of an expert keep their order (a stable counting sort).
 
-1. ``_chunk_histogram``: pairs in chunks of CH, one histogram of local experts per chunk; each
-   program also fills its share of ``sorted_pair`` / ``sorted_row`` with -1 (padding until _scatter
-   places a pair).
-2. ``_plan`` (one program): per expert the pairs of earlier chunks (exclusive prefix over chunks),
-   the expert's tiles and first row, the expert of every tile (a binary search of each tile in the
-   experts' tile ends). One program is a serial chain of loads on one SM, so it does only what needs
-   the whole histogram: the -1 fill (288 of its steps at 8192 tokens x top-6 on 192 experts) and a
-   second pass adding first rows to the chunk bases used to be here (H200 at 8192 tokens: 55-63 ->
-   36-45 us), and the tile map compared every tile with every expert ([32, E] per step; with the
-   search and 64-chunk steps, H200 profiler kernel times: 44 -> 23 us at 8192 tokens, 14 -> 5 us at
-   1024, benchmarks/results/h200_rows_ab.json).
-3. ``_scatter``: each pair's row = its expert's first row + pairs of that expert in earlier chunks +
+1. ``_chunk_histogram``: pairs in chunks of CH; each program counts the local experts of its span
+   of chunks (a contiguous run, ``_chunk_span``) into one histogram row, and fills its share of
+   ``sorted_pair`` / ``sorted_row`` with -1 (padding until _scatter places a pair).
+2. ``_plan`` (one program): per expert the pairs of earlier spans (exclusive prefix over the
+   programs' rows), the expert's tiles and first row, the expert of every tile (a binary search of
+   each tile in the experts' tile ends). One program is a serial chain of loads on one SM, so it
+   does only what needs the whole histogram: the -1 fill (288 of its steps at 8192 tokens x top-6 on
+   192 experts) and a second pass adding first rows to the chunk bases used to be here (H200 at 8192
+   tokens: 55-63 -> 36-45 us), and the tile map compared every tile with every expert ([32, E] per
+   step; with the search and 64-chunk steps, H200 profiler kernel times: 44 -> 23 us at 8192 tokens,
+   14 -> 5 us at 1024, benchmarks/results/h200_rows_ab.json). Its prefix walks one row per program,
+   not per chunk (issue 48): an EP rank's region holds all k slots of every token of every source,
+   ~3,000 chunks at EP 8 x 8192 tokens, and a row per chunk made this scan 115 us on an H100 (12 us
+   now, 17 at ep_size 1; benchmarks/results/h100_layout_spans_ab.json).
+3. ``_scatter``: each program walks the span it counted; a pair's row = its expert's first row +
+   pairs of that expert in earlier spans and earlier chunks of its own span (a running histogram) +
    earlier pairs of that expert in its own chunk; it stores the pair and its received row there.
+   Spans are contiguous and in program order, so an expert's pairs keep their order.
 Every size comes from P, E and BLOCK_M only (no host synchronisation; CUDA-graph capturable). Over
-live rows (experts/live.py) steps 1 and 3 run a fixed grid (LIVE_CHUNK_PROGRAMS) that walks only the
-chunks holding live pairs, and the -1 fill covers only the rows those pairs can reach.
+live rows (experts/live.py) steps 1 and 3 run a fixed grid (LIVE_CHUNK_PROGRAMS) whose spans cover
+only the chunks holding live pairs, and the -1 fill covers only the rows those pairs can reach;
+over all pairs they run one program per chunk.
 """
 
 from __future__ import annotations
@@ -79,6 +85,16 @@ def _chunk_slots(chunk, slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row,
 
 
 @triton.jit
+def _chunk_span(n_chunks):
+    """The chunks this program owns: a contiguous span [first, end) of cdiv(n_chunks, programs). The
+    histogram and scatter launches run the same grid, so a program scatters the chunks it counted,
+    and every earlier program's chunks hold earlier pairs (what keeps the sort stable)."""
+    per = tl.cdiv(n_chunks, tl.num_programs(0))
+    first = tl.program_id(0) * per
+    return first, tl.minimum(first + per, n_chunks)
+
+
+@triton.jit
 def _chunk_histogram(slot_ptr, P, E, hist_ptr, sorted_pair_ptr, sorted_row_ptr, rows, rows_per_program,
                      counts_ptr, n_seg, seg_rows, per_row, BM, num_tiles,
                      E_PAD: tl.constexpr, CH: tl.constexpr, FB: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr,
@@ -87,14 +103,18 @@ def _chunk_histogram(slot_ptr, P, E, hist_ptr, sorted_pair_ptr, sorted_row_ptr, 
     if SEG:  # a fixed grid over the chunks holding live pairs, and only the rows they can fill:
         # ceil(live / BM) + E tiles at most (a region sized by capacity costs its live pairs)
         seg_live, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
-        for chunk in range(tl.program_id(0), tl.cdiv(total, CH), tl.num_programs(0)):
-            _, s = _chunk_slots(chunk, slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
-            tl.store(hist_ptr + chunk * E_PAD + tl.arange(0, E_PAD), tl.histogram(s, E_PAD))
+        n_chunks = tl.cdiv(total, CH)
         rows = tl.minimum(num_tiles, (total + BM - 1) // BM + E) * BM
         rows_per_program = tl.cdiv(rows, tl.num_programs(0))
     else:  # one program per chunk of the pairs
-        _, s = _chunk_slots(tl.program_id(0), slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
-        tl.store(hist_ptr + tl.program_id(0) * E_PAD + tl.arange(0, E_PAD), tl.histogram(s, E_PAD))
+        n_chunks = tl.cdiv(P, CH)
+    # one histogram row per program: its span's pairs of each expert (zeros for an empty span)
+    first, end = _chunk_span(n_chunks)
+    h = tl.zeros([E_PAD], dtype=tl.int32)
+    for chunk in range(first, end):
+        _, s = _chunk_slots(chunk, slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
+        h += tl.histogram(s, E_PAD)
+    tl.store(hist_ptr + tl.program_id(0) * E_PAD + tl.arange(0, E_PAD), h)
     first = tl.program_id(0) * rows_per_program
     end = tl.minimum(first + rows_per_program, rows)
     for r0 in range(first, end, FB):
@@ -106,17 +126,14 @@ def _chunk_histogram(slot_ptr, P, E, hist_ptr, sorted_pair_ptr, sorted_row_ptr, 
 @triton.jit
 def _plan(
     hist_ptr, base_ptr, first_row_ptr, tile_end_ptr, NC, E, BM, num_tiles, tile_expert_ptr, live_tiles_ptr,
-    counts_ptr, n_seg, seg_rows, per_row, active_lo, active_hi,
-    E_PAD: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr, LOG_E: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr,
-    N_SEG: tl.constexpr, ALL_TILES: tl.constexpr = True, PDL: tl.constexpr = False,
+    active_lo, active_hi, E_PAD: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr, LOG_E: tl.constexpr,
+    ALL_TILES: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     e = tl.arange(0, E_PAD)
     real = e < E
-    if SEG:  # the chunks that hold live pairs (_chunk_slots)
-        seg_live, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
-        NC = tl.cdiv(total, CH)
-    # pass 1: base[c, e] = pairs of expert e in chunks < c; counts = all of them
+    # pass 1 over the NC histogram rows (one per chunk-kernel program, _chunk_histogram): base[c, e] =
+    # pairs of expert e in the spans of programs < c; counts = all of them
     run = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, NC, CB):
         c = c0 + tl.arange(0, CB)
@@ -158,30 +175,42 @@ def _scatter(slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr, 
              counts_ptr, n_seg, seg_rows, per_row, live_tiles_ptr,
              E_PAD: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
-    if SEG:  # a fixed grid over the chunks holding live pairs (_chunk_histogram)
+    if SEG:  # the chunks holding live pairs, each program its _chunk_histogram span
         if tl.load(live_tiles_ptr) > 0:  # else nothing to place (no live pair, or another config runs)
             seg_live, total = live_pairs_total(counts_ptr, n_seg, seg_rows, per_row, N_SEG)
-            for chunk in range(tl.program_id(0), tl.cdiv(total, CH), tl.num_programs(0)):
-                _scatter_chunk(chunk, slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr, sorted_row_ptr,
-                               counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
+            _scatter_span(tl.cdiv(total, CH), slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr,
+                          sorted_row_ptr, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
     else:
-        _scatter_chunk(tl.program_id(0), slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr,
-                       sorted_row_ptr, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
+        _scatter_span(tl.cdiv(P, CH), slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr,
+                      sorted_row_ptr, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
 
 
 @triton.jit
-def _scatter_chunk(chunk, slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr, sorted_row_ptr,
-                   counts_ptr, n_seg, seg_rows, per_row,
-                   E_PAD: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr):
-    i, s = _chunk_slots(chunk, slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
+def _scatter_span(n_chunks, slot_ptr, row_ptr, P, E, base_ptr, first_row_ptr, sorted_pair_ptr, sorted_row_ptr,
+                  counts_ptr, n_seg, seg_rows, per_row,
+                  E_PAD: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr):
+    """Places the pairs of this program's span, chunk by chunk. ``run`` [E_PAD] holds, per expert, the
+    pairs before the chunk (earlier programs' spans from _plan, then this span's earlier chunks); each
+    chunk's pairs read it through this program's row of ``base_ptr`` (a gather by expert), rewritten
+    before the chunk and read by every thread before the next rewrite (the barriers)."""
+    e = tl.arange(0, E_PAD)
+    base_row = base_ptr + tl.program_id(0) * E_PAD
+    run = tl.load(base_row + e)
+    first, end = _chunk_span(n_chunks)
     j = tl.arange(0, CH)
-    placed = s < E
-    earlier = (s[:, None] == s[None, :]) & (j[None, :] < j[:, None])
-    rank = tl.sum(earlier.to(tl.int32), 1)
-    row = tl.load(base_ptr + chunk * E_PAD + s, mask=placed, other=0) + rank
-    row += tl.load(first_row_ptr + s, mask=placed, other=0)
-    tl.store(sorted_pair_ptr + row, i.to(tl.int32), mask=placed)
-    tl.store(sorted_row_ptr + row, tl.load(row_ptr + i, mask=placed, other=0).to(tl.int32), mask=placed)
+    for chunk in range(first, end):
+        tl.store(base_row + e, run)
+        tl.debug_barrier()
+        i, s = _chunk_slots(chunk, slot_ptr, P, E, counts_ptr, n_seg, seg_rows, per_row, E_PAD, CH, SEG, N_SEG)
+        placed = s < E
+        earlier = (s[:, None] == s[None, :]) & (j[None, :] < j[:, None])
+        rank = tl.sum(earlier.to(tl.int32), 1)
+        row = tl.load(base_row + s, mask=placed, other=0) + rank
+        row += tl.load(first_row_ptr + s, mask=placed, other=0)
+        tl.store(sorted_pair_ptr + row, i.to(tl.int32), mask=placed)
+        tl.store(sorted_row_ptr + row, tl.load(row_ptr + i, mask=placed, other=0).to(tl.int32), mask=placed)
+        run += tl.histogram(s, E_PAD)
+        tl.debug_barrier()
 
 
 def live_rows_args(live) -> dict:
@@ -220,8 +249,11 @@ def build_layout_triton(
     def buf(name, shape, cap=0):
         return scratch_empty(scratch, "layout." + name, shape, i32, dev, cap)
 
-    hist = buf("hist", (nc, e_pad), cap_chunks * e_pad)
-    base = buf("base", (nc, e_pad), cap_chunks * e_pad)
+    # live rows: the chunk kernels run a fixed grid that walks the chunks holding live pairs (a region
+    # of 65,536 rows x top-6 is 3,072 chunks, of which a decode step fills a few)
+    grid = nc if live is None else min(nc, 3 if interpreting() else LIVE_CHUNK_PROGRAMS)
+    hist = buf("hist", (grid, e_pad), cap_chunks * e_pad)  # one row per chunk-kernel program (its span)
+    base = buf("base", (grid, e_pad), cap_chunks * e_pad)
     first_row, tile_end = buf("first_row", (e_pad,)), buf("tile_end", (e_pad,))
     tile_expert = buf("tile_expert", (num_tiles,), reserve[1])
     sorted_pair = buf("sorted_pair", (num_tiles * block_m,), reserve[2])
@@ -235,14 +267,11 @@ def build_layout_triton(
         n_recv = live.segments * live.seg_rows
         seg = dict(counts_ptr=live.counts, n_seg=live.segments, seg_rows=live.seg_rows, per_row=p // n_recv, SEG=True,
                    N_SEG=triton.next_power_of_2(live.segments))
-    # live rows: the chunk kernels run a fixed grid that walks the chunks holding live pairs (a region
-    # of 65,536 rows x top-6 is 3,072 chunks, of which a decode step fills a few)
-    grid = nc if live is None else min(nc, 3 if interpreting() else LIVE_CHUNK_PROGRAMS)
     _chunk_histogram[(grid,)](slot, p, num_experts, hist, sorted_pair, sorted_row, rows, triton.cdiv(rows, grid),
                             BM=block_m, num_tiles=num_tiles, E_PAD=e_pad, CH=CHUNK, FB=1024, **seg, **pdl_args(pdl))
-    _plan[(1,)](hist, base, first_row, tile_end, nc, num_experts, block_m, num_tiles, tile_expert, live_tiles,
+    _plan[(1,)](hist, base, first_row, tile_end, grid, num_experts, block_m, num_tiles, tile_expert, live_tiles,
                 active_lo=active[0], active_hi=active[1], E_PAD=e_pad, CB=max(1, min(64, 16384 // e_pad)), TB=1024,
-                LOG_E=e_pad.bit_length(), CH=CHUNK, ALL_TILES=all_tiles, num_warps=8, **seg, **pdl_args(pdl))
+                LOG_E=e_pad.bit_length(), ALL_TILES=all_tiles, num_warps=8, **pdl_args(pdl))
     _scatter[(grid,)](slot, row, p, num_experts, base, first_row, sorted_pair, sorted_row, live_tiles_ptr=live_tiles,
                     E_PAD=e_pad, CH=CHUNK, **seg, **pdl_args(pdl))
     return tile_expert, sorted_pair, sorted_row, live_tiles
