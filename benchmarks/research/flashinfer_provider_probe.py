@@ -51,7 +51,7 @@ def main() -> int:
     dev = torch.device("cuda")
     spec = preset("dsv4-pro")
     hidden, inter, topk, limit = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok, spec.swiglu_limit
-    peer = peer_bench.FlashInferCutlass("humming")
+    peer = peer_bench.make_peer("flashinfer_humming")
     out = {"command": "PYTHONPATH=.:benchmarks/research python3 benchmarks/research/flashinfer_provider_probe.py "
            f"--experts {' '.join(map(str, args.experts))} --tokens {' '.join(map(str, args.tokens))}",
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "peer": peer.version,

@@ -62,6 +62,6 @@ def test_the_row_rescales_run_a_fuller_grid_than_the_other_row_kernels(gpu_facts
     live = LiveRows(torch.zeros(8, dtype=torch.int64), 8192, config_pairs=8192 * 6)
     plan = launch_plan.plan_launches(None, 8 * 8192 * 6, 48, "frag8", live, cuda)
     assert launch_plan.RESCALE_PROGRAMS_PER_SM == 24
-    assert plan.row_programs == 24 * 132
+    assert plan.rescale_programs == 24 * 132
     assert launch_plan.persistent_grid(cuda) == 8 * 132
-    assert launch_plan.plan_launches(None, 8192 * 6, 48, "frag8", None, cuda).row_programs is None  # one program per row
+    assert launch_plan.plan_launches(None, 8192 * 6, 48, "frag8", None, cuda).rescale_programs is None  # one program per row

@@ -17,7 +17,7 @@ import torch
 
 from megamoe_backend.experts.live import LiveRows
 from megamoe_backend.experts.triton.config import TileConfig, interpreting
-from megamoe_backend.experts.triton.launch_plan import ALL_COUNTS, LaunchPlan, persistent_grid
+from megamoe_backend.experts.triton.launch_plan import ALL_COUNTS, LaunchPlan, rescale_programs
 from megamoe_backend.experts.triton.launches import dest_args
 from megamoe_backend.experts.triton.provider import TritonExperts
 from megamoe_backend.experts.weights import ExpertWeights
@@ -59,7 +59,7 @@ class CudaFrag8Experts(TritonExperts):
             raise RuntimeError(f"the sm_90a CUDA expert GEMMs cannot run {got}")
         self.kernels = got
         return LaunchPlan(((CUDA_CONFIG, ALL_COUNTS),), persist=False,
-                          row_programs=persistent_grid(device) if live is not None else None)
+                          rescale_programs=rescale_programs(device, live))
 
     def _gemm1(self, fl, layout, cfg, a, a2, a2_scale) -> None:
         w = fl.weights

@@ -48,11 +48,11 @@ DEFAULT_GRIDS = GridPolicy()
 @dataclass(frozen=True)
 class LaunchPlan:
     """The launches of one forward: each tile config with the live pair counts (lo, hi] it serves,
-    whether the GEMMs run persistent grids, and the row kernels' grid cap (None: one program per row)."""
+    whether the GEMMs run persistent grids, and frag8's row re-scales' grid cap (None: one program per row)."""
 
     candidates: tuple[tuple[TileConfig, tuple[int, int]], ...]
     persist: bool
-    row_programs: int | None
+    rescale_programs: int | None
     grids: GridPolicy = DEFAULT_GRIDS
 
     def gemm_programs(self, device: torch.device, cfg: TileConfig) -> int | None:
@@ -62,15 +62,20 @@ class LaunchPlan:
 
 def plan_launches(config: TileConfig | None, pairs: int, num_experts: int, mode: str, live: LiveRows | None,
                   device: torch.device, grids: GridPolicy = DEFAULT_GRIDS) -> LaunchPlan:
-    """The tile configs (a fixed ``config``, else per bucket), grids and row-kernel cap of a forward
+    """The tile configs (a fixed ``config``, else per bucket), grids and re-scale cap of a forward
     of ``pairs`` pairs in decoder ``mode``, over ``live`` rows or all of them."""
     if live is not None:
         candidates = tile_candidates(config, pairs // live.segments, num_experts, mode, live.config_pairs)
     else:
         candidates = ((config or default_config(pairs, num_experts, mode), ALL_COUNTS),)
     persist = persistent_gemms(live, pairs, num_experts, candidates[0][0].block_m, grids)
-    row_programs = persistent_grid(device, per_sm=RESCALE_PROGRAMS_PER_SM) if live is not None else None
-    return LaunchPlan(candidates, persist, row_programs, grids)
+    return LaunchPlan(candidates, persist, rescale_programs(device, live), grids)
+
+
+def rescale_programs(device: torch.device, live: LiveRows | None) -> int | None:
+    """The grid of frag8's row re-scales: over live rows a fixed grid of RESCALE_PROGRAMS_PER_SM programs per
+    SM walks them; over all rows None (one program per row). Every forward that re-scales asks here."""
+    return persistent_grid(device, per_sm=RESCALE_PROGRAMS_PER_SM) if live is not None else None
 
 
 def tile_candidates(config: TileConfig | None, seg_pairs: int, num_experts: int, mode: str,

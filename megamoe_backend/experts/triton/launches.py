@@ -106,7 +106,7 @@ def convert_a(fl: ForwardLaunch, x, bufs: ForwardBuffers, live: LiveRows | None)
         a8 = bufs.per_received_row("a8", (n_recv, hidden), torch.uint8)
         a_rs = bufs.per_received_row("a_rs", (n_recv,), torch.float32)
         # 2 warps per row: fastest of 1 / 2 / 4 / 8 at 8192 tokens, within noise of them at 1024 (benchmarks/research/rowscale_ab.py)
-        rowscale_e4m3_kernel[(grid(n_recv, fl.plan.row_programs),)](
+        rowscale_e4m3_kernel[(grid(n_recv, fl.plan.rescale_programs),)](
             fl.pairs.row, data, data.stride(0), scale, scale.stride(0), a8, a8.stride(0), a_rs, hidden,
             A_FMT=fl.a_fmt, SORTED=False, NB=triton.next_power_of_2(hidden // MX_BLOCK), PK=rowscale_piece(hidden),
             HW_CVT=fl.use_asm, num_warps=2, **pdl_args(fl.pdl),
@@ -192,7 +192,7 @@ def a2_operand(fl: ForwardLaunch, layout: ExpertLayout, cfg: TileConfig, a2: tor
         rows, inter, e = layout.num_rows, fl.weights.intermediate, fl.weights.num_experts
         a2e = a2 if fl.a_fmt == "fp8" else bufs.per_layout_row("a2e", (rows, inter), torch.uint8, e, cfg.block_m)
         a2_rs = bufs.per_layout_row("a2_rs", (rows,), torch.float32, e, cfg.block_m)
-        rowscale_e4m3_kernel[(grid(rows, fl.plan.row_programs),)](
+        rowscale_e4m3_kernel[(grid(rows, fl.plan.rescale_programs),)](
             layout.sorted_pair, a2, a2.stride(0), a2_scale, a2_scale.stride(0), a2e, a2e.stride(0), a2_rs,
             inter, A_FMT=fl.a_fmt, SORTED=True, NB=triton.next_power_of_2(inter // MX_BLOCK), PK=rowscale_piece(inter),
             HW_CVT=fl.use_asm, num_warps=2, **pdl_args(fl.pdl),
