@@ -565,6 +565,12 @@ def command_line(module: str = __name__) -> str:
     return " ".join([head] + sys.argv[1:])
 
 
+def card_name(meta: dict) -> str:
+    """The GPU a run's JSON was made on, for a plot's title (``environment``'s ``gpu``; "no GPU" where a run had
+    none). Why not a fixed name: an H100 run once drew "on one H200" over its figures."""
+    return (meta.get("gpu") or {}).get("name", "no GPU")
+
+
 def environment(args: argparse.Namespace, module: str = __name__) -> dict:
     """Versions, GPU, command and commit of a bench run (``module``: the bench that ran)."""
     import triton

@@ -47,6 +47,7 @@ from ..spec import preset
 from ..transport import clear_transport_cache
 from .bench_experts import (
     FLOOR_META,
+    card_name,
     case_floors,
     ceiling_ratios,
     environment,
@@ -245,13 +246,13 @@ def run(args: argparse.Namespace) -> int:
         if saved["cases"] and "routing" in saved["cases"][0]:  # an --emulate run
             from .bench_layer_emulated import EmulatedCase, plot_emulated
 
-            plot_emulated([EmulatedCase(**c) for c in saved["cases"]], target)
+            plot_emulated([EmulatedCase(**c) for c in saved["cases"]], target, card_name(saved["meta"]))
         elif saved["cases"] and "experts_per_rank" in saved["cases"][0]:  # a --ep N run
             from .bench_layer_ep import EPLayerCase, plot_ep
 
             plot_ep([EPLayerCase(**c) for c in saved["cases"]], target, saved["meta"].get("placement", ""))
         else:
-            plot([LayerCase(**c) for c in saved["cases"]], target)
+            plot([LayerCase(**c) for c in saved["cases"]], target, card_name(saved["meta"]))
         return 0
     if args.peers is not None and args.ep > 1 and not args.emulate:
         print("--peers runs with ep_size 1 and --emulate (one process); not with --ep N rank processes", file=sys.stderr)
@@ -317,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     save(args.json, meta, cases, time.time() - t0, peer_results)
     print_table(cases)
     if args.plot:
-        plot(cases, args.plot)
+        plot(cases, args.plot, card_name(meta))
     return 0
 
 
@@ -356,7 +357,7 @@ def print_table(cases: list[LayerCase]) -> None:
     Console(width=200).print(t)
 
 
-def plot(cases: list[LayerCase], path: str) -> None:
+def plot(cases: list[LayerCase], path: str, card: str) -> None:
     """One panel per (experts, scheme, combine wire): a row per expert count."""
     import matplotlib
 
@@ -389,7 +390,7 @@ def plot(cases: list[LayerCase], path: str) -> None:
             if j == 0:
                 ax.set_ylabel("µs per layer")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("MegaMoE layer on one H200 (ep_size 1, DSV4-Pro shapes): megamoe bench layer", fontsize=10)
+    fig.suptitle(f"MegaMoE layer on one {card} (ep_size 1, DSV4-Pro shapes): megamoe bench layer", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"wrote {path}")

@@ -386,7 +386,7 @@ def summary(cases: list[EmulatedCase]) -> dict:
 
 
 def run_emulated(args: argparse.Namespace) -> int:
-    from .bench_experts import environment
+    from .bench_experts import card_name, environment
     from .floor import datasheet_ceilings
     from .peers import describe, select
     from .timing import measure_ceilings
@@ -426,11 +426,11 @@ def run_emulated(args: argparse.Namespace) -> int:
     save()
     print(json.dumps(summary(cases), indent=1))
     if args.plot:
-        plot_emulated(cases, args.plot)
+        plot_emulated(cases, args.plot, card_name(meta))
     return 0
 
 
-def plot_emulated(cases: list[EmulatedCase], path: str) -> None:
+def plot_emulated(cases: list[EmulatedCase], path: str, card: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -460,7 +460,7 @@ def plot_emulated(cases: list[EmulatedCase], path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("µs per rank (emulated, kernels only)")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("megamoe bench layer --emulate: one EP rank of DSV4-Pro (384 experts) on one H200", fontsize=9)
+    fig.suptitle(f"megamoe bench layer --emulate: one EP rank of DSV4-Pro (384 experts) on one {card}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"wrote {path}")

@@ -5,6 +5,7 @@ Peer boundary (CPU timing). The peers themselves run on the H200 (benchmarks/run
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -373,9 +374,31 @@ def test_layer_cases_draw_their_peers(tmp_path):
     cases = [bench_layer.LayerCase(48, t, "a8w4", "fp8", "bf16", layer_us=10.0 * t, experts_us=9.0 * t, naive_torch_us=30.0 * t,
                                    floor_us=5.0 * t, peers_us={"flashinfer_humming": 11.0 * t}) for t in (8, 128)]
     png = tmp_path / "layer.png"
-    bench_layer.plot(cases, str(png))
+    bench_layer.plot(cases, str(png), "NVIDIA H100 80GB HBM3")
     bench_layer.print_table(cases)
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("emulated", [False, True], ids=["layer", "emulated"])
+def test_a_replot_names_the_card_the_json_was_made_on(tmp_path, monkeypatch, emulated):
+    """The PNG's title names the GPU in the JSON's meta (an H100 run once drew "on one H200" over its figures)."""
+    import matplotlib.figure
+
+    if emulated:
+        case = bench_layer_emulated.EmulatedCase(8, 48, 8, "a8w4", "fp8", "bf16", "uniform", True, rank_us=5.0,
+                                                 experts_us=4.0)
+    else:
+        case = bench_layer.LayerCase(48, 8, "a8w4", "fp8", "bf16", layer_us=10.0, experts_us=9.0, naive_torch_us=30.0,
+                                     floor_us=5.0)
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"meta": {"gpu": {"name": "NVIDIA H100 80GB HBM3"}}, "cases": [dataclasses.asdict(case)]}))
+    titles = []
+    real = matplotlib.figure.Figure.suptitle
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle", lambda fig, t, **kw: titles.append(t) or real(fig, t, **kw))
+    args = bench_layer.argparse.Namespace(replot=str(saved), plot=str(tmp_path / "run.png"))
+    assert bench_layer.run(args) == 0
+    assert len(titles) == 1 and "one NVIDIA H100 80GB HBM3" in titles[0] and "H200" not in titles[0], titles
+    assert bench_experts.card_name({}) == "no GPU"
 
 
 def test_emulated_rank_share_runs_the_peer_on_that_ranks_pairs(tmp_path):
@@ -394,7 +417,7 @@ def test_emulated_rank_share_runs_the_peer_on_that_ranks_pairs(tmp_path):
     c = bench_layer_emulated.EmulatedCase(ep, experts, 6, "a8w4", "fp8", "bf16", "uniform", True, rank_us=5.0, experts_us=4.0,
                                           peers_us={"fake_peer": r.us}, peer_rank=rank)
     png = tmp_path / "emulated.png"
-    bench_layer_emulated.plot_emulated([c], str(png))
+    bench_layer_emulated.plot_emulated([c], str(png), "NVIDIA H200")
     assert png.stat().st_size > 10_000
 
 
