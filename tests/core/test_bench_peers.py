@@ -395,7 +395,7 @@ def test_a_replot_names_the_card_the_json_was_made_on(tmp_path, monkeypatch, emu
     titles = []
     real = matplotlib.figure.Figure.suptitle
     monkeypatch.setattr(matplotlib.figure.Figure, "suptitle", lambda fig, t, **kw: titles.append(t) or real(fig, t, **kw))
-    args = bench_layer.argparse.Namespace(replot=str(saved), plot=str(tmp_path / "run.png"))
+    args = types.SimpleNamespace(replot=str(saved), plot=str(tmp_path / "run.png"))
     assert bench_layer.run(args) == 0
     assert len(titles) == 1 and "one NVIDIA H100 80GB HBM3" in titles[0] and "H200" not in titles[0], titles
     assert bench_experts.card_name({}) == "no GPU"
