@@ -26,7 +26,7 @@ import torch
 def main() -> int:
     from megamoe_backend.bench.bench_experts import forward_call, make_routing, make_weights
     from megamoe_backend.bench.gpu_clock import ClockSampler
-    from megamoe_backend.bench.timing import time_fn
+    from megamoe_backend.bench.timing import capture_graph, time_fn
     from megamoe_backend.experts import ExpertMath
     from megamoe_backend.experts.triton import launches
     from megamoe_backend.experts.triton.provider import TritonExperts
@@ -54,15 +54,12 @@ def main() -> int:
         graphs, outs = {}, {}
         for name, pdl in (("pdl", pdl_of_device), ("no_pdl", lambda device: False)):
             launches.pdl_launch = pdl
+            held = {}  # the captured call's output tensor: the graph's replays write it
             try:
-                call()
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    y = call()
+                graphs[name] = capture_graph(lambda: held.__setitem__("y", call()))  # noqa: B023
             finally:
                 launches.pdl_launch = pdl_of_device
-            graphs[name], outs[name] = g, y
+            outs[name] = held["y"]
         replayed = {}
         for name, g in graphs.items():  # both graphs write the provider's one set of buffers: copy each out
             g.replay()
