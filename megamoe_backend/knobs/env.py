@@ -31,6 +31,9 @@ CUDA_GEMMS_MOVED = (
 )
 DEFAULT_MAX_TOKENS_PER_RANK = 8192
 DEFAULT_P2P_TIMEOUT_S = 30.0
+# The start-up forwards' bound (layer/device/wait_budget.py says which forwards): they include every
+# rank's first Triton compiles, which a 2-core-per-rank host can stretch past a minute on one rank.
+DEFAULT_P2P_STARTUP_TIMEOUT_S = 600.0
 
 KNOB_NAMES = (
     "MEGA_DISPATCH_WIRE",
@@ -39,6 +42,7 @@ KNOB_NAMES = (
     "MEGA_DISPATCH",
     "MEGA_MAX_TOKENS_PER_RANK",
     "MEGA_P2P_TIMEOUT_S",
+    "MEGA_P2P_STARTUP_TIMEOUT_S",
     "MEGA_ON_PEER_TIMEOUT",
     "MEGA_EXPERTS_GEMM",
     "AITER_FORCE_A8W4",
@@ -126,6 +130,7 @@ class Knobs:
     max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
     aiter_force_a8w4: bool | None = None
     p2p_timeout_s: float = DEFAULT_P2P_TIMEOUT_S  # the device P2P forward's bound on every wait for a peer
+    p2p_startup_timeout_s: float = DEFAULT_P2P_STARTUP_TIMEOUT_S  # ... in the start-up forwards (JIT compiles)
     on_peer_timeout: str = "exit"  # a peer that timed out: "exit" ends this process, "raise" raises at the next eager call
     experts_gemm: str = "auto"  # frag8 expert GEMMs: "triton" or "auto" (registry.make_provider passes it on)
     dispatch_wire_set: bool = True  # False: MEGA_DISPATCH_WIRE / MEGA_WIRE unset, dispatch_wire is the default
@@ -144,6 +149,9 @@ class Knobs:
             raise KnobError(f"MEGA_MAX_TOKENS_PER_RANK={self.max_tokens_per_rank} must be a positive token count")
         if not self.p2p_timeout_s > 0 or self.p2p_timeout_s == float("inf"):
             raise KnobError(f"MEGA_P2P_TIMEOUT_S={self.p2p_timeout_s} must be a finite number of seconds > 0")
+        if not self.p2p_startup_timeout_s > 0 or self.p2p_startup_timeout_s == float("inf"):
+            raise KnobError(f"MEGA_P2P_STARTUP_TIMEOUT_S={self.p2p_startup_timeout_s} must be a finite number of "
+                            "seconds > 0")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Knobs":
@@ -165,6 +173,7 @@ class Knobs:
             max_tokens_per_rank=_positive_int(env, "MEGA_MAX_TOKENS_PER_RANK", DEFAULT_MAX_TOKENS_PER_RANK),
             aiter_force_a8w4=_optional_bool(env, "AITER_FORCE_A8W4"),
             p2p_timeout_s=_positive_seconds(env, "MEGA_P2P_TIMEOUT_S", DEFAULT_P2P_TIMEOUT_S),
+            p2p_startup_timeout_s=_positive_seconds(env, "MEGA_P2P_STARTUP_TIMEOUT_S", DEFAULT_P2P_STARTUP_TIMEOUT_S),
             on_peer_timeout=_choice(env, "MEGA_ON_PEER_TIMEOUT", ON_PEER_TIMEOUT_VALUES, "exit"),
             experts_gemm=experts_gemm_from_env(env),
         )

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import dataclasses
+
 import torch
 
 from ..plan import LayerPlan
@@ -33,4 +35,5 @@ def settle_plan(plan: LayerPlan, group: Any, device: torch.device, graphs: Engin
     plan = ep_transport.resolve_ep_transport(plan, group, device, kind=kind)
     if graphs is not None:
         require_capturable(CaptureFacts.of(plan, kind), graphs.captures, graphs.eager_flag, transport_reason(plan))
+        plan = dataclasses.replace(plan, engine_graphs="captured" if graphs.captures and kind != "cpu" else "eager")
     return plan

@@ -53,6 +53,10 @@ class LayerPlan:
     combine: WireFormat
     backends: BackendChoice
     notes: tuple[str, ...] = field(default=())
+    # what the engine does with CUDA graphs around this layer, once the layer knows (layer/startup.py):
+    # "captured" (the engine captures the layer's forward), "eager", or None (no engine said: benchmarks,
+    # tests, eager use). The startup line shows it, so an operator sees the layer inside the capture.
+    engine_graphs: str | None = None
 
     @property
     def hidden(self) -> int:
@@ -106,7 +110,7 @@ class LayerPlan:
             f"inter={s.moe_intermediate_size} {self.placement.describe()} topk={s.num_experts_per_tok} "
             f"mtpr={self.mtpr} quant={self.math.quant} experts_provider={self.backends.provider} "
             f"transport={transport_name or self.backends.transport} wire={self.dispatch.name} combine={self.combine.name} "
-            f"swiglu_limit={limit}{fused}"
+            f"swiglu_limit={limit}{fused}{'' if self.engine_graphs is None else f' graphs={self.engine_graphs}'}"
         )
 
 

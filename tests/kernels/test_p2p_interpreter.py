@@ -309,7 +309,9 @@ def _dead_worker(rank, world):
     from megamoe_backend.workload.problem import local_weights
 
     problem = make_problem(ProblemConfig(SPEC, 3, world, seed=3))
-    knobs = Knobs(dispatch_wire="bf16", max_tokens_per_rank=4, transport="ipc", p2p_timeout_s=2.0, on_peer_timeout="raise")
+    # the peer dies before the first forward, a start-up forward: its bound is set as short here
+    knobs = Knobs(dispatch_wire="bf16", max_tokens_per_rank=4, transport="ipc", p2p_timeout_s=2.0,
+                  p2p_startup_timeout_s=2.0, on_peer_timeout="raise")
     plan = build_plan(SPEC, knobs, rank, world, quant="bf16", backends=("triton", "ipc"))
     layer = MegaMoELayer(plan, local_weights(problem.expert_weights("bf16"), plan.placement, rank),
                          group=dist.group.WORLD, provider=TritonExperts(capacity=4 * K * world), device_path=True,
@@ -339,3 +341,45 @@ def test_a_dead_peer_ends_the_forward_with_a_named_error():
     first, again = r["errors"]
     assert first and "layer 9: ep_rank 0 waited more than MEGA_P2P_TIMEOUT_S=2s for ep_rank 1 at the dispatch" in first
     assert again == first  # the group cannot continue: refused at once
+
+
+LATE_S = 8.0  # a rank this late to a barrier (a slow first compile) is 4x the steady bound below
+
+
+def _late_worker(rank, world):
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch.distributed as dist
+
+    from megamoe_backend.layer import MegaMoELayer
+    from megamoe_backend.transport import PeerTimeoutError
+    from megamoe_backend.workload import ProblemConfig, make_problem
+    from megamoe_backend.workload.problem import local_weights
+
+    problem = make_problem(ProblemConfig(SPEC, 3, world, seed=4))
+    knobs = Knobs(dispatch_wire="bf16", max_tokens_per_rank=4, transport="ipc", p2p_timeout_s=2.0,
+                  p2p_startup_timeout_s=120.0, on_peer_timeout="raise")
+    plan = build_plan(SPEC, knobs, rank, world, quant="bf16", backends=("triton", "ipc"))
+    layer = MegaMoELayer(plan, local_weights(problem.expert_weights("bf16"), plan.placement, rank),
+                         group=dist.group.WORLD, provider=TritonExperts(capacity=4 * K * world), device_path=True,
+                         name="layer 5")
+    x, ids, w = problem.x[:3], problem.topk_ids[:3], problem.topk_weights[:3]
+    result = {}
+    for forward in ("start-up", "steady"):
+        dist.barrier()
+        if rank == 1:
+            time.sleep(LATE_S)  # as a rank still compiling its dispatch would be
+        try:
+            layer(x, ids, w)
+            layer.raise_if_bad_input()
+            result[forward] = None
+        except PeerTimeoutError as exc:
+            result[forward] = str(exc)
+    return result
+
+
+def test_a_late_rank_passes_the_start_up_forward_and_times_out_later():
+    """The start-up forward waits up to MEGA_P2P_STARTUP_TIMEOUT_S, so a peer late by 4x
+    MEGA_P2P_TIMEOUT_S (compiling) ends nobody; the same lateness in a later forward is a timeout."""
+    results = spawn_ranks(2, _late_worker, timeout_s=600)
+    assert results[0]["start-up"] is None, results[0]
+    assert results[0]["steady"] and "waited more than MEGA_P2P_TIMEOUT_S=2s for ep_rank 1" in results[0]["steady"]

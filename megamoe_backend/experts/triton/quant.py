@@ -62,12 +62,20 @@ def _quantize_rows_kernel(
     x_ptr, stride_x, data_ptr, stride_data, scale_ptr, stride_scale, K, status_ptr, status_code, layer_id,
     FMT: tl.constexpr, BLOCKS: tl.constexpr, HW_CVT: tl.constexpr, STATUS: tl.constexpr,
     live_ptr=None, n_seg=1, seg_rows=0, PERSIST: tl.constexpr = False, N_SEG: tl.constexpr = 1,
+    ids_ptr=None, ids_stride=0, TOPK: tl.constexpr = 0, TOPK_PAD: tl.constexpr = 1,
 ):
     """One program per (row, piece of BLOCKS x 32 columns); PERSIST (the live rows of a fixed region,
-    experts/live.py LiveRows): a fixed grid strides over the (live row, piece) pairs only."""
+    experts/live.py LiveRows): a fixed grid strides over the (live row, piece) pairs only. TOPK > 0:
+    a row whose route ids are all -1 (routes nowhere: a padded row) is neither quantised nor checked."""
     if not PERSIST:
-        _quantize_piece(tl.program_id(0).to(tl.int64), tl.program_id(1), x_ptr, stride_x, data_ptr, stride_data,
-                        scale_ptr, stride_scale, K, status_ptr, status_code, layer_id, FMT, BLOCKS, HW_CVT, STATUS)
+        row = tl.program_id(0).to(tl.int64)
+        routed = True
+        if TOPK > 0:
+            j = tl.arange(0, TOPK_PAD)
+            routed = tl.max(tl.load(ids_ptr + row * ids_stride + j, mask=j < TOPK, other=-1).to(tl.int64), axis=0) >= 0
+        if routed:
+            _quantize_piece(row, tl.program_id(1), x_ptr, stride_x, data_ptr, stride_data,
+                            scale_ptr, stride_scale, K, status_ptr, status_code, layer_id, FMT, BLOCKS, HW_CVT, STATUS)
     else:
         pieces = tl.cdiv(K // 32, BLOCKS)
         c, total = live_pairs_total(live_ptr, n_seg, seg_rows, 1, N_SEG)
@@ -116,16 +124,25 @@ def _check_rows(x: torch.Tensor, fmt: str, name: str) -> None:
 
 
 def _launch(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch.Tensor, status: tuple | None = None,
-            live=None, programs: int | None = None) -> None:
+            live=None, programs: int | None = None, routed_ids: torch.Tensor | None = None) -> None:
     """``status``: (int64 status word, code, layer id) to record the first row holding NaN / Inf
     (layer/device/status.py); None: no report (the NaN scale alone marks such blocks). ``live``
-    (LiveRows over the rows of ``x``): only those rows, by a fixed grid of ``programs``."""
+    (LiveRows over the rows of ``x``): only those rows, by a fixed grid of ``programs``.
+    ``routed_ids`` ([N, k] route ids): rows whose ids are all -1 are skipped, as the P2P dispatch
+    skips them: the padded rows of an engine's captured batch hold whatever attention left there
+    (NaN included), reach no expert, and must not be reported as bad input."""
     n, k = x.shape
     if n == 0:
         return
     word, code, layer = status if status is not None else (scales, 0, 0)
     pieces = triton.cdiv(k // MX_BLOCK, BLOCKS_PER_PROGRAM)
     walk = {} if live is None else live_rows_args(live)
+    if routed_ids is not None:
+        if live is not None or routed_ids.dim() != 2 or routed_ids.shape[0] < n or routed_ids.stride(1) != 1:
+            raise ValueError(f"routed_ids must be [>= {n}, k] with stride(1) == 1 (and no live rows), got "
+                             f"{tuple(routed_ids.shape)}")
+        topk = routed_ids.shape[1]
+        walk = dict(ids_ptr=routed_ids, ids_stride=routed_ids.stride(0), TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk))
     grid = (n, pieces) if live is None else (max(1, min(n * pieces, programs or n * pieces)),)
     _quantize_rows_kernel[grid](
         x, x.stride(0), data, data.stride(0), scales, scales.stride(0), k, word, code, layer,
@@ -151,11 +168,13 @@ def quantize_rows(x: torch.Tensor, fmt: str, name: str = "x", out: tuple[torch.T
     return MXTensor(data=data, scales=scales, fmt=fmt)
 
 
-def encode_wire_rows(x: torch.Tensor, fmt: str, out: torch.Tensor | None = None, status: tuple | None = None) -> torch.Tensor:
+def encode_wire_rows(x: torch.Tensor, fmt: str, out: torch.Tensor | None = None, status: tuple | None = None,
+                     routed_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[N, K] -> wire rows [N, payload + K // 32] uint8 (payload then scales), quantised once.
 
     ``out`` may be a preallocated (e.g. symmetric-memory) buffer with at least that many columns;
-    only the first row_bytes of each row are written. ``status`` as for ``_launch``.
+    only the first row_bytes of each row are written. ``status`` and ``routed_ids`` as for ``_launch``
+    (a row that routes nowhere is left as it was in ``out``).
     """
     _check_rows(x, fmt, "wire rows")
     n, k = x.shape
@@ -165,5 +184,5 @@ def encode_wire_rows(x: torch.Tensor, fmt: str, out: torch.Tensor | None = None,
         out = torch.empty(n, row_bytes, dtype=torch.uint8, device=x.device)
     elif out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] < n or out.shape[1] < row_bytes or out.stride(1) != 1:
         raise ValueError(f"wire out buffer must be uint8 [>= {n}, >= {row_bytes}] with stride(1) == 1, got {tuple(out.shape)} {out.dtype}")
-    _launch(x, fmt, out[:, :payload], out[:, payload:row_bytes], status)
+    _launch(x, fmt, out[:, :payload], out[:, payload:row_bytes], status, routed_ids=routed_ids)
     return out

@@ -136,7 +136,8 @@ class InputStatus:
             return PeerTimeoutError, (
                 f"[megamoe] {where}: ep_rank {self.rank} waited more than MEGA_P2P_TIMEOUT_S={self.timeout_s:g}s for ep_rank "
                 f"{value} at the {PHASES.get(row, f'phase {row}')} barrier: that peer died, hangs or runs another step. "
-                "This forward's output is not valid; the EP group cannot continue (restart the engine)."
+                "This forward's output is not valid; the EP group cannot continue (restart the engine). (Start-up "
+                "forwards, which compile kernels, wait up to MEGA_P2P_STARTUP_TIMEOUT_S instead.)"
             )
         if code == ROWS_MISMATCH:
             return TransportError, (

@@ -162,6 +162,11 @@ class P2PWorkspace(_Workspace):
         self.epochs = torch.zeros(shapes["epochs"][0], dtype=torch.int64, device=self.device)
         self.timeout_s = timeout_s
         self.budget = wait_budget(timeout_s, self.device)
+        # start-up forwards wait longer (startup_wait.py); the counters below decide which those are
+        startup_s = max(timeout_s, plan.knobs.p2p_startup_timeout_s)
+        self.startup_budget = wait_budget(startup_s, self.device)
+        self.forwards_done = 0
+        self.captured_before = False
         self.status = self._make_status(plan, rank=plan.ep_rank, timeout_s=timeout_s)
 
     @property

@@ -83,9 +83,11 @@ class DeviceForward(WorkspaceForward):
             rows_a = x.to(torch.bfloat16).contiguous()  # bf16 activations: the rows as they are
         else:
             # one quantisation per token into the A format (= the quantised dispatch wire; with the bf16
-            # wire at ep_size 1 it is the receiver's quantisation, the same bits), reporting NaN / Inf rows
+            # wire at ep_size 1 it is the receiver's quantisation, the same bits), reporting NaN / Inf rows;
+            # a row that routes nowhere (all ids -1: an engine's padded row) is skipped, as the P2P dispatch does
             rows = encode_wire_rows(x.contiguous(), a_fmt, out=ws.token_rows[:t],
-                                    status=(ws.status.word, NONFINITE_INPUT, self.status_index))
+                                    status=(ws.status.word, NONFINITE_INPUT, self.status_index),
+                                    routed_ids=topk_ids.contiguous())
             rows_a = dispatch_wire(a_fmt).view(rows, hidden)
         pairs = ExpertPairs(row=ws.pair_row[:n], slot=pair_slot, weight=pair_weight)
         wire_rows = self.provider.forward_wire(rows_a, pairs, self.weights, plan.math, plan.combine, out=ws.combine_rows[:n],

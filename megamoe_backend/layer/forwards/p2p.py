@@ -23,6 +23,7 @@ from ...experts import ExpertPairs
 from ...experts.live import LiveRows, SegmentDest
 from ...plan.token_bound import bound_problem
 from ...transport import PeerInputError, PeerTimeoutError
+from .base import capturing
 from .device import WorkspaceForward
 
 
@@ -66,6 +67,7 @@ class P2PForward(WorkspaceForward):
         if ws.broken:
             raise PeerTimeoutError(ws.broken)
         self.begin(x, topk_ids, topk_weights)
+        budget = self._wait_budget()
         t, k, hidden = x.shape[0], plan.topk, plan.hidden
         rows = self.rows_per_source(t, max_tokens_across_ranks)
         out = self.output(t, out)
@@ -74,7 +76,7 @@ class P2PForward(WorkspaceForward):
         dispatch(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), self.owner, self.slot, rows, ws.arena,
                  ws.wire.name, hidden, ws.pair_live, word, index)
         yield "dispatch"
-        yield from self._barrier(0, rows, split_barriers)
+        yield from self._barrier(0, rows, split_barriers, budget)
         n_recv = plan.ep_size * rows
         n_pairs = n_recv * k
         pairs = ExpertPairs(row=ws.pair_row[:n_pairs], slot=ws.recv_slot[:n_pairs], weight=ws.recv_weight[:n_pairs])
@@ -85,18 +87,29 @@ class P2PForward(WorkspaceForward):
                                    out=ws.arena.local, dest=dest, live=live,
                                    scratch=ws.scratch)
         yield "experts"
-        yield from self._barrier(1, rows, split_barriers)
+        yield from self._barrier(1, rows, split_barriers, budget)
         if t:
             topk_sum(ws.combine_rows[: t * k], ws.pair_live[: t * k], out, plan.combine.mx, hidden, k, word, index,
                      output_scale)
         ws.status.publish()
+        ws.forwards_done += 1
         return out
 
-    def _barrier(self, phase: int, rows: int, split: bool):
+    def _wait_budget(self) -> int:
+        """This forward's bound on each peer wait (device units): the start-up one or MEGA_P2P_TIMEOUT_S's."""
+        from ..device.startup_wait import WaitFacts, takes_startup_bound
+
+        ws = self.workspace
+        capturing_now = capturing(self.device)
+        facts = WaitFacts(capturing_now, ws.forwards_done, self.plan.engine_graphs == "captured", ws.captured_before)
+        ws.captured_before = ws.captured_before or capturing_now
+        return ws.startup_budget if takes_startup_bound(facts) else ws.budget
+
+    def _barrier(self, phase: int, rows: int, split: bool, budget: int):
         from ..device.p2p import barrier
 
         ws = self.workspace
-        args = (ws.arena, ws.epochs, phase, ws.budget, rows, ws.status.word, self.status_index)
+        args = (ws.arena, ws.epochs, phase, budget, rows, ws.status.word, self.status_index)
         if split:
             barrier(*args, signal=True, wait=False)
             yield f"signal {phase}"

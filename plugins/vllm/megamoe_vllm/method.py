@@ -32,6 +32,7 @@ from megamoe_backend.spec import MoESpec
 from . import op
 from .dp_bound import max_tokens_across_ranks
 from .engine_checks import MegaMoEConfigError, engine_graphs
+from .padding import PaddedIds, padding_rows
 from .weights import ExpertFormat, expert_format_of, expert_weights_from_params
 
 if TYPE_CHECKING:
@@ -129,6 +130,7 @@ class MegaMoEMethod:
         self.fmt: ExpertFormat = expert_format_of(inner, knobs)
         self.runtime: MegaMoELayer | None = None
         self.plan: LayerPlan | None = None
+        self.padded_ids: PaddedIds | None = None
 
     # --- what vLLM's runner asks -------------------------------------------------------------
     @property
@@ -204,6 +206,7 @@ class MegaMoEMethod:
         self.runtime = MegaMoELayer(self.plan, weights, group=group, device=weights.w1.device, name=self.layer_name,
                                     graphs=engine_graphs(get_current_vllm_config()))
         self.plan = self.runtime.plan
+        self.padded_ids = PaddedIds(self.plan.mtpr, moe.experts_per_token, weights.w1.device)
 
         if mpc.enable_eplb:
             expose_for_eplb(layer, self.runtime)
@@ -226,12 +229,16 @@ class MegaMoEMethod:
         assert self.runtime is not None, "MegaMoE runtime used before process_weights_after_loading"
         tp_size, tp_rank = (1, 0) if self.sequence_parallel else _tp_position()
         bound = self.bound_kwargs(x.shape[0], tp_size)
+        # vLLM's padding mask covers the whole (unsplit) batch: padded rows reach no expert (padding.py)
+        padding = None if self.sequence_parallel else padding_rows(x.shape[0])
         if tp_size == 1:
-            return self.runtime.forward(x, topk_ids, topk_weights, **bound).to(x.dtype)
+            ids = self.padded_ids.apply(topk_ids, padding)
+            return self.runtime.forward(x, ids, topk_weights, **bound).to(x.dtype)
         chunk = math.ceil(x.shape[0] / tp_size)
         lo, hi = min(tp_rank * chunk, x.shape[0]), min((tp_rank + 1) * chunk, x.shape[0])
+        ids = self.padded_ids.apply(topk_ids[lo:hi], None if padding is None else padding[lo:hi])
         out = torch.zeros_like(x)
-        out[lo:hi] = self.runtime.forward(x[lo:hi], topk_ids[lo:hi], topk_weights[lo:hi], **bound).to(x.dtype)
+        out[lo:hi] = self.runtime.forward(x[lo:hi], ids, topk_weights[lo:hi], **bound).to(x.dtype)
         return out
 
     def bound_kwargs(self, local_tokens: int, tp_split: int) -> dict[str, int]:

@@ -1,0 +1,205 @@
+"""What the GPU engine runs must show, as functions of the driver's JSON (``run_matrix.py``).
+
+Why apart from the runs: a device call has minutes, the checks need none. The same functions judge
+a matrix just run on the GPU (``test_gpu_engine.py`` there) and the committed record of one
+(``benchmarks/results/gpu_engine_*.json``, on any CPU), and a planted mutation of a record shows
+each check can fail.
+
+The numeric bound is the CPU engine tests' derivation (tests/vllm/logprob_bound.py): the mean
+|d logprob| over the 504 teacher-forced positions between MegaMoE and vLLM's default MoE backend
+stays under PROPAGATION x MARGIN x the first-order shift that the project's layer gate (bf16 1 %,
+A8W4 10 %, A4W4 28 %) makes through MoE layers of the measured norm ratio rho, read off the
+checkpoint's LM head. Nothing measured on a GPU enters the bound; the rhos are the model's (the
+MoE output / input norms over the eager engine's own calls).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))
+
+from layer_oracle import LAYER_GATES  # noqa: E402
+from logprob_bound import mean_abs_diff, mean_shift_bound  # noqa: E402
+
+STARTUP = "[megamoe] Created MegaMoE:"
+SCORED_POSITIONS = 8 * 63
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One engine run held against another: the mean shift, its bound, the greedy verdict."""
+
+    label: str
+    mean: float
+    bound: float
+    positions: int
+    top: list[float]
+    greedy_same: int
+    greedy_ties: list
+
+    @property
+    def ok(self) -> bool:
+        return self.positions >= 500 and self.mean < self.bound
+
+    def line(self) -> str:
+        return (f"{self.label}: mean |d logprob| {self.mean:.4f} over {self.positions} positions, bound {self.bound:.4f} "
+                f"(largest {[round(x, 3) for x in self.top]}); greedy {self.greedy_same} identical steps, "
+                f"splits at top-2 swaps {self.greedy_ties}")
+
+
+def result_of(runs: dict, name: str) -> dict:
+    rec = runs[name]
+    if rec.get("result") is None:
+        raise AssertionError(f"run {name} gave no result (rc={rec.get('rc')}):\n{rec.get('log_tail', '')[-3000:]}")
+    return rec["result"]
+
+
+def greedy_agreement(base: dict, other: dict) -> tuple[int, list]:
+    """Tokens identical until a prompt's first split, which must be a top-2 swap (tests/vllm's rule:
+    each run's token is the other run's runner-up); raises on any other split."""
+    same, ties = 0, []
+    for p, (ta, tb) in enumerate(zip(base["tokens"], other["tokens"], strict=True)):
+        if len(ta) != len(tb):
+            raise AssertionError(f"prompt {p}: {len(ta)} vs {len(tb)} generated tokens")
+        for s, (a, b) in enumerate(zip(ta, tb)):
+            if a == b:
+                same += 1
+                continue
+            top_a, top_b = base["top2"][p][s], other["top2"][p][s]
+            if not (str(b) in top_a and str(a) in top_b):
+                raise AssertionError(f"prompt {p} step {s}: {a} vs {b} is not a top-2 swap (top-2 {top_a} vs {top_b})")
+            ties.append((p, s))
+            break
+    return same, ties
+
+
+def compare(runs: dict, reference: str, mega: str, rho_run: str, model_dir: Path, quant: str) -> Comparison:
+    """``mega`` against ``reference``, bounded with the rhos of ``rho_run`` (an eager MegaMoE run of
+    the same checkpoint) at ``quant``'s layer gate."""
+    ref, run = result_of(runs, reference), result_of(runs, mega)
+    rhos = list(result_of(runs, rho_run)["rhos"].values())
+    if not rhos:
+        raise AssertionError(f"run {rho_run} recorded no MoE layer call (rhos empty): the plugin did not serve")
+    bound, _ = mean_shift_bound(model_dir, rhos, LAYER_GATES[quant])
+    mean, positions, top = mean_abs_diff(ref["forced"], run["forced"])
+    if quant == "bf16":
+        same, ties = greedy_agreement(ref, run)
+    else:  # quantised activations legitimately change near-tie argmaxes: the mean shift is the check (as on CPU)
+        same, ties = greedy_prefix(ref, run), ["not held: quantised wire"]
+    return Comparison(f"{mega} vs {reference}", mean, bound, positions, top, same, ties)
+
+
+def greedy_prefix(base: dict, other: dict) -> int:
+    """Identical greedy steps before each prompt's first split (reported, not held)."""
+    same = 0
+    for ta, tb in zip(base["tokens"], other["tokens"], strict=True):
+        for a, b in zip(ta, tb):
+            if a != b:
+                break
+            same += 1
+    return same
+
+
+def served_inside_capture(rec: dict, graphs: str) -> list[str]:
+    """What is wrong with how a MegaMoE run served under ``graphs`` (empty list: nothing).
+
+    Eager: the op body ran on every MoE call, its startup line says ``graphs=eager``. Graph modes:
+    the startup line says ``graphs=captured`` (the layer knew the engine would capture it), the op
+    body ran under stream capture (vLLM captured the layer; a host synchronisation inside it would
+    have failed that capture), and fewer times eagerly than in the eager run (decode replayed)."""
+    problems = []
+    lines = rec.get("startup_lines", [])
+    if not lines:
+        return ["no startup line: the plugin did not serve"]
+    want = "graphs=eager" if graphs == "eager" else "graphs=captured"
+    if not all(want in line for line in lines):
+        problems.append(f"startup line lacks {want}: {lines[0]}")
+    calls = (rec.get("result") or {}).get("op_calls", {})
+    if graphs == "eager" and calls.get("captured", 0):
+        problems.append(f"op body ran under capture in an eager engine: {calls}")
+    if graphs != "eager" and not calls.get("captured"):
+        problems.append(f"op body never ran under stream capture: {calls}")
+    return problems
+
+
+# The item-1 matrix: run name -> run_matrix spec (MODEL:BACKEND:GRAPHS[:ENV]). "twin" is the bf16
+# checkpoint holding the MXFP4 checkpoints' weight values: vLLM's default backend on it is the
+# reference for the quantised wires (it differs from MegaMoE's A8W4 / A4W4 only by the activations).
+MATRIX = {
+    "default-bf16-eager": "bf16:default:eager",
+    "mega-bf16-eager": "bf16:megamoe_ep:eager",
+    "default-bf16-fdo": "bf16:default:full_decode_only",
+    "mega-bf16-fdo": "bf16:megamoe_ep:full_decode_only",
+    "default-bf16-brk": "bf16:default:breakable",
+    "mega-bf16-brk": "bf16:megamoe_ep:breakable",
+    "default-twin-eager": "twin:default:eager",
+    "mega-a8w4-eager": "a8w4:megamoe_ep:eager:MEGA_DISPATCH_WIRE=fp8",
+    "mega-a8w4-fdo": "a8w4:megamoe_ep:full_decode_only:MEGA_DISPATCH_WIRE=fp8",
+    "mega-a4w4-eager": "a4w4:megamoe_ep:eager:MEGA_DISPATCH_WIRE=fp4",
+}
+# (reference run, MegaMoE run, run whose rhos bound it, checkpoint, scheme whose layer gate applies)
+COMPARISONS = [
+    ("default-bf16-eager", "mega-bf16-eager", "mega-bf16-eager", "bf16", "bf16"),
+    ("default-bf16-fdo", "mega-bf16-fdo", "mega-bf16-eager", "bf16", "bf16"),
+    ("default-bf16-brk", "mega-bf16-brk", "mega-bf16-eager", "bf16", "bf16"),
+    ("default-twin-eager", "mega-a8w4-eager", "mega-a8w4-eager", "a8w4", "a8w4"),
+    ("default-twin-eager", "mega-a8w4-fdo", "mega-a8w4-eager", "a8w4", "a8w4"),
+    ("default-twin-eager", "mega-a4w4-eager", "mega-a4w4-eager", "a4w4", "a4w4"),
+]
+
+
+def graphs_of(run_name: str) -> str:
+    return {"eager": "eager", "fdo": "full_decode_only", "brk": "breakable"}[run_name.rsplit("-", 1)[1]]
+
+
+def verdicts(record: dict, model_dirs: dict[str, Path]) -> list[tuple[str, bool, str]]:
+    """(label, ok, line) for every check of the item-1 matrix in ``record`` (run_matrix's JSON)."""
+    runs = record["runs"]
+    out = []
+    for ref, mega, rho_run, model, quant in COMPARISONS:
+        try:
+            c = compare(runs, ref, mega, rho_run, model_dirs[model], quant)
+            out.append((c.label, c.ok, c.line()))
+        except AssertionError as exc:
+            out.append((f"{mega} vs {ref}", False, str(exc)[:2000]))
+    for name in MATRIX:
+        if name.startswith("mega-"):
+            problems = served_inside_capture(runs[name], graphs_of(name))
+            out.append((f"{name} served", not problems, "; ".join(problems) or "startup line and op calls as expected"))
+        elif runs[name].get("startup_lines"):
+            out.append((f"{name} inert", False, "the default backend logged a MegaMoE startup line"))
+    return out
+
+
+# Start-up: the same engine with an empty Triton cache (cold: every kernel JIT-compiled) and with
+# the cache the matrix left (warm); and a knob the engine cannot serve, refused at start-up.
+STARTUP_RUNS = {
+    "cold-default-bf16-eager": "bf16:default:eager:TRITON_CACHE_DIR=fresh",
+    "cold-mega-bf16-eager": "bf16:megamoe_ep:eager:TRITON_CACHE_DIR=fresh",
+    "badwire-a8w4-fdo": "a8w4:megamoe_ep:full_decode_only:MEGA_DISPATCH_WIRE=fp4",
+}
+BAD_WIRE_NEEDLE = "MEGA_DISPATCH_WIRE=fp4 does not match the experts: quant=a8w4"
+
+
+def startup_table(record: dict) -> dict[str, dict]:
+    """Per backend: cold and warm engine start-up (s) and the JIT share (cold - warm) / cold."""
+    runs, out = record["runs"], {}
+    for backend in ("default", "mega"):
+        cold, warm = runs.get(f"cold-{backend}-bf16-eager", {}), runs.get(f"{backend}-bf16-eager", {})
+        c, w = (cold.get("result") or {}).get("init_s"), (warm.get("result") or {}).get("init_s")
+        out[backend] = {"cold_init_s": c, "warm_init_s": w,
+                        "jit_share": None if not (c and w) else round((c - w) / c, 3)}
+    return out
+
+
+def refused_at_startup(rec: dict, needle: str) -> list[str]:
+    """The engine did not start, and its log names the knob (empty list: as it should be)."""
+    problems = []
+    if rec.get("result") is not None or rec.get("rc") == 0:
+        problems.append(f"the engine started (rc={rec.get('rc')})")
+    if needle not in rec.get("log_tail", ""):
+        problems.append(f"the log does not say {needle!r}")
+    return problems

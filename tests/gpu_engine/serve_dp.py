@@ -1,0 +1,150 @@
+"""vLLM data-parallel ranks sharing one GPU, EP over them through the plugin (the GPU engine EP test).
+
+Why this shape: the device lends one GPU, and the plugin's ``ipc`` transport is what EP ranks
+sharing a GPU run (MEGA_DISPATCH=auto picks it after the EP group's topology gathers). vLLM's
+offline SPMD data parallelism (VLLM_DP_RANK / VLLM_DP_SIZE / VLLM_DP_MASTER_*, one engine per
+process, the engine core in-process) then runs DP attention + EP MoE, with vLLM's own DP
+bookkeeping: the per-step token counts all-reduced across DP ranks (the ``dp_metadata`` the
+plugin's token bound reads), and dummy steps on a rank whose requests are done while another's
+are not (``LLMEngine`` keeps stepping while any DP rank has work).
+
+Two vLLM defaults cannot hold on one GPU, and are changed in the rank processes only:
+- NCCL refuses two ranks on one device ("Duplicate GPU detected"): ``VLLM_DISABLE_PYNCCL=1`` and
+  the platform's ``dist_backend`` set to gloo, so vLLM's device groups (the EP group the plugin's
+  handshake and topology gather run over) are gloo groups;
+- DP padding is synchronised over the CPU group (``disable_nccl_for_dp_synchronization``).
+
+Work per rank (``work_of``): rank 0 generates more tokens than the others, so the others run
+vLLM's dummy steps while rank 0 decodes. ``--dp 1 --groups N`` runs every rank's work one after
+another in a single ep_size-1 engine: the reference each rank's output must equal.
+
+Usage: python tests/gpu_engine/serve_dp.py MODEL --dp 2 --graphs eager|full_decode_only [--moe-backend megamoe_ep]
+       python tests/gpu_engine/serve_dp.py MODEL --dp 1 --groups 2 ...        (the EP 1 reference)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "vllm"))
+
+from engine_run import PROMPTS, score_sequences  # noqa: E402
+from serve_one import GRAPH_MODES, OpProbe, bundle_workarounds, engine_kwargs, graph_env  # noqa: E402
+
+
+def work_of(rank: int, groups: int) -> dict:
+    """Rank ``rank``'s requests among ``groups`` DP ranks: prompts, their token budget, scored sequences."""
+    return {"prompts": PROMPTS[rank::groups], "max_tokens": 12 if rank == 0 else 3,
+            "sequences": score_sequences()[rank::groups]}
+
+
+def run_work(llm, work: dict) -> dict:
+    """One generate call for the prompts and one for the sequences (a call holds all of a rank's
+    requests, so an idle DP rank keeps stepping inside it while another rank finishes)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=work["max_tokens"], logprobs=2, ignore_eos=True)
+    outs = llm.generate(work["prompts"], sp, use_tqdm=False)
+    score = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    scored = llm.generate([TokensPrompt(prompt_token_ids=s) for s in work["sequences"]], score, use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "top2": [[{str(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs]
+                     for o in outs],
+            "forced": [[float(pos[tok].logprob) for tok, pos in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
+                       for o in scored]}
+
+
+def rank_main(args) -> None:
+    """One DP rank (or, with --dp 1, the EP 1 reference over every group)."""
+    for key, value in graph_env(args.graphs).items():
+        os.environ.setdefault(key, value)
+    bundle_workarounds()
+    probe = OpProbe()
+    if args.moe_backend == "megamoe_ep":
+        probe.install()
+    kwargs = engine_kwargs(args.model, args.graphs, args.moe_backend, args.gpu_memory_utilization)
+    if args.dp > 1:
+        from vllm.platforms import current_platform
+
+        type(current_platform).dist_backend = "gloo"  # module docstring: NCCL refuses two ranks on one GPU
+        kwargs.update(enable_expert_parallel=True, disable_nccl_for_dp_synchronization=True)
+    from vllm import LLM
+
+    t0 = time.time()
+    llm = LLM(**kwargs)
+    init_s = time.time() - t0
+    ranks = [args.rank] if args.dp > 1 else list(range(args.groups))
+    results = {str(r): run_work(llm, work_of(r, args.dp if args.dp > 1 else args.groups)) for r in ranks}
+    print("RESULT " + json.dumps({"rank": args.rank, "dp": args.dp, "results": results,
+                                  "op_calls": {"eager": probe.eager, "captured": probe.captured},
+                                  "init_s": round(init_s, 1), "total_s": round(time.time() - t0, 1)}), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args) -> None:
+    """Start ``--dp`` rank processes, wait (bounded), print every rank's RESULT line and log tail."""
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(args.dp):
+        env = dict(os.environ, VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL="0", VLLM_DP_SIZE=str(args.dp),
+                   VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port), VLLM_DISABLE_PYNCCL="1")
+        log = open(f"{args.log_prefix}.rank{rank}.log", "w")
+        cmd = [sys.executable, __file__, args.model, "--dp", str(args.dp), "--rank", str(rank), "--graphs", args.graphs,
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        if args.moe_backend:
+            cmd += ["--moe-backend", args.moe_backend]
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+        logs.append(log)
+    deadline = time.time() + args.timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        log.close()
+        text = Path(log.name).read_text(errors="replace")
+        line = next((x for x in reversed(text.splitlines()) if x.startswith("RESULT ")), None)
+        print(line or "RANK_FAILED " + json.dumps({"rank": rank, "rc": p.returncode, "log_tail": text[-5000:]}),
+              flush=True)
+        print("STARTUP " + json.dumps([x[x.index("[megamoe]"):] for x in text.splitlines() if "[megamoe]" in x][:6]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--rank", type=int, default=None, help="internal: run as this DP rank")
+    ap.add_argument("--groups", type=int, default=2, help="with --dp 1: how many ranks' work to run in turn")
+    ap.add_argument("--graphs", default="eager", choices=GRAPH_MODES)
+    ap.add_argument("--moe-backend", default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--log-prefix", default="/tmp/serve_dp")
+    args = ap.parse_args()
+    if args.dp > 1 and args.rank is None:
+        launch(args)
+    else:
+        args.rank = args.rank or 0
+        rank_main(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""``--moe-backend megamoe_ep`` served by the real vLLM 0.34 on a GPU, against vLLM's default MoE backend.
+
+Two halves, one set of checks (``gpu_engine_checks.py``):
+
+- On a CUDA machine with vLLM 0.34 importable (the device, with ../shared/engine-gpu's bundle:
+  docs/vllm.md, "On a GPU"), ``test_matrix_on_this_gpu`` runs the whole matrix (tiny DeepSeek-V3
+  checkpoints: bf16, A8W4 on the fp8 wire, A4W4 on the fp4 wire; eager, FULL_DECODE_ONLY graphs,
+  breakable graphs; both backends) and judges it. Elsewhere it is skipped, saying why.
+- On any machine, ``test_recorded_gpu_run`` judges the committed record of such a run
+  (benchmarks/results/gpu_engine_*.json), and ``test_checks_fail_on_planted_mutations`` shows each
+  kind of check fails when the record is planted with what a broken backend would produce.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+from gpu_engine_checks import MATRIX, verdicts  # noqa: E402
+
+RECORD = ROOT / "benchmarks" / "results" / "gpu_engine_h100.json"
+
+
+def _gpu_engine_skip_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU with vLLM 0.34 (the device bundle, docs/vllm.md 'On a GPU'); the recorded run is checked instead"
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return "vLLM is not importable here (on the device: . .engine-gpu/setup_device.sh .engine-gpu)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """The tiny checkpoints the record was made on (tiny_model.py is deterministic in its seed)."""
+    sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+    from run_matrix import build_models
+
+    return build_models(tmp_path_factory.mktemp("gpu-engine-models"), {"bf16", "twin", "a8w4", "a4w4"})
+
+
+def _assert_all(results):
+    for label, ok, line in results:
+        print(f"{'ok  ' if ok else 'FAIL'}  {label}: {line}")
+    failed = [(label, line) for label, ok, line in results if not ok]
+    assert not failed, failed
+
+
+@pytest.mark.skipif(_gpu_engine_skip_reason() is not None, reason=str(_gpu_engine_skip_reason()))
+@pytest.mark.timeout(1500)
+def test_matrix_on_this_gpu(tmp_path, model_dirs):
+    out = tmp_path / "gpu_engine.json"
+    runs = [f"{name}={spec}" for name, spec in MATRIX.items()]
+    subprocess.run([sys.executable, str(HERE / "run_matrix.py"), "--out", str(out), "--deadline-s", "1400",
+                    "--models", str(tmp_path / "models"), *runs], check=True, env=dict(os.environ))
+    _assert_all(verdicts(json.loads(out.read_text()), model_dirs))
+
+
+@pytest.mark.skipif(not RECORD.exists(), reason=f"no recorded GPU run at {RECORD}")
+def test_recorded_gpu_run(model_dirs):
+    _assert_all(verdicts(json.loads(RECORD.read_text()), model_dirs))
+
+
+def _planted(record: dict, run: str, edit) -> dict:
+    planted = copy.deepcopy(record)
+    edit(planted["runs"][run])
+    return planted
+
+
+@pytest.mark.skipif(not RECORD.exists(), reason=f"no recorded GPU run at {RECORD}")
+@pytest.mark.parametrize("mutation", ["logprobs-shifted", "greedy-third-token", "startup-eager", "never-captured",
+                                      "no-layer-calls"])
+def test_checks_fail_on_planted_mutations(model_dirs, mutation):
+    record = json.loads(RECORD.read_text())
+
+    def shift(rec):  # a MoE error twice the bound's size on every position
+        rec["result"]["forced"] = [[x - 0.5 for x in seq] for seq in rec["result"]["forced"]]
+
+    def third_token(rec):  # a greedy step that is neither run's runner-up
+        rec["result"]["tokens"][0][0] = 3
+
+    def startup_eager(rec):
+        rec["startup_lines"] = [line.replace("graphs=captured", "graphs=eager") for line in rec["startup_lines"]]
+
+    def never_captured(rec):
+        rec["result"]["op_calls"]["captured"] = 0
+
+    def no_calls(rec):
+        rec["result"]["rhos"] = {}
+
+    run, edit = {"logprobs-shifted": ("mega-a8w4-eager", shift), "greedy-third-token": ("mega-bf16-fdo", third_token),
+                 "startup-eager": ("mega-bf16-fdo", startup_eager), "never-captured": ("mega-bf16-brk", never_captured),
+                 "no-layer-calls": ("mega-bf16-eager", no_calls)}[mutation]
+    results = verdicts(_planted(record, run, edit), model_dirs)
+    assert not all(ok for _, ok, _ in results), f"the planted {mutation} passed every check"
