@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from .rocm_probes import installed_builder_takes_a_dtype
 from .topology import EpTopology
 
 # Package key -> (importable top-level module, distribution names in preference order).
@@ -54,7 +55,7 @@ class AiterCaps:
     v2_init: tuple[str, ...] | None = None
     v2_forward: tuple[str, ...] | None = None
     v2_has_set_weights: bool = False
-    v2_accepts_a4w4: bool = False
+    v2_accepts_a4w4: bool = False  # the plan builder takes a_dtype= (rocm_probes.installed_builder_takes_a_dtype)
     gfx1250_init: tuple[str, ...] | None = None
     gfx1250_forward: tuple[str, ...] | None = None
 
@@ -162,10 +163,7 @@ def probe_aiter_caps(import_module: Callable[[str], object] = importlib.import_m
         cls = import_module(AITER_V2_MODULE).MegaMoEV2
         v2_init, v2_forward = _param_names(cls.__init__), _param_names(cls.forward)
         has_set_weights = callable(getattr(cls, "set_weights", None))
-        try:  # heuristic: the published class rejects anything but "a8w4" in its first line
-            accepts_a4w4 = "a4w4" in inspect.getsource(cls.__init__)
-        except (OSError, TypeError):
-            accepts_a4w4 = False
+        accepts_a4w4 = installed_builder_takes_a_dtype(import_module)
     except (ImportError, AttributeError, OSError, RuntimeError):
         pass
     try:

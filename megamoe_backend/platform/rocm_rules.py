@@ -21,7 +21,10 @@ V2_MAX_TOPK = 16  # mega_moe_v2.py:57-58 "MegaMoEV2 topk must be in [1, 16]"
 # aiter/ops/flydsl/kernels/mega_moe_gfx1250/mega_moe.py (ROCm/aiter e4048607)
 GFX1250_MAX_WORLD_SIZE = 72
 GFX1250_MAX_EXPERTS_PER_RANK = 512
-GFX1250_WAVE_SIZE = 32  # topk must be in [1, wave size]
+GFX1250_WAVE_SIZE = 32  # config.py:6 _WAVE_SIZE; topk must be in [1, wave size]
+# The step size from which a quantised gfx1250 combine is named: aiter's own crossover for MegaMoEV2's
+# P2P combine (mega_moe_config.py P2P_FP8_MIN_MTPR = 1024: bf16 up to 1024, fp8_blockwise_1x32 above).
+GFX1250_QUANT_COMBINE_MIN_TOKENS = 1024
 # aiter/ops/shuffle.py shuffle_scale_n32k4 (e4048607, lines 283-288), what moe_shuffle_scale runs on
 # gfx1250: scale rows N % 32 == 0 and K // 32 % 4 == 0 (K % 128), for w1 (N=2I, K=H) and w2 (N=H, K=I);
 # K % 128 on both GEMMs implies the row condition.
@@ -111,21 +114,68 @@ def check_gfx1250_shapes(hidden: int, inter: int) -> None:
         )
 
 
-def gfx1250_fused_refusal(a_operand: str) -> str | None:
-    """Why MegaMoEGfx1250 cannot run this A operand fused, or None.
+def gfx1250_dispatch(requested: str, dispatch_wire: str, mori_scale_row: bool,
+                     takes_stage1_fused: bool) -> tuple[str | None, bool, str]:
+    """(dispatch kernel or None, stage1_fused, why) for MegaMoEGfx1250; None: it cannot run this wire fused.
 
-    Its fused combine needs aiter's grouped kernel to write the stage-2 scatter; with fp4
-    activations that kernel wants ``w1.dtype == fp4x2`` (grouped_moe_gfx1250.py:991) and the shuffled
-    weights are uint8, so fused_moe falls back to its generic path, which ignores stage2_scatter, and
-    the combine sums a buffer nothing wrote this step. aiter's own test refuses the case
-    (test_mega_moe_gfx1250.py:525-527, "scatter_fused is available only for a8w4_mxfp4").
+    ``requested``: MEGA_DISPATCH (auto | mori | flydsl). A bf16 wire runs aiter's default flydsl
+    dispatch unless mori is asked for. A quantised (fp8 / fp4) wire ships sender-quantised rows with
+    their E8M0 scale row, which two dispatches can carry:
+    - mori's, where the installed mori lays the row down (ROCm/mori#593: ``hip_backend.scale_stride_bytes``,
+      which aiter's ``MegaMoEConfig.dispatch_scale_dst_nbytes`` imports, and ``EpDispatchPlan(scale_bytes=)``);
+    - aiter's flydsl one with ``stage1_fused=True`` (yhl-amd/aiter 22f2e2dc: "stage1_fused requires
+      dispatch_backend='flydsl'" and "an fp8 or fp4 dispatch wire"; the compact plan carries the row
+      in the wire row itself), which is how ATOM serves MEGA_DISPATCH=flydsl on such a wire
+      (mega_transport_config.mega_dispatch_kwargs, "flydsl there runs aiter's compact plan").
+    auto follows ATOM's default for a quantised wire (mori, "what such a wire always ran on",
+    mori_v2_prepare_finalize.py ``_MEGA_DISPATCH_BACKEND``) and takes flydsl where mori cannot carry
+    the row.
     """
-    if a_operand == "fp8":
+    if dispatch_wire == "bf16":
+        kernel = "mori" if requested == "mori" else "flydsl"
+        return kernel, False, f"bf16 wire: {kernel} dispatch (MEGA_DISPATCH={requested})"
+    flydsl_why = (f"flydsl dispatch with stage1_fused=True (aiter's compact plan carries the {dispatch_wire} rows' "
+                  "scale row)")
+    no_row = ("the installed mori's EPv2 has no per-token scale row (ROCm/mori#593: "
+              "mori.ops.dispatch_combine_v2.hip_backend.scale_stride_bytes, which aiter imports)")
+    if requested == "mori":
+        if mori_scale_row:
+            return "mori", False, f"mori dispatch carries the {dispatch_wire} rows and their scale row (MEGA_DISPATCH=mori)"
+        fix = "MEGA_DISPATCH=flydsl" if takes_stage1_fused else "MEGA_DISPATCH_WIRE=bf16"
+        return None, False, f"MEGA_DISPATCH=mori with MEGA_DISPATCH_WIRE={dispatch_wire}: {no_row}; set {fix} to fuse"
+    if takes_stage1_fused and (requested == "flydsl" or not mori_scale_row):
+        return "flydsl", True, flydsl_why + ("" if requested == "flydsl" else f" (MEGA_DISPATCH=auto: {no_row})")
+    if not mori_scale_row:
+        return None, False, (f"MEGA_DISPATCH_WIRE={dispatch_wire}: the installed aiter's MegaMoEGfx1250 takes no stage1_fused "
+                             f"(its flydsl dispatch cannot carry the scale row) and {no_row}; set MEGA_DISPATCH_WIRE=bf16 "
+                             "to fuse, or install yhl-amd/aiter 22f2e2dc or a mori with #593")
+    if requested == "flydsl":
+        return "mori", False, (f"MEGA_DISPATCH=flydsl with MEGA_DISPATCH_WIRE={dispatch_wire}: switched to the mori dispatch, "
+                               "the installed aiter's flydsl one takes no stage1_fused and cannot carry the scale row")
+    return "mori", False, f"quantised wire ({dispatch_wire}): mori dispatch carries the scale row, ATOM's default (MEGA_DISPATCH=auto)"
+
+
+def gfx1250_step_combine_quant(built: str, bound: int | None) -> str:
+    """The combine wire one MegaMoEGfx1250 step names (its forward's ``combine_quant``).
+
+    22f2e2dc builds the quantised reduce at construction but runs it only on the steps that name it
+    ("a quantized wire only pays off once there are enough tokens on it to outweigh the per-token
+    quant/dequant pair"; omitted means bf16). ATOM names it on prefill steps only
+    (``combine_quant_for_step``), and every rank must name the same one (the combine is P2P). Here the
+    step's token bound is the same on every rank; a step above ``GFX1250_QUANT_COMBINE_MIN_TOKENS``
+    per rank, or one without a bound (warm-up, as ATOM's no-context case), runs the quantised wire.
+    """
+    if built == "none" or (bound is not None and bound <= GFX1250_QUANT_COMBINE_MIN_TOKENS):
+        return "none"
+    return built
+
+
+def gfx1250_topk_refusal(topk: int) -> str | None:
+    """Why MegaMoEGfx1250 cannot route this top-k, or None: its dispatch takes top-k up to the wave size
+    (22f2e2dc MegaMoEConfig: "dispatch requires topk in [1, _WAVE_SIZE]", config.py:6 ``_WAVE_SIZE = 32``)."""
+    if 0 < topk <= GFX1250_WAVE_SIZE:
         return None
-    return (
-        "aiter MegaMoEGfx1250 runs its fused combine for A8W4 only (fp4 activations take aiter's generic MoE "
-        "path, which skips the fused combine's scatter); set AITER_FORCE_A8W4=1 to run it (fp8 activations)"
-    )
+    return f"MegaMoEGfx1250's dispatch takes top-k in [1, {GFX1250_WAVE_SIZE}] (the gfx1250 wave size); this model routes {topk}"
 
 
 def check_mori_combine_kernel(combine_wire: str, kernel_type: str) -> None:

@@ -22,6 +22,7 @@ from .rocm_rules import (
     GFX1250_COMBINE_QUANT,
     GFX1250_MAX_EXPERTS_PER_RANK,
     GFX1250_MAX_WORLD_SIZE,
+    GFX1250_QUANT_COMBINE_MIN_TOKENS,
     MORI_BLOCKWISE_COMBINE_KERNELS,
     RUNTIME_BY_ARCH,
     V2_MAX_TOPK,
@@ -32,7 +33,8 @@ from .rocm_rules import (
     check_gfx1250_wire,
     check_v2_device,
     gfx1250_a_operand,
-    gfx1250_fused_refusal,
+    gfx1250_dispatch,
+    gfx1250_topk_refusal,
     next_power_of_two,
 )
 
@@ -48,6 +50,7 @@ class Selection:
     mtpr: int
     runtime: str | None = None  # aiter class: "MegaMoEV2" | "MegaMoEGfx1250"
     dispatch_kernel: str | None = None  # fused runtime's dispatch: "mori" | "flydsl"
+    stage1_fused: bool = False  # MegaMoEGfx1250: aiter's compact plan carries the quantised wire (flydsl dispatch)
     a_operand: str | None = None  # what the expert GEMM consumes, when the platform decides it
     combine_quant: str | None = None  # MegaMoEGfx1250's combine_quant argument
     # MegaMoEV2: the runtimes every layer shares, ascending capacity (aiter's plan, rocm_probes.py); each
@@ -73,6 +76,8 @@ class Selection:
             f"combine={self.combine_wire}",
             f"mtpr={self.mtpr}",
         ]
+        if self.stage1_fused:
+            parts.append("stage1_fused=True")
         if self.a_operand:
             parts.append(f"a_operand={self.a_operand}")
         if self.runtimes:
@@ -190,12 +195,13 @@ def _mori_combine_refusal(facts, knobs, ep_size) -> str | None:
             f"MEGA_COMBINE_WIRE={knobs.combine_wire} with MEGA_DISPATCH_WIRE={knobs.dispatch_wire}: mori's blockwise "
             "combine quantisation requires bf16 dispatch and combine dtypes (amd-mori 1.2.4 test matrix)"
         )
-    if ep_size is not None and facts.gpu_count and ep_size > facts.gpu_count:
+    topology = facts.ep_topology  # where the ranks run; this process's GPU count says nothing about it
+    if ep_size is not None and ep_size > 1 and topology is not None and not topology.one_host:
         return (
-            f"MEGA_COMBINE_WIRE={knobs.combine_wire} over EP {ep_size} > {facts.gpu_count} GPUs per node: mori runs "
-            f"InterNodeV1 / InterNodeV1LL there, and its blockwise combine runs on {'/'.join(MORI_BLOCKWISE_COMBINE_KERNELS)} only"
+            f"MEGA_COMBINE_WIRE={knobs.combine_wire} over {topology.describe()}: mori runs InterNodeV1 / "
+            f"InterNodeV1LL across nodes, and its blockwise combine runs on {'/'.join(MORI_BLOCKWISE_COMBINE_KERNELS)} only"
         )
-    return None
+    return None  # without the gathered topology the transport checks its kernel (check_mori_combine_kernel)
 
 
 def _unfused_rocm(facts, knobs, head, why_not, ep_size) -> Selection:
@@ -258,7 +264,7 @@ def _v2_selection(facts, knobs, math, ep_size, experts_per_rank, head, rocm: Roc
     mtpr = next_power_of_two(knobs.max_tokens_per_rank)
     notes = [] if mtpr == knobs.max_tokens_per_rank else [
         f"MEGA_MAX_TOKENS_PER_RANK={knobs.max_tokens_per_rank} rounded up to {mtpr}: aiter MegaMoEV2 needs a power of two"]
-    plan = rocm.probes.v2_plan(mtpr, experts_per_rank, shape, ep_size)
+    plan = rocm.probes.v2_plan(mtpr, experts_per_rank, shape, ep_size, math.a_format)
     if plan.refusal:
         return None, f"{plan.refusal}; MEGA_MAX_TOKENS_PER_RANK={knobs.max_tokens_per_rank}, EP size {ep_size}"
     runtimes = plan.runtimes
@@ -287,22 +293,6 @@ def _v2_selection(facts, knobs, math, ep_size, experts_per_rank, head, rocm: Roc
     return sel, None
 
 
-def _gfx1250_dispatch_kernel(knobs, reasons: list[str]) -> str:
-    requested = knobs.transport  # "auto" | "mori" | "flydsl"
-    if knobs.dispatch_wire == "bf16":
-        kernel = "mori" if requested == "mori" else "flydsl"
-        reasons.append(f"bf16 wire: {kernel} dispatch (MEGA_DISPATCH={requested})")
-        return kernel
-    if requested == "flydsl":
-        reasons.append(
-            f"MEGA_DISPATCH=flydsl with MEGA_DISPATCH_WIRE={knobs.dispatch_wire}: switched to the mori dispatch, the one "
-            "that carries the per-token scale row; an unquantised row is never shipped"
-        )
-    else:
-        reasons.append(f"quantised wire ({knobs.dispatch_wire}) forces the mori dispatch, as upstream MegaMoE does")
-    return "mori"
-
-
 def _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head, rocm: RocmAsk):
     caps = facts.aiter_caps
     raw = facts.aiter_force_a8w4_raw
@@ -312,20 +302,16 @@ def _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head, rocm
     check_gfx1250_quant(math.a_format, math.quant, a_operand, raw)
     if not caps.has_gfx1250:
         return None, "the installed aiter has no MegaMoEGfx1250 (added in ROCm/aiter ba59a37)"
-    refusal = gfx1250_fused_refusal(a_operand)
-    if refusal:
-        return None, f"{refusal} (AITER_FORCE_A8W4={raw!r})"
+    topk = gfx1250_topk_refusal(rocm.shape.topk) if rocm.shape is not None else None
+    if topk:
+        return None, topk
     init = set(caps.gfx1250_init or ())
     if knobs.dispatch_wire != "bf16" and "dispatch_wire" not in init:
         return None, f"the installed aiter's MegaMoEGfx1250 has no dispatch_wire argument (bf16 wire only); MEGA_DISPATCH_WIRE={knobs.dispatch_wire}"
-    if knobs.dispatch_wire != "bf16" and not rocm.probes.mori_scale_row():
-        # a quantised wire always takes the mori dispatch (_gfx1250_dispatch_kernel), which must carry the E8M0 row
-        return None, (
-            f"MEGA_DISPATCH_WIRE={knobs.dispatch_wire} on MegaMoEGfx1250's mori dispatch needs mori's per-token scale row "
-            "(ROCm/mori#593, scale_stride_bytes); the installed mori's EPv2 refuses scale rows (ROCm/mori 624002c8 "
-            "dispatch_combine_v2/hip_backend.py:176-177), so the runtime would fail at build: running unfused over "
-            "mori's v1 op, which carries them (or set MEGA_DISPATCH_WIRE=bf16 to fuse)"
-        )
+    scale_row = knobs.dispatch_wire != "bf16" and rocm.probes.mori_scale_row()
+    kernel, stage1_fused, why = gfx1250_dispatch(knobs.transport, knobs.dispatch_wire, scale_row, "stage1_fused" in init)
+    if kernel is None:
+        return None, why
     combine_quant = GFX1250_COMBINE_QUANT[knobs.combine_wire]
     if combine_quant != "none" and "combine_quant" not in init:
         return None, f"the installed aiter's MegaMoEGfx1250 has no combine_quant argument; MEGA_COMBINE_WIRE={knobs.combine_wire}"
@@ -333,12 +319,15 @@ def _gfx1250_selection(facts, knobs, math, ep_size, experts_per_rank, head, rocm
         return None, f"MegaMoEGfx1250 supports world_size <= {GFX1250_MAX_WORLD_SIZE}, EP size is {ep_size}"
     if experts_per_rank is not None and experts_per_rank > GFX1250_MAX_EXPERTS_PER_RANK:
         return None, f"MegaMoEGfx1250 supports <= {GFX1250_MAX_EXPERTS_PER_RANK} experts per rank, got {experts_per_rank}"
-    reasons = [head, "aiter MegaMoEGfx1250 (dispatch + grouped GEMM + fused combine) on a mori cco arena"]
-    kernel = _gfx1250_dispatch_kernel(knobs, reasons)
-    reasons.append(f"A operand {a_operand} (AITER_FORCE_A8W4={raw!r})")
+    reasons = [head, "aiter MegaMoEGfx1250 (dispatch + grouped GEMM + fused combine) on a mori cco arena", why,
+               f"A operand {a_operand} (AITER_FORCE_A8W4={raw!r}); weights viewed as fp4x2, as aiter's grouped "
+               "gfx1250 kernel takes A4W4 only for fp4x2 weights"]
+    if combine_quant != "none":
+        reasons.append(f"combine_quant={combine_quant} built; named on steps of > {GFX1250_QUANT_COMBINE_MIN_TOKENS} tokens per "
+                       "rank (bf16 below, as aiter 22f2e2dc and ATOM run it)")
     sel = Selection(
         "aiter", "mori", dispatch_wire=knobs.dispatch_wire, combine_wire=knobs.combine_wire,
-        mtpr=knobs.max_tokens_per_rank, runtime="MegaMoEGfx1250", dispatch_kernel=kernel,
+        mtpr=knobs.max_tokens_per_rank, runtime="MegaMoEGfx1250", dispatch_kernel=kernel, stage1_fused=stage1_fused,
         a_operand=a_operand, combine_quant=combine_quant, reasons=tuple(reasons),
     )
     return sel, None

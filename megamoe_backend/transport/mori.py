@@ -25,13 +25,14 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ..formats import MX_BLOCK
 from ..knobs import KnobError
 from ..platform.rocm_rules import check_mori_combine_kernel
+from ..platform.topology import EpTopology, gather_ep_topology
 from ..plan.token_bound import bound_disagreement
 from .base import DispatchHandle, DispatchResult, PeerInputError, Transport, TransportError
 from .layout import DispatchLayout
@@ -124,9 +125,14 @@ def apply_combine_scale_env(wire: MoriWire, env: dict | None = None) -> None:
 
 # Multi-node kernel choice and launch geometry as vLLM 0.34's MoriAll2AllManager._make_all2all_kwargs
 # picks them for ``--all2all-backend mori`` (vllm/distributed/device_communicators/all2all.py:989-1020):
-# InterNodeV1LL while the per-rank token budget is at most VLLM_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD
-# (default 256, vllm/envs.py:306), InterNodeV1 above; warps per block / blocks / RDMA blocks per arch.
+# IntraNode unless the EP group spans nodes (``if not self.internode``), then InterNodeV1LL while the
+# per-rank token budget is at most VLLM_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD (default 256,
+# vllm/envs.py:306; vLLM's test_inter_node_switch: "<= threshold -> LL"), InterNodeV1 above; warps per
+# block / blocks / RDMA blocks per arch. The threshold is read from the same variable, so one setting
+# steers vLLM's mori all2all and this transport alike.
 INTER_LL_MAX_TOKENS = 256
+INTER_LL_THRESHOLD_ENV = "VLLM_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD"
+MAX_GPUS_PER_NODE = 8  # vLLM: gpu_per_node=min(8, num_ep_ranks)
 _INTRANODE_LAUNCH = (16, 80, 0)  # all2all.py:990-995
 _INTERNODE_LAUNCH = {"gfx942": (16, 32, 16), "gfx950": (8, 64, 32)}  # all2all.py:1010-1017
 
@@ -147,8 +153,37 @@ class MoriKernel:
         return {k: v for k, v in launch.items() if v is not None}
 
 
-def pick_kernel(ep_size: int, gpus_per_node: int, mtpr: int, gfx_arch: str | None = None) -> MoriKernel:
-    """One node -> IntraNode; across nodes InterNodeV1LL for small token budgets, else InterNodeV1."""
+def inter_ll_max_tokens(env: Mapping[str, str] | None = None) -> int:
+    """VLLM_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD as vLLM reads it (an int, default 256); a value
+    it would not read as one is an error naming the variable, not a silent default."""
+    raw = (os.environ if env is None else env).get(INTER_LL_THRESHOLD_ENV)
+    if raw is None or raw.strip() == "":
+        return INTER_LL_MAX_TOKENS
+    try:
+        return int(raw)
+    except ValueError:
+        raise KnobError(f"{INTER_LL_THRESHOLD_ENV}={raw!r}: vLLM reads an integer token count (default "
+                        f"{INTER_LL_MAX_TOKENS}); set it to e.g. 256 or unset it") from None
+
+
+def ep_ranks_per_node(ep_size: int, topology: EpTopology) -> int:
+    """mori's ``gpu_per_node`` for this EP group, from where its ranks run, not from how many GPUs this
+    process sees (one visible GPU per process would read as one GPU per node and pick the RDMA kernels
+    on a single host). One host: ``min(8, ep_size)`` as vLLM passes it; several: the ranks on each
+    host, which mori needs equal (it asserts worldSize % gpuPerNode == 0)."""
+    if topology.one_host:
+        return min(MAX_GPUS_PER_NODE, ep_size)
+    per_host = [sum(r.host == h for r in topology.ranks) for h in topology.hosts]
+    if len(set(per_host)) != 1:
+        raise TransportError(f"mori needs the same number of EP ranks on every node; {topology.describe()} puts "
+                             f"{per_host} on its hosts: place the EP ranks evenly")
+    return per_host[0]
+
+
+def pick_kernel(ep_size: int, gpus_per_node: int, mtpr: int, gfx_arch: str | None = None,
+                ll_max_tokens: int = INTER_LL_MAX_TOKENS) -> MoriKernel:
+    """One node -> IntraNode; across nodes InterNodeV1LL for token budgets <= ``ll_max_tokens``
+    (inter_ll_max_tokens), else InterNodeV1. ``gpus_per_node``: EP ranks per node (ep_ranks_per_node)."""
     if gpus_per_node <= 0 or gpus_per_node & (gpus_per_node - 1):
         raise TransportError(f"mori needs a power-of-two gpu_per_node, got {gpus_per_node}")
     per_node = min(ep_size, gpus_per_node)
@@ -156,7 +191,7 @@ def pick_kernel(ep_size: int, gpus_per_node: int, mtpr: int, gfx_arch: str | Non
         raise TransportError(f"EP size {ep_size} is not a multiple of gpu_per_node {per_node} (mori asserts it)")
     if ep_size <= gpus_per_node:
         return MoriKernel("IntraNode", per_node, *_INTRANODE_LAUNCH)
-    kind = "InterNodeV1LL" if mtpr <= INTER_LL_MAX_TOKENS else "InterNodeV1"
+    kind = "InterNodeV1LL" if mtpr <= ll_max_tokens else "InterNodeV1"
     return MoriKernel(kind, per_node, *_INTERNODE_LAUNCH.get(gfx_arch or "", (None, None, None)))
 
 
@@ -337,6 +372,7 @@ class MoriTransport(Transport):
         device: torch.device,
         *,
         gpus_per_node: int | None = None,
+        topology: EpTopology | None = None,
         dist: Any = None,
         mori_module: Any = None,
         all_reduce_max: Callable[[int], int] | None = None,
@@ -352,9 +388,10 @@ class MoriTransport(Transport):
             raise KnobError(f"mori needs the same expert count on every rank, placement has {sorted(counts)}")
         self.experts_per_rank = counts.pop()
         self.wire = MoriWire.from_knobs(plan.dispatch.name, plan.combine.name, plan.hidden)
-        if gpus_per_node is None:
-            gpus_per_node = torch.cuda.device_count() if torch.cuda.is_available() else 1
-        self.kernel = pick_kernel(self.ep_size, gpus_per_node, plan.mtpr, gfx_arch or _gfx_arch(self.device))
+        if gpus_per_node is None:  # where the ranks run (a collective: every EP rank builds its transport)
+            gpus_per_node = ep_ranks_per_node(self.ep_size, topology or gather_ep_topology(group, self.device))
+        self.kernel = pick_kernel(self.ep_size, gpus_per_node, plan.mtpr, gfx_arch or _gfx_arch(self.device),
+                                  inter_ll_max_tokens())
         kernel_name, per_node = self.kernel.kernel_type, self.kernel.gpu_per_node
         check_mori_combine_kernel(self.wire.combine_wire, kernel_name)
         self.shmem_origin = init_mori_shmem(group, self.rank, self.ep_size, shmem=getattr(mori, "shmem", None), dist=dist)

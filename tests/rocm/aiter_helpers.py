@@ -21,10 +21,11 @@ GROUP = GROUPS[2]
 
 
 def make_plan(wire="fp8", combine="bf16", quant="a8w4", mtpr=512, ep=2, rank=0, limit=None, force=None, hidden=H,
-              experts=E):
+              experts=E, transport="auto"):
     spec = MoESpec(hidden_size=hidden, moe_intermediate_size=I, n_routed_experts=experts, num_experts_per_tok=K,
                    quant=quant, swiglu_limit=limit)
-    k = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, aiter_force_a8w4=force)
+    k = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, aiter_force_a8w4=force,
+              transport=transport)
     return build_plan(spec, k, ep_rank=rank, ep_size=ep, backends=("aiter", "mori"))
 
 
@@ -70,7 +71,7 @@ def calls(log, name):
 
 
 def on_arch(fakes, monkeypatch, arch: str):
-    """Fake aiter on ``arch``; on gfx1250 with AITER_FORCE_A8W4=1 (its fused path runs A8W4 only), the
+    """Fake aiter on ``arch``; on gfx1250 with AITER_FORCE_A8W4=1 (A8W4, the fp8 wire these tests use), the
     MegaMoEGfx1250 that has dispatch_wire / combine_quant (yhl-amd/aiter 22f2e2dc) and a mori whose
     dispatch carries the per-token scale row (ROCm/mori#593), which its quantised wires need."""
     from rocm_helpers import use_scale_row_mori

@@ -6,7 +6,8 @@ adapter, planted behind today's signatures, so a test that fails on it fails on 
 
 Each mutant replaces one exact snippet of one file (the run refuses a snippet that is not there
 exactly once, so a mutant cannot silently stop applying) in a copy of the working tree under
-$TMPDIR, then runs the tests that name it there; the mutant is caught when they fail. The outcome
+$TMPDIR, then runs the tests that name it there; the mutant is caught when they ran and failed (pytest
+exit 1 with failures; exits 2-5 mean they did not run, see ``caught_by``). The outcome
 of one run is what the tests' docstrings say ("mutant X: FAILS (...)"). Not collected by pytest.
 """
 
@@ -40,7 +41,7 @@ MUTANTS = (
     Mutant("heap-threshold", "experts/aiter/heap.py", "    compact = not fixed_slot\n", "    compact = mt > 255\n",
            (UC + "test_the_fixed_slot_knob_reaches_the_plan_and_the_heap",)),
     Mutant("v2-no-plan-builder", "platform/select.py",
-           "    plan = rocm.probes.v2_plan(mtpr, experts_per_rank, shape, ep_size)\n",
+           "    plan = rocm.probes.v2_plan(mtpr, experts_per_rank, shape, ep_size, math.a_format)\n",
            "    from .rocm_probes import V2Plan\n    plan = V2Plan(runtimes=(V2Runtime(mtpr, False, 'bf16'),))\n",
            (UC + "test_cases_the_installed_aiter_refuses_run_unfused_naming_the_knob",)),
     Mutant("v2-no-topk-limit", "platform/select.py", "    if shape.topk > V2_MAX_TOPK:\n", "    if False:\n",
@@ -63,10 +64,13 @@ MUTANTS = (
            "        if t == 0:\n            return torch.zeros(0, hidden, dtype=torch.bfloat16)\n"
            "        spec = self.spec_for(bound)\n",
            (UC + "test_an_idle_rank_takes_part_in_the_collective",)),
-    Mutant("v2-no-mask-flag", "experts/aiter/fused.py", '            kw["mask_invalid_slots"] = True\n', "            pass\n",
-           (UC + "test_masked_entries_stay_minus_one_and_the_runtime_masks_them",)),
-    Mutant("routing-host-sync", "experts/aiter/routing.py", "    if keep_masked:\n",
-           "    _old = bool(valid.all())  # was: if not bool(valid.all()): remap\n    if keep_masked:\n",
+    Mutant("v2-mask-every-step", "experts/aiter/fused.py",
+           '            kw["config_tokens"] = spec.mtpr if bound is None else int(bound)\n',
+           '            kw["config_tokens"] = spec.mtpr if bound is None else int(bound)\n            kw["mask_invalid_slots"] = True\n',
+           (UC + "test_masked_entries_reach_the_runtime_as_zero_weight_copies_without_the_per_step_mask",)),
+    Mutant("routing-host-sync", "experts/aiter/routing.py", "    mapped = torch.where(valid, mapped, first.expand_as(mapped))\n",
+           "    _old = bool(valid.all())  # was: if not bool(valid.all()): remap\n"
+           "    mapped = torch.where(valid, mapped, first.expand_as(mapped))\n",
            (UC + "test_rank_major_ids_make_no_host_sync", UC + "test_the_fused_forward_makes_no_host_sync_and_can_be_captured",
             MD + "test_mori_device_forward_matches_the_eager_forward_without_a_host_sync")),
     Mutant("fused-host-id-check", "layer/forwards/fused.py",
@@ -82,14 +86,18 @@ MUTANTS = (
     Mutant("no-scale-row-probe", "platform/rocm_probes.py",
            "    mori_scale_row: Callable[[], bool] = installed_mori_scale_row\n",
            "    mori_scale_row: Callable[[], bool] = lambda: True\n",
-           (UC + "test_gfx1250_quantised_wires_fuse_only_with_a_mori_that_carries_the_scale_row",)),
+           (UC + "test_the_scale_row_probe_asks_moris_hip_backend_where_aiter_does",)),
+    Mutant("scale-row-on-config", "platform/rocm_probes.py",
+           '    return callable(getattr(hip, "scale_stride_bytes", None))\n',
+           '    return hasattr(import_module("mori.ops.dispatch_combine_v2").EpDispatchCombineConfig, "scale_stride_bytes")\n',
+           (UC + "test_the_scale_row_probe_asks_moris_hip_backend_where_aiter_does",)),
     Mutant("no-hip-clear", "experts/aiter/runtime.py", "    if hip is not None:\n        hip.hipGetLastError()\n",
            "    pass\n", (UC + "test_the_hip_error_cco_init_leaves_is_cleared_before_the_runtime_allocates",)),
     Mutant("no-recv-bound", "experts/aiter/fused.py",
            '                kw["recv_token_bound"] = int(bound) * p.topk * p.ep_size\n', "                pass\n",
            (UC + "test_gfx1250_recv_token_bound_reaches_the_runtime",)),
     Mutant("always-internode-v1", "transport/mori.py",
-           '    kind = "InterNodeV1LL" if mtpr <= INTER_LL_MAX_TOKENS else "InterNodeV1"\n', '    kind = "InterNodeV1"\n',
+           '    kind = "InterNodeV1LL" if mtpr <= ll_max_tokens else "InterNodeV1"\n', '    kind = "InterNodeV1"\n',
            (UC + "test_multi_node_mori_takes_internode_v1_ll_for_small_budgets_with_vllms_geometry",)),
     Mutant("runtime-per-layer", "experts/aiter/runtime.py", "    hit = _RUNTIMES.get(key)\n", "    hit = None\n",
            (UC + "test_layers_share_one_v2_runtime_inside_a_heap_one_per_layer_would_exhaust",)),
@@ -104,9 +112,25 @@ MUTANTS = (
     Mutant("heap-parse-lenient", "experts/aiter/heap.py", "    m = _SIZE_RE.match(raw)\n",
            "    return int(float(raw.strip().rstrip('GiBMKb')) * GIB)\n",
            (UC + "test_heap_size_values_mori_reads_differently_are_refused",)),
-    Mutant("gfx1250-a4w4-fused", "platform/rocm_rules.py", '    if a_operand == "fp8":\n        return None\n',
-           "    return None\n",
-           ("tests/rocm/test_select.py::test_gfx1250_a4w4_without_force_a8w4_runs_unfused_over_mori_and_names_the_knob",)),
+    Mutant("gfx1250-uint8-weights", "experts/aiter/weights.py",
+           "        w2=shuffle.moe_shuffle_weight(w2, experts_cnt=e).contiguous().view(FP4X2),\n",
+           "        w2=shuffle.moe_shuffle_weight(w2, experts_cnt=e).contiguous(),\n",
+           (UC + "test_gfx1250_a4w4_runs_fused_on_weights_viewed_as_fp4x2",)),
+    Mutant("gfx1250-quant-wire-forces-mori", "platform/rocm_rules.py",
+           '    if takes_stage1_fused and (requested == "flydsl" or not mori_scale_row):\n',
+           "    if False:\n",
+           ("tests/rocm/test_select.py::test_quantised_wire_with_flydsl_dispatch_runs_the_compact_plan",)),
+    Mutant("gpu-per-node-device-count", "transport/mori.py",
+           "            gpus_per_node = ep_ranks_per_node(self.ep_size, topology or gather_ep_topology(group, self.device))\n",
+           "            gpus_per_node = torch.cuda.device_count() if torch.cuda.is_available() else 1\n",
+           ("tests/rocm/test_mori_transport.py::test_gpu_per_node_comes_from_where_the_ranks_run_not_the_visible_gpus",)),
+    Mutant("v2-plan-without-a-dtype", "platform/rocm_probes.py",
+           '    activation = {"a_dtype": a_dtype} if "a_dtype" in params else {}\n', "    activation = {}\n",
+           ("tests/rocm/test_select.py::test_v2_a4w4_only_where_installed_aiter_accepts_it",)),
+    Mutant("combine-quant-every-step", "experts/aiter/fused.py",
+           '            step_quant = gfx1250_step_combine_quant(self.selection.combine_quant or "none", bound)\n',
+           '            step_quant = self.selection.combine_quant or "none"\n',
+           ("tests/rocm/test_aiter_experts.py::test_gfx1250_quantised_combine_is_named_on_large_steps_only",)),
     Mutant("result-not-copied", "experts/aiter/fused.py",
            "        return result.clone() if out is None else out.copy_(result)\n",
            "        return result if out is None else out.copy_(result)\n",
@@ -168,7 +192,16 @@ def run(m: Mutant, python: str) -> tuple[bool, str]:
         proc = subprocess.run([python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests], cwd=tree,
                               capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("E ", "FAILED")) or " passed" in ln or " failed" in ln]
-        return proc.returncode != 0, "\n".join(lines[-4:])
+        return caught_by(proc.returncode, proc.stdout), "\n".join(lines[-4:] or [f"pytest exit {proc.returncode}"])
+
+
+def caught_by(returncode: int, stdout: str) -> bool:
+    """A mutant is caught only when its tests ran and failed: pytest exit 1 with a failure reported.
+
+    Exit 2 (interrupted, e.g. a collection error), 3 (internal error), 4 (usage: a test id that names
+    nothing) and 5 (no tests collected) say the tests did not run, which is no catch: a venv without a
+    package the tests import would otherwise count every mutant as caught."""
+    return returncode == 1 and any(ln.startswith("FAILED") or " failed" in ln for ln in stdout.splitlines())
 
 
 def main(argv: list[str]) -> int:

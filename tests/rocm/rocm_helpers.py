@@ -23,9 +23,17 @@ def rocm_ask(shape=V4_PRO, ep_rank=0, device_index=None, **kw) -> RocmAsk:
 
 
 def use_scale_row_mori(fakes, monkeypatch) -> None:
-    """A mori with ROCm/mori#593's per-token scale row (the 624002c8 fake has none)."""
-    v2 = fakes.mori.ops.dispatch_combine_v2
-    monkeypatch.setattr(v2, "EpDispatchCombineConfig", v2.EpDispatchCombineConfigScaleRow)
+    """A mori with ROCm/mori#593's per-token scale row: ``hip_backend.scale_stride_bytes`` and
+    ``EpDispatchPlan(scale_bytes=)`` (the 624002c8 fake has neither)."""
+    import mori.ops.dispatch_combine_v2.hip_backend as hip
+
+    hip.install_pr593(monkeypatch)
+
+
+def use_a4w4_plan_builder(fakes, monkeypatch) -> None:
+    """aiter's A4W4 revision of mega_moe_config.py: ``build_mega_moe_bundle_plan(..., a_dtype=, p2p_quant=)``."""
+    cfg = fakes.aiter.ops.flydsl.kernels.mega_moe.mega_moe_config
+    monkeypatch.setattr(cfg, "build_mega_moe_bundle_plan", cfg.build_mega_moe_bundle_plan_a4w4)
 
 
 def packages(**importable) -> dict:

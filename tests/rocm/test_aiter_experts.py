@@ -129,7 +129,7 @@ def test_gfx1250_fp8_wire_runs_mori_dispatch_and_passes_everything_explicitly(gf
     assert (kw["activation"], kw["gate_mode"], kw["quant_type"]) == (A.ActivationType.Silu, "interleave", A.QuantType.per_1x32)
     assert (kw["max_tokens_per_rank"], kw["experts"], kw["world_size"], kw["swiglu_limit"]) == (512, E, 2, 0.0)
     cco = [c[0] for c in gfx1250.mori.CALL_LOG]
-    assert cco == ["cco.get_unique_id", "broadcast_object_list", "cco.init", "cco.barrier", "v2.EpDispatchCombineOp"]
+    assert cco == ["cco.get_unique_id", "broadcast_object_list", "cco.init", "cco.barrier", "v2.EpDispatchPlan"]
     assert gfx1250.hip.CALLS == [("hipGetLastError", gfx1250.hip.HIP_ERROR_NOT_SUPPORTED)]  # cleared after cco init
     assert gfx1250.mori.CALL_LOG[2][1:3] == (2, 0)  # Communicator.init(nranks, rank, uid, per_rank_vmm=)
     assert "dispatch=mori" in caplog.text and "wire=fp8" in caplog.text and "a_operand=fp8" in caplog.text
@@ -168,7 +168,30 @@ def test_gfx1250_fp8_combine_is_built_and_asked_for_per_step(gfx1250):
     m(x, ids, w, m.prepare_weights(layer_weights(0)))
     (_, kw), = calls(gfx1250.aiter.CALL_LOG, "MegaMoEGfx1250")
     assert (kw["dispatch_wire"], kw["combine_quant"]) == ("fp8", "mxfp8")
-    assert m.runtime(None).forward_calls[0]["combine_quant"] == "mxfp8"
+    assert m.runtime(None).forward_calls[0]["combine_quant"] == "mxfp8"  # no bound: the warm-up shape, quantised
+
+
+def test_gfx1250_quantised_combine_is_named_on_large_steps_only(gfx1250, caplog):
+    """22f2e2dc builds the quantised reduce at construction but a step runs it only when it names it ("a
+    quantized wire only pays off once there are enough tokens on it"); ATOM names it on prefill steps only
+    (combine_quant_for_step). A step whose (rank-agreed) bound is <= 1024 tokens per rank runs bf16. On the
+    old code (combine_quant sent every step) this test FAILS (a 4-token step asks for mxfp8)."""
+    from megamoe_backend.platform.rocm_rules import gfx1250_step_combine_quant
+
+    assert [gfx1250_step_combine_quant("mxfp8", b) for b in (None, 4, 1024, 1025)] == ["mxfp8", "none", "none", "mxfp8"]
+    assert gfx1250_step_combine_quant("none", None) == "none"
+    m = fused(gfx1250, make_plan(wire="fp8", force=True, combine="fp8_blockwise_1x32", mtpr=2048),
+              rocm_facts("gfx1250", force_a8w4="1"))
+    x, ids, w = inputs()
+    lw = m.prepare_weights(layer_weights(0))
+    with caplog.at_level(logging.INFO, logger="megamoe"):
+        m(x, ids, w, lw, bound=5)
+        m(x, ids, w, lw, bound=2048)
+    assert [c["combine_quant"] for c in m.runtime(None).forward_calls] == ["none", "mxfp8"]
+    line = next(r.getMessage() for r in caplog.records if "aiter MegaMoEGfx1250:" in r.getMessage())
+    # ATOM's "[MORI-V2] Created MegaMoE: ... dispatch=%s stage1_fused=%s wire=%s combine_quant=%s force_a8w4=%s"
+    for field in ("dispatch=mori", "stage1_fused=False", "wire=fp8", "combine_quant=mxfp8", "force_a8w4=1"):
+        assert f" {field} " in line, (field, line)
 
 
 def test_gfx1250_published_e4048607_api_with_bf16_wire(fakes, monkeypatch):
@@ -223,7 +246,10 @@ def test_v2_rejecting_a_configuration_names_it(fakes, monkeypatch):
 
     from megamoe_backend.platform.facts import AiterCaps
 
-    caps = AiterCaps(V2_CAPS.v2_init, V2_CAPS.v2_forward, v2_accepts_a4w4=True)  # facts say yes, aiter says no
+    from rocm_helpers import use_a4w4_plan_builder
+
+    use_a4w4_plan_builder(fakes, monkeypatch)  # the plan builder plans fp4, the constructor still says no
+    caps = AiterCaps(V2_CAPS.v2_init, V2_CAPS.v2_forward, v2_accepts_a4w4=True)
     m = fused(fakes, make_plan(wire="fp4", quant="a4w4"), rocm_facts("gfx950", caps=caps))
     x, ids, w = inputs()
     with pytest.raises(KnobError, match="MegaMoEV2 rejected the configuration .*a8w4' only"):
@@ -238,8 +264,6 @@ def test_rank_major_ids_follow_the_placement_and_fill_masked_entries():
     assert ids.dtype == torch.int32 and ids.is_contiguous()
     assert ids.tolist() == [[2, 1], [3, 3], [0, 0], [0, 0]]
     assert w.tolist() == [[0.5, 0.5], [1.0, 0.0], [0.0, 0.0], [0.25, 0.0]]
-    kept, _ = rank_major_ids(topk, tw, owner, slot, 2, keep_masked=True)  # for a runtime that masks -1 itself
-    assert kept.tolist() == [[2, 1], [3, -1], [-1, -1], [0, -1]]
     assert knobs().transport == "auto"
 
 
@@ -265,7 +289,7 @@ def test_megamoe_layer_runs_the_shared_fused_runtime_over_a_real_process_group(f
         assert layers[0](x[:0], ids[:0], tw[:0]).shape == (0, H)  # 4d06fb8d: an empty step is a real call
         runtime = layers[0].fused.runtime(None)
         assert runtime.forward_calls[-1]["x"].shape == (0, H)
-        # a bad id runs nowhere (-1, masked by the runtime) and goes to the status word; the step's collective
+        # a bad id runs nowhere (a zero-weight copy of a valid id) and goes to the status word; the step's collective
         # completes on every rank, then this rank raises it (on CPU the host copy is current at once)
         bad = ids.clone()
         bad[1, 0] = 10**6
@@ -273,7 +297,8 @@ def test_megamoe_layer_runs_the_shared_fused_runtime_over_a_real_process_group(f
         with pytest.raises(ValueError, match=r"layer 0: topk_ids holds 1000000 at token 1"):
             layers[0](x, bad, tw)
         sent = runtime.forward_calls[before:]
-        assert len(sent) == 1 and sent[0]["topk_ids"][1, 0] == -1 and sent[0]["mask_invalid_slots"] is True
+        assert len(sent) == 1 and bool((sent[0]["topk_ids"] >= 0).all()) and sent[0]["wts"][1, 0] == 0
+        assert sent[0]["mask_invalid_slots"] is None
         assert torch.isfinite(layers[0](x, ids, tw)).all()  # reported once, then cleared
         # a shape problem is known on the host: this rank still enters the collective (as an idle rank), then raises
         with pytest.raises(PeerInputError, match=r"topk_ids / topk_weights must be .*idle rank"):

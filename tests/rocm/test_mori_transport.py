@@ -19,6 +19,7 @@ from megamoe_backend.layer.megamoe_layer import MegaMoELayer
 from megamoe_backend.layer.reference import rel_l2
 from megamoe_backend.plan import build_plan
 from megamoe_backend.platform import select_backends
+from megamoe_backend.platform.topology import EpTopology, RankPlace
 from megamoe_backend.spec import MoESpec
 from megamoe_backend.transport import PeerInputError, TransportError
 from megamoe_backend.transport.layout import DispatchLayout
@@ -281,20 +282,54 @@ def test_blockwise_combine_over_nodes_is_refused_at_start_up(fakes):
 
 
 def test_selection_keeps_the_blockwise_combine_off_internode_mori():
+    """Whether the EP group spans nodes comes from where its ranks run (the gathered topology), not from
+    this process's GPU count; without the topology the transport checks its own kernel."""
+    import dataclasses
+
     knobs = selection_knobs
-    a8w4, facts = ExpertMath("a8w4"), rocm_facts("gfx942")  # 8 GPUs per node
-    with pytest.raises(KnobError, match="over EP 16 > 8 GPUs per node.* use MEGA_COMBINE_WIRE=bf16"):
+    two_hosts = EpTopology(tuple(RankPlace(f"host{r // 8}") for r in range(16)))
+    a8w4, facts = ExpertMath("a8w4"), dataclasses.replace(rocm_facts("gfx942"), ep_topology=two_hosts)
+    with pytest.raises(KnobError, match="over 16 EP ranks on 2 host.* use MEGA_COMBINE_WIRE=bf16"):
         select_backends(facts, knobs(combine_wire="fp8_blockwise_1x32", transport="mori"), a8w4, ep_size=16, num_experts=256)
     sel = select_backends(facts, knobs(combine_wire="fp8_blockwise_1x32"), a8w4, ep_size=16, num_experts=256)
     assert sel.transport == "nccl" and any("InterNodeV1" in r for r in sel.reasons)
-    assert select_backends(facts, knobs(combine_wire="fp8_blockwise_1x32"), a8w4, ep_size=8, num_experts=256).transport == "mori"
+    one_host = dataclasses.replace(facts, gpu_count=1, ep_topology=EpTopology(tuple(RankPlace("h") for _ in range(8))))
+    assert select_backends(one_host, knobs(combine_wire="fp8_blockwise_1x32"), a8w4, ep_size=8, num_experts=256).transport == "mori"
 
 
-def test_gfx1250_a4w4_without_force_a8w4_runs_correctly_unfused_over_mori(fakes):
-    """aiter's fused gfx1250 path would sum a stale combine buffer for A4W4 on uint8 weights
-    (grouped_moe_gfx1250.py:991); selection runs mori + local experts instead. Before: it fused."""
-    sel = select_backends(rocm_facts("gfx1250", triton=False), selection_knobs(dispatch_wire="fp4"), ExpertMath("a4w4"),
-                          ep_size=2, num_experts=E)
+def test_gpu_per_node_comes_from_where_the_ranks_run_not_the_visible_gpus(fakes, monkeypatch):
+    """vLLM asks whether the EP group spans nodes (all2all.py ``if not self.internode``) and passes
+    ``gpu_per_node=min(8, num_ep_ranks)``. One visible GPU per process on one host is IntraNode. On the
+    old code (``torch.cuda.device_count()``, 0 GPUs here -> 1 per node) this test FAILS (InterNodeV1LL)."""
+    from megamoe_backend.transport.mori import ep_ranks_per_node
+
+    one_host = EpTopology((RankPlace("h", "gpu0"), RankPlace("h", "gpu1")))
+    t = make_transport(fakes, make_plan(), gpus_per_node=None, topology=one_host)
+    assert (t.kernel.kernel_type, t.kernel.gpu_per_node) == ("IntraNode", 2)
+    assert ep_ranks_per_node(16, EpTopology(tuple(RankPlace(f"n{r // 4}") for r in range(16)))) == 4
+    with pytest.raises(TransportError, match="same number of EP ranks on every node"):
+        ep_ranks_per_node(3, EpTopology((RankPlace("a"), RankPlace("a"), RankPlace("b"))))
+
+
+def test_the_inter_node_kernel_switch_reads_vllms_threshold(monkeypatch):
+    """vLLM reads VLLM_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD (default 256; "<= threshold -> LL", its
+    test_inter_node_switch); so does the transport. On the old code (256 hard-coded) this test FAILS."""
+    from megamoe_backend.transport.mori import inter_ll_max_tokens, pick_kernel
+
+    assert inter_ll_max_tokens({}) == 256
+    assert inter_ll_max_tokens({"VLLM_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD": "128"}) == 128
+    with pytest.raises(KnobError, match="VLLM_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD='lots'"):
+        inter_ll_max_tokens({"VLLM_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD": "lots"})
+    assert pick_kernel(16, 8, 129, "gfx950", 128).kernel_type == "InterNodeV1"
+    assert pick_kernel(16, 8, 128, "gfx950", 128).kernel_type == "InterNodeV1LL"
+    monkeypatch.setenv("VLLM_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD", "1000")
+    assert inter_ll_max_tokens() == 1000
+
+
+def test_a4w4_runs_correctly_unfused_over_mori_with_local_experts(fakes):
+    """A4W4 over mori's v1 op with the torch experts (here: no aiter installed on a gfx1250 host)."""
+    sel = select_backends(rocm_facts("gfx1250", triton=False, aiter=False), selection_knobs(dispatch_wire="fp4"),
+                          ExpertMath("a4w4"), ep_size=2, num_experts=E)
     assert (sel.fused, sel.provider, sel.transport) == (False, "torch", "mori")
     ep, t_per_rank = 2, 4
     weights = _weights("a4w4", seed=3)

@@ -7,6 +7,7 @@ import pytest
 from rocm_helpers import (
     GFX1250_CAPS_NEW,
     GFX1250_CAPS_OLD,
+    GFX1250_INIT_NEW,
     R1,
     V2_CAPS,
     cpu_facts,
@@ -15,17 +16,19 @@ from rocm_helpers import (
     loose_knobs,
     rocm_ask,
     rocm_facts,
+    use_a4w4_plan_builder,
     use_scale_row_mori,
 )
 
 from megamoe_backend.experts.base import ExpertMath
 from megamoe_backend.knobs import KnobError
-from megamoe_backend.platform import PlatformError, select_backends
+from megamoe_backend.platform import PlatformError, RocmAsk, RocmProbes, select_backends
 from megamoe_backend.platform.facts import AiterCaps
 
 A8W4 = ExpertMath("a8w4")
 A4W4 = ExpertMath("a4w4")
 BF16 = ExpertMath("bf16")
+SCALE_ROW = RocmProbes(mori_scale_row=lambda: True)  # a mori with ROCm/mori#593
 
 
 # ---- the three platforms --------------------------------------------------------------------
@@ -67,7 +70,7 @@ def test_gfx1250_with_packages_selects_aiter_megamoe_gfx1250_over_mori(fakes, mo
     assert (sel.provider, sel.transport, sel.runtime, sel.dispatch_kernel) == ("aiter", "mori", "MegaMoEGfx1250", "mori")
     assert sel.a_operand == "fp8" and sel.combine_quant == "none"
     assert "dispatch=mori" in sel.describe() and "wire=fp8" in sel.describe()
-    assert any("forces the mori dispatch" in r for r in sel.reasons)
+    assert any("ATOM's default" in r for r in sel.reasons)
 
 
 def test_gfx1250_bf16_wire_keeps_aiters_default_flydsl_dispatch_unless_mori_asked():
@@ -82,13 +85,14 @@ def gfx1250_a8w4(caps=None):
     return rocm_facts("gfx1250", caps=caps, force_a8w4="1")
 
 
-def test_gfx1250_a4w4_without_force_a8w4_runs_unfused_over_mori_and_names_the_knob():
-    # aiter's grouped kernel takes fp4 activations only with fp4x2 weights (grouped_moe_gfx1250.py:991);
-    # the fused combine would then sum a buffer nothing wrote (test_upstream_constraints.py shows it)
+def test_gfx1250_a4w4_without_force_a8w4_runs_fused(fakes):
+    """A4W4 on gfx1250 (fp4 A operand, AITER_FORCE_A8W4 unset) fuses: the weights reach aiter as fp4x2,
+    which its grouped kernel takes for A4W4 (grouped_moe_gfx1250.py:991), as ATOM runs ``wire=fp4
+    force_a8w4=0``. On the old code (gfx1250_fused_refusal: "set AITER_FORCE_A8W4=1") this test FAILS."""
     for wire in ("fp4", "bf16"):
-        sel = select_backends(rocm_facts("gfx1250"), knobs(dispatch_wire=wire), A4W4)
-        assert (sel.fused, sel.provider, sel.transport) == (False, "triton", "mori")
-        assert any("set AITER_FORCE_A8W4=1" in r for r in sel.reasons)
+        sel = select_backends(rocm_facts("gfx1250"), knobs(dispatch_wire=wire), A4W4, rocm=RocmAsk(probes=SCALE_ROW))
+        assert (sel.fused, sel.runtime, sel.a_operand) == (True, "MegaMoEGfx1250", "fp4")
+        assert any("fp4x2" in r for r in sel.reasons)
 
 
 def test_gfx1250_combine_wire_maps_to_combine_quant_mxfp8():
@@ -170,12 +174,24 @@ def test_aiter_without_megamoe_classes_is_not_fused():
     assert not sel.fused and any("no aiter.ops.flydsl.kernels.mega_moe.MegaMoEV2" in r for r in sel.reasons)
 
 
-def test_v2_a4w4_only_where_installed_aiter_accepts_it(fakes):
+def test_v2_a4w4_only_where_installed_aiter_accepts_it(fakes, monkeypatch):
+    """A4W4 on MegaMoEV2 needs the A4W4 revision's plan builder, which takes ``a_dtype=`` (4d06fb8d's
+    takes none): the facts read it from the builder's signature and selection passes
+    ``a_dtype="fp4"``, so the plan (its P2P wire per entry) is the fp4 one. On the old code (no
+    ``a_dtype`` passed; A4W4 detected by "a4w4" in MegaMoEV2.__init__'s source) this test FAILS."""
+    from megamoe_backend.platform.facts import probe_aiter_caps
+
     sel = v2(knobs(dispatch_wire="fp4", max_tokens_per_rank=512), math=A4W4)
     assert not sel.fused and any("a8w4' only" in r for r in sel.reasons)
-    caps = AiterCaps(V2_CAPS.v2_init, V2_CAPS.v2_forward, v2_accepts_a4w4=True)
-    sel = v2(knobs(dispatch_wire="fp4", max_tokens_per_rank=512), math=A4W4, facts=rocm_facts("gfx950", caps=caps))
-    assert sel.fused and sel.a_operand == "fp4"
+    assert not probe_aiter_caps().v2_accepts_a4w4
+    use_a4w4_plan_builder(fakes, monkeypatch)
+    caps = probe_aiter_caps()
+    assert caps.v2_accepts_a4w4
+    fakes.aiter.CALL_LOG.clear()
+    sel = v2(knobs(dispatch_wire="fp4", max_tokens_per_rank=1024), math=A4W4, facts=rocm_facts("gfx950", caps=caps))
+    assert sel.fused and sel.a_operand == "fp4" and sel.combine_wire == "fp8_blockwise_1x32"
+    asked = [c[1] for c in fakes.aiter.CALL_LOG if c[0] == "build_mega_moe_bundle_plan"]
+    assert asked and all(c["a_dtype"] == "fp4" for c in asked)
 
 
 def test_explicit_nccl_on_rocm_skips_the_fused_runtime():
@@ -227,11 +243,33 @@ def test_mega_dispatch_mori_on_rocm_build_without_gpu():
         select_backends(facts, knobs(transport="mori"), A8W4)
 
 
-def test_quantised_wire_with_flydsl_dispatch_switches_to_mori_and_says_so(fakes, monkeypatch):
+def test_quantised_wire_with_flydsl_dispatch_runs_the_compact_plan(fakes, monkeypatch):
+    """22f2e2dc lets the flydsl dispatch carry the scale row with ``stage1_fused=True`` (its compact plan),
+    which is how ATOM serves MEGA_DISPATCH=flydsl on a quantised wire; auto takes it where mori has no
+    scale row. On the old code (every quantised wire forced onto mori, stage1_fused never passed) this
+    test FAILS (dispatch_kernel "mori")."""
+    facts = rocm_facts("gfx1250", force_a8w4="1")
+    sel = select_backends(facts, loose_knobs(transport="flydsl", dispatch_wire="fp8", aiter_force_a8w4=True), A8W4)
+    assert (sel.dispatch_kernel, sel.stage1_fused) == ("flydsl", True) and "stage1_fused=True" in sel.describe()
+    sel = select_backends(facts, knobs(dispatch_wire="fp8", aiter_force_a8w4=True), A8W4)  # auto, 624002c8 mori
+    assert (sel.fused, sel.dispatch_kernel, sel.stage1_fused) == (True, "flydsl", True)
     use_scale_row_mori(fakes, monkeypatch)
-    sel = select_backends(rocm_facts("gfx1250", force_a8w4="1"), loose_knobs(transport="flydsl", dispatch_wire="fp8", aiter_force_a8w4=True), A8W4)
-    assert sel.dispatch_kernel == "mori"
-    assert any("switched to the mori dispatch" in r and "never shipped" in r for r in sel.reasons)
+    sel = select_backends(facts, knobs(dispatch_wire="fp8", aiter_force_a8w4=True), A8W4)  # auto, #593 mori
+    assert (sel.dispatch_kernel, sel.stage1_fused) == ("mori", False)
+    old = rocm_facts("gfx1250", force_a8w4="1", caps=AiterCaps(gfx1250_init=GFX1250_INIT_NEW[:-2] + ("combine_quant",),
+                                                                gfx1250_forward=("combine_quant",)))
+    sel = select_backends(old, loose_knobs(transport="flydsl", dispatch_wire="fp8", aiter_force_a8w4=True), A8W4)
+    assert sel.dispatch_kernel == "mori"  # no stage1_fused: only mori carries the row
+
+
+def test_gfx1250_topk_above_the_wave_size_is_not_fused():
+    """22f2e2dc MegaMoEConfig: "dispatch requires topk in [1, _WAVE_SIZE]" (32). On the old code
+    (GFX1250_WAVE_SIZE unused) this test FAILS (selected fused)."""
+    from megamoe_backend.platform import MoEShape
+
+    ask = RocmAsk(shape=MoEShape(7168, 2048, 33), probes=SCALE_ROW)
+    sel = select_backends(gfx1250_a8w4(), knobs(aiter_force_a8w4=True), A8W4, ep_size=8, num_experts=256, rocm=ask)
+    assert not sel.fused and any("top-k in [1, 32]" in r for r in sel.reasons)
 
 
 def test_flydsl_dispatch_without_mori_fails_clearly():

@@ -232,12 +232,12 @@ def test_an_idle_rank_takes_part_in_the_collective(fakes, monkeypatch, arch):
     assert m(x, ids, tw, lw).shape == (5, H)  # and the next step is an ordinary one
 
 
-def test_masked_entries_stay_minus_one_and_the_runtime_masks_them(fakes):
-    """4d06fb8d combine skips -1 top-k slots only with ``mask_invalid_slots`` (None reads
-    AITER_MEGA_COMBINE_MASK, default off, envs.py:32): "never dispatched, so their partial is
-    stale". The adapter passes -1 for masked and bad ids and asks for the mask. Mutant
-    ``v2-no-mask-flag`` (mask_invalid_slots not passed): FAILS (the mask is not asked for; the fake
-    would add the stale partial, NaN, for the -1 slot)."""
+def test_masked_entries_reach_the_runtime_as_zero_weight_copies_without_the_per_step_mask(fakes):
+    """4d06fb8d leaves ``mask_invalid_slots`` off by default, "because the id check costs prefill time;
+    callers that pad with -1 ask for it per call" (aiter mega_moe/envs.py, AITER_MEGA_COMBINE_MASK), and
+    vLLM 0.34 passes nothing. The adapter hands on no -1 (a masked entry is a zero-weight copy of a
+    valid id), so it never needs the mask and never asks for it. On the old code (``mask_invalid_slots=
+    True`` every step, -1 kept) this test FAILS (the call carries the mask and a -1)."""
     m = fused(fakes, make_plan(ep=1), rocm_facts("gfx950"))
     w = layer_weights(0, ep=1)
     lw = m.prepare_weights(w)
@@ -245,7 +245,8 @@ def test_masked_entries_stay_minus_one_and_the_runtime_masks_them(fakes):
     ids[1, 1] = -1
     out = m(x, ids, tw, lw)
     call = m.runtime(lw).forward_calls[-1]
-    assert call["topk_ids"][1, 1] == -1 and call["mask_invalid_slots"] is True
+    assert call["mask_invalid_slots"] is None and bool((call["topk_ids"] >= 0).all())
+    assert call["wts"][1, 1] == 0
     assert torch.isfinite(out).all() and rel_l2(out.float(), reference(w, x, ids, tw)) < 5e-3
 
 
@@ -288,25 +289,33 @@ def test_rank_major_ids_make_no_host_sync():
 
 # ---- mori: the scale row (ROCm/mori#593), the stale HIP error (#761), InterNodeV1LL (vLLM 0.34) ---------------------
 
-def test_gfx1250_quantised_wires_fuse_only_with_a_mori_that_carries_the_scale_row(fakes, monkeypatch):
-    """ROCm/mori 624002c8's EPv2 HIP backend refuses per-token scales ("per-token scales forwarding",
-    dispatch_combine_v2/hip_backend.py:176-177): MegaMoEGfx1250's mori dispatch with fp8 rows fails at
-    build (RuntimeError); #593 adds the row (``scale_stride_bytes``). The adapter probes for it and
-    runs unfused over mori's v1 op otherwise. Mutant ``no-scale-row-probe`` (the probe always says
-    yes, as before: select.py forced mori for quantised wires): FAILS (selected fused on 624002c8)."""
+def test_the_scale_row_probe_asks_moris_hip_backend_where_aiter_does(fakes, monkeypatch):
+    """aiter's MegaMoEGfx1250 asks mori for the scale row's stride with ``from
+    mori.ops.dispatch_combine_v2.hip_backend import scale_stride_bytes`` (22f2e2dc
+    ``MegaMoEConfig.dispatch_scale_dst_nbytes``) and builds ``EpDispatchPlan(scale_bytes=)``; ROCm/mori#593
+    adds both, 624002c8 has neither (its HIP backend refuses scale rows, hip_backend.py:176-177). The
+    probe asks the same module. On the old code (it looked for ``scale_stride_bytes`` on
+    ``EpDispatchCombineConfig``, which no mori has) this test FAILS: a #593 mori reads as "no row".
+    Mutant ``no-scale-row-probe`` (the probe always says yes): FAILS (624002c8 reads as "row")."""
+    from megamoe_backend.platform.rocm_probes import installed_mori_scale_row
+
     fakes.aiter.reset("gfx1250")
     monkeypatch.setenv("AITER_FORCE_A8W4", "1")
     mod = fakes.aiter.ops.flydsl.kernels.mega_moe_gfx1250
     monkeypatch.setattr(mod, "MegaMoEGfx1250", mod.MegaMoEGfx1250_22f2e2dc)
-    plan = make_plan(wire="fp8", force=True)
-    sel = select(plan, rocm_facts("gfx1250", force_a8w4="1"))
-    assert (sel.fused, sel.transport) == (False, "mori")
-    assert any("per-token scale row (ROCm/mori#593" in r for r in sel.reasons)
-    with pytest.raises(RuntimeError, match="per-token scales forwarding"):  # what the build would do
-        mod.MegaMoEGfx1250(communicator=object(), rank=0, world_size=2, model_dim=H, inter_dim=I, experts=E, topk=K,
-                           max_tokens_per_rank=8, dispatch_backend="mori", dispatch_wire="fp8")
+    build = dict(communicator=object(), rank=0, world_size=2, model_dim=H, inter_dim=I, experts=E, topk=K,
+                 max_tokens_per_rank=8, dispatch_backend="mori", dispatch_wire="fp8")
+    assert not installed_mori_scale_row()
+    with pytest.raises(RuntimeError, match=r"needs a mori whose EP dispatch carries a per-token scale row"):
+        mod.MegaMoEGfx1250(**build)  # what aiter's build does on 624002c8
+    mori_asked = make_plan(wire="fp8", force=True, transport="mori")
+    sel = select(mori_asked, rocm_facts("gfx1250", force_a8w4="1"))
+    assert not sel.fused and any("hip_backend.scale_stride_bytes" in r for r in sel.reasons)
     use_scale_row_mori(fakes, monkeypatch)
-    assert select(plan, rocm_facts("gfx1250", force_a8w4="1")).fused
+    assert installed_mori_scale_row()
+    mod.MegaMoEGfx1250(**build)
+    sel = select(mori_asked, rocm_facts("gfx1250", force_a8w4="1"))
+    assert (sel.fused, sel.dispatch_kernel, sel.stage1_fused) == (True, "mori", False)
 
 
 def test_the_hip_error_cco_init_leaves_is_cleared_before_the_runtime_allocates(fakes, monkeypatch):
@@ -422,26 +431,29 @@ def test_heap_size_values_mori_reads_differently_are_refused():
 
 # ---- gfx1250 (e4048607) ----------------------------------------------------------------------------------------------
 
-def test_gfx1250_fused_a4w4_on_uint8_weights_would_return_a_stale_combine_buffer(fakes, monkeypatch):
-    """What the fake does (as aiter does, grouped_moe_gfx1250.py:991, fused_moe.py:799-803) when the
-    fused runtime runs fp4 activations on the uint8 weights the shuffles produce: the combine returns
-    a buffer nothing wrote. This test shows the fake does what aiter does; the adapter's refusal is
-    tested in test_select.py (mutant ``gfx1250-a4w4-fused``, gfx1250_fused_refusal answering None:
-    FAILS test_gfx1250_a4w4_without_force_a8w4_runs_unfused_over_mori_and_names_the_knob) and run
-    unfused numerically in test_mori_transport.py."""
-    fakes.aiter.reset("gfx1250")
-    mod = fakes.aiter.ops.flydsl.kernels.mega_moe_gfx1250
+def test_gfx1250_a4w4_runs_fused_on_weights_viewed_as_fp4x2(fakes, monkeypatch):
+    """aiter's grouped gfx1250 kernel takes fp4 activations (A4W4) only for ``w1.dtype == fp4x2``
+    (grouped_moe_gfx1250.py:991; fused_moe takes the weight format from ``w1``, fused_moe.py:758); on
+    uint8 fused_moe's generic path runs and the fused combine returns a buffer nothing wrote. The
+    adapter views the shuffled weights as fp4x2, so A4W4 (AITER_FORCE_A8W4 unset, ATOM's ``wire=fp4
+    force_a8w4=0``) runs fused and right. On the old code (uint8 weights; selection refused A4W4 as
+    ``gfx1250_fused_refusal``) this test FAILS (selection is unfused, and the uint8 weights give zeros)."""
+    on_arch(fakes, monkeypatch, "gfx1250")
+    monkeypatch.delenv("AITER_FORCE_A8W4")
+    plan = make_plan(wire="fp4", quant="a4w4", ep=1)
+    sel = select(plan, rocm_facts("gfx1250"))
+    assert (sel.fused, sel.runtime, sel.a_operand, sel.dispatch_wire) == (True, "MegaMoEGfx1250", "fp4", "fp4")
+    m = fused(fakes, plan, rocm_facts("gfx1250"))
+    w = layer_weights(0, ep=1)
+    lw = m.prepare_weights(w)
+    assert lw.w1.dtype == lw.w2.dtype == torch.float4_e2m1fn_x2
+    x, ids, tw = inputs()
+    assert rel_l2(m(x, ids, tw, lw).float(), reference(w, x, ids, tw)) < 1e-2
+    mod = fakes.aiter.ops.flydsl.kernels.mega_moe_gfx1250  # the fake does what aiter does on uint8 weights:
     rt = mod.MegaMoEGfx1250(communicator=object(), rank=0, world_size=1, model_dim=H, inter_dim=I, experts=E,
                             topk=K, max_tokens_per_rank=8)
-    w = layer_weights(0, ep=1)
-    lw = prepare_gfx1250_weights(w, fakes.aiter.ops.shuffle)  # uint8, as aiter's shuffles return them
-    x, ids, tw = inputs()
-    args = (x.to(torch.bfloat16), tw, ids.to(torch.int32))
-    shuffled = dict(w1=lw.w1, w2=lw.w2, w1_scale=lw.w1_scale, w2_scale=lw.w2_scale)
-    assert not rt.forward(*args, **shuffled).any()  # AITER_FORCE_A8W4 unset: fp4 A, uint8 W -> stale zeros
-    monkeypatch.setenv("AITER_FORCE_A8W4", "1")
-    fresh = rt.forward(*args, **shuffled)
-    assert rel_l2(fresh.float(), reference(w, x, ids, tw)) < 1e-2
+    as_uint8 = dict(w1=lw.w1.view(torch.uint8), w2=lw.w2.view(torch.uint8), w1_scale=lw.w1_scale, w2_scale=lw.w2_scale)
+    assert not rt.forward(x.to(torch.bfloat16), tw, ids.to(torch.int32), **as_uint8).any()  # stale zeros
 
 
 @pytest.mark.parametrize("arch", ["gfx950", "gfx1250"])

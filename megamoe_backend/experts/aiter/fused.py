@@ -15,8 +15,11 @@ reach the runtime at every forward. What shapes the forward, from upstream:
   rank launches the same bundle entry; without a bound, the largest runtime at its full capacity;
 - MegaMoEGfx1250 takes ``recv_token_bound`` (e4048607 mega_moe.py:335-346), the bound times top-k
   times the EP size, as ATOM passes it (mori_v2_prepare_finalize.py:512-535, 587-590);
-- ids stay on the device (routing.py; bad ids go to the caller's status word), and entries that do
-  not run are -1 where the runtime masks them itself (``mask_invalid_slots=True``);
+- ids stay on the device (routing.py; bad ids go to the caller's status word); an entry that does
+  not run becomes a zero-weight copy of a valid id, so no -1 reaches the runtime and no mask is
+  asked for: 4d06fb8d's ``mask_invalid_slots`` "costs prefill time" (mega_moe/envs.py, "callers
+  that pad with -1 ask for it per call") and vLLM 0.34 passes nothing;
+- MegaMoEGfx1250 names its quantised combine only on large steps (rocm_rules.gfx1250_step_combine_quant);
 - an idle rank still takes part in the collective: where the runtime refuses zero tokens (a
   forward without ``config_tokens``: e4048607 mega_moe_config.py:91) and on gfx1250, it sends one
   zero-weight token, as SGLang's integration does, and returns no rows;
@@ -31,13 +34,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from typing import Any, Callable, Mapping
 
 import torch
 
 from ...knobs import KnobError
 from ...platform.rocm_probes import MoEShape
-from ...platform.rocm_rules import check_gfx1250_shapes, check_v2_device
+from ...platform.rocm_rules import check_gfx1250_shapes, check_v2_device, gfx1250_step_combine_quant
 from ...platform.select import RocmAsk, Selection, select_backends
 from ..weights import ExpertWeights
 from .routing import rank_major_ids
@@ -135,9 +139,10 @@ class AiterFusedMoE:
         self._dist, self._hip = dist, hip
         self.binding = BIND_FORWARD if selection.runtime == "MegaMoEGfx1250" else v2_binding(self._cls)
         self._forward_params = param_names(self._cls.forward)
-        # 4d06fb8d MegaMoEV2.forward: config_tokens / mask_invalid_slots, and T = 0 is a valid call
+        # 4d06fb8d MegaMoEV2.forward: config_tokens, and T = 0 is a valid call
         self._takes_config_tokens = "config_tokens" in self._forward_params
-        self._masks_itself = "mask_invalid_slots" in self._forward_params
+        # what aiter's gfx1250 fused_moe reads at each forward (ATOM logs the same raw value)
+        self._force_a8w4_raw = (os.environ if env is None else env).get("AITER_FORCE_A8W4", "0")
         self._runtimes: dict[int, Any] = {}
         self._idle = _IdleToken()
         self.specs = self._runtime_specs()
@@ -150,7 +155,7 @@ class AiterFusedMoE:
             runtime=s.runtime, rank=p.ep_rank, world_size=p.ep_size, model_dim=p.hidden,
             inter_dim=p.spec.moe_intermediate_size, experts=p.placement.num_physical, topk=p.topk,
             quant=p.math.quant, swiglu_limit=float(p.math.swiglu_limit or 0.0),
-            dispatch_backend=s.dispatch_kernel, dispatch_wire=s.dispatch_wire,
+            dispatch_backend=s.dispatch_kernel, dispatch_wire=s.dispatch_wire, stage1_fused=s.stage1_fused,
             combine_quant=s.combine_quant or "none", a_operand=s.a_operand or "",
             device=str(self.device) if self.device is not None else "",
         )
@@ -203,33 +208,37 @@ class AiterFusedMoE:
                         logger.info("[megamoe] aiter %s plan: %s", self.selection.runtime, "; ".join(self.selection.reasons))
 
     def startup_line(self, spec: AiterRuntimeSpec | None = None) -> str:
+        """One line per runtime built. It carries the raw fields ATOM logs for the same runtime, spelled as
+        ATOM spells them, so an operator's grep finds them ("[MORI-V2] Created MegaMoE: ... dispatch=%s
+        stage1_fused=%s wire=%s combine_quant=%s force_a8w4=%s", ATOM mori_v2_prepare_finalize.py
+        ``init_mega_transport``), then the project's own (combine=, a_operand=, mtpr=, runtimes=, ...)."""
         s = self.selection
         spec = spec or self.specs[-1]
-        extra = f" combine_quant={s.combine_quant}" if s.combine_quant else ""
         heap = f" shmem={self.shmem_bytes / (1 << 30):.2f}GiB" if self.shmem_bytes else ""
         runtimes = f" runtimes={'+'.join(r.describe() for r in s.runtimes)}" if s.runtimes else ""
+        upstream = (f"dispatch={s.dispatch_kernel} stage1_fused={s.stage1_fused} wire={s.dispatch_wire} "
+                    f"combine_quant={s.combine_quant or 'none'} force_a8w4={self._force_a8w4_raw}")
         return (
-            f"[megamoe] aiter {s.runtime}: ep_rank={self.plan.ep_rank} ep_size={self.plan.ep_size} "
-            f"dispatch={s.dispatch_kernel} transport={s.transport} wire={s.dispatch_wire} combine={s.combine_wire}{extra} "
-            f"a_operand={s.a_operand} mtpr={spec.mtpr}{' fixed-slot' if spec.fixed_slot else ''}{runtimes} "
+            f"[megamoe] aiter {s.runtime}: ep_rank={self.plan.ep_rank} ep_size={self.plan.ep_size} {upstream} "
+            f"transport={s.transport} combine={s.combine_wire} a_operand={s.a_operand} "
+            f"mtpr={spec.mtpr}{' fixed-slot' if spec.fixed_slot else ''}{runtimes} "
             f"weights={self.binding} shared by all layers{heap} (not validated on AMD hardware)"
         )
 
     def _step_args(self, spec: AiterRuntimeSpec, bound: int | None) -> dict:
-        """Per-step arguments the installed class takes: the config bucket every rank agrees on, the
-        runtime's own masking of -1 slots, gfx1250's static recv bound and combine quant."""
+        """Per-step arguments the installed class takes: the config bucket every rank agrees on,
+        gfx1250's static recv bound and (on large steps only) its quantised combine."""
         p, kw = self.plan, {}
         if self.selection.runtime == "MegaMoEGfx1250":
-            if "combine_quant" in self._forward_params:
-                kw["combine_quant"] = self.selection.combine_quant or "none"
+            step_quant = gfx1250_step_combine_quant(self.selection.combine_quant or "none", bound)
+            if step_quant != "none" and "combine_quant" in self._forward_params:
+                kw["combine_quant"] = step_quant
             arena = p.ep_size * spec.mtpr
             if bound is not None and "recv_token_bound" in self._forward_params and bound * p.topk * p.ep_size < arena:
                 kw["recv_token_bound"] = int(bound) * p.topk * p.ep_size
             return kw
         if self._takes_config_tokens:
             kw["config_tokens"] = spec.mtpr if bound is None else int(bound)
-        if self._masks_itself:
-            kw["mask_invalid_slots"] = True
         return kw
 
     def _call_runtime(self, runtime, x, ids, weights, lw: AiterLayerWeights, step: dict):
@@ -261,8 +270,7 @@ class AiterFusedMoE:
             x, ids, weights = self._idle.get(hidden, self.plan.topk, x.device)
         else:
             owner, slot = self._owner.to(x.device), self._slot.to(x.device)
-            ids, weights = rank_major_ids(topk_ids, topk_weights, owner, slot, self.experts_per_rank,
-                                          keep_masked=self._masks_itself)
+            ids, weights = rank_major_ids(topk_ids, topk_weights, owner, slot, self.experts_per_rank)
             x = x.to(torch.bfloat16).contiguous()
         runtime = self.runtime(layer_weights, bound)
         with normal_tensors():

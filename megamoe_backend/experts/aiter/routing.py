@@ -3,10 +3,11 @@
 Why remap: our ExpertPlacement may put any physical expert on any rank; aiter and mori only know
 ``id // experts_per_rank``. ``owner[e] * epr + slot[e]`` gives every placement with an equal
 expert count per rank that form. An entry that must not run -- masked (-1) or a bad id (out of
-range: never used as an index; the caller's status word reports it) -- is either kept as -1 for a
-runtime that skips -1 slots itself (MegaMoEV2's ``mask_invalid_slots``, ROCm/aiter 4d06fb8d), or
-becomes a copy of the token's first valid id with weight 0 (a token reaches a rank once, so no
-extra traffic); a token with no valid entry is sent to expert 0 with weight 0.
+range: never used as an index; the caller's status word reports it) -- becomes a copy of the
+token's first valid id with weight 0 (a token reaches a rank once, so no extra traffic); a token
+with no valid entry is sent to expert 0 with weight 0. No -1 is handed on: MegaMoEV2 skips -1 slots
+only with ``mask_invalid_slots``, which ROCm/aiter 4d06fb8d leaves off by default because "the id
+check costs prefill time" (mega_moe/envs.py, AITER_MEGA_COMBINE_MASK), and vLLM 0.34 never asks for it.
 
 Device ops only, with shapes from T and k: no host synchronisation (a ``bool(...)`` here stalled
 every layer and kept the path out of CUDA graphs), so the step can be captured.
@@ -21,7 +22,6 @@ _BIG = torch.iinfo(torch.int64).max
 
 def rank_major_ids(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor, experts_per_rank: int,
-    *, keep_masked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (int32 ids [T, k], fp32 weights [T, k]), both contiguous, as both runtimes require."""
     ids = topk_ids.to(torch.int64)
@@ -30,10 +30,7 @@ def rank_major_ids(
     safe = torch.where(valid, ids, torch.zeros_like(ids))
     mapped = owner[safe] * experts_per_rank + slot[safe]
     weights = torch.where(valid, topk_weights.to(torch.float32), torch.zeros((), dtype=torch.float32, device=ids.device))
-    if keep_masked:
-        mapped = torch.where(valid, mapped, torch.full_like(mapped, -1))
-    else:
-        first = torch.where(valid, mapped, torch.full_like(mapped, _BIG)).min(dim=1, keepdim=True).values
-        first = torch.where(first == _BIG, torch.zeros_like(first), first)
-        mapped = torch.where(valid, mapped, first.expand_as(mapped))
+    first = torch.where(valid, mapped, torch.full_like(mapped, _BIG)).min(dim=1, keepdim=True).values
+    first = torch.where(first == _BIG, torch.zeros_like(first), first)
+    mapped = torch.where(valid, mapped, first.expand_as(mapped))
     return mapped.to(torch.int32).contiguous(), weights.contiguous()

@@ -73,6 +73,7 @@ class AiterRuntimeSpec:
     a_operand: str
     device: str = ""  # the device the runtime allocates on
     fixed_slot: bool = False  # MegaMoEV2: aiter's plan dispatches this capacity fixed-slot (rocm_probes.py)
+    stage1_fused: bool = False  # MegaMoEGfx1250: the compact plan (its own arena layout), platform/rocm_rules.gfx1250_dispatch
 
     def key(self, group: Any) -> tuple:
         return astuple(self) + (id(group),)
@@ -226,7 +227,9 @@ def build_v2(spec: AiterRuntimeSpec, cls, first_weights, init_shmem: Callable[[]
 def build_gfx1250(spec: AiterRuntimeSpec, cls, communicator: Any, aiter_enums: Any):
     """MegaMoEGfx1250(communicator=, rank=, ..., max_tokens_per_rank=, activation=Silu,
     gate_mode=INTERLEAVE, quant_type=per_1x32, swiglu_limit=, dispatch_backend=, [dispatch_wire=],
-    [combine_quant=])."""
+    [stage1_fused=], [combine_quant=]). aiter checks the geometry in its constructor (22f2e2dc
+    MegaMoEConfig: top-k in [1, 32], hidden a whole number of combine chunks; ``_combine_tile``: "no
+    combine reduce tile fits the ... LDS budget"); its ValueError becomes an error naming the model."""
     accepted = param_names(cls.__init__)
     kwargs = dict(
         communicator=communicator, rank=spec.rank, world_size=spec.world_size, model_dim=spec.model_dim,
@@ -235,15 +238,21 @@ def build_gfx1250(spec: AiterRuntimeSpec, cls, communicator: Any, aiter_enums: A
         quant_type=aiter_enums.QuantType.per_1x32, swiglu_limit=spec.swiglu_limit,
         dispatch_backend=spec.dispatch_backend,
     )
-    for name, value, default in (("dispatch_wire", spec.dispatch_wire, "bf16"), ("combine_quant", spec.combine_quant, "none")):
+    for name, value, default in (("dispatch_wire", spec.dispatch_wire, "bf16"), ("combine_quant", spec.combine_quant, "none"),
+                                 ("stage1_fused", spec.stage1_fused, False)):
         if name in accepted:
             kwargs[name] = value
         elif value != default:
             raise KnobError(f"the installed aiter's MegaMoEGfx1250 has no {name} argument; {name}={value!r} cannot be honoured")
     if "dispatch_backend" not in accepted:
         raise KnobError("the installed aiter's MegaMoEGfx1250 has no dispatch_backend argument (needs ROCm/aiter ba59a37 or later)")
-    with normal_tensors():
-        return cls(**kwargs)
+    try:
+        with normal_tensors():
+            return cls(**kwargs)
+    except ValueError as exc:  # its geometry checks (combine chunk, LDS fit of the reduce tile, top-k): named, not raw
+        raise KnobError(f"aiter MegaMoEGfx1250 rejected this model's geometry (hidden {spec.model_dim}, top-{spec.topk}, "
+                        f"dispatch {spec.dispatch_backend} wire {spec.dispatch_wire}): {exc}; use MEGA_DISPATCH=nccl to run "
+                        "it unfused (docs/rocm.md)") from exc
 
 
 def get_runtime(spec: AiterRuntimeSpec, group: Any, factory: Callable[[], Any]) -> tuple[Any, bool]:

@@ -11,7 +11,15 @@ MXFP4 bytes (first element in the low nibble, as aiter/mori/our formats all stor
   the scales are passed 2-D, [E * rows, K // 32]. gate_up=True interleaves gate/up itself.
 - gfx1250 / MegaMoEGfx1250 (aiter/ops/shuffle.py, same commit): ``moe_shuffle_weight`` /
   ``moe_shuffle_scale`` with ``is_guinterleave=True, gate_up=True`` for w1 (they interleave the
-  GGUU rows into GUGU, as the fused stage2 needs gate_mode=INTERLEAVE), plain for w2.
+  GGUU rows into GUGU, as the fused stage2 needs gate_mode=INTERLEAVE), plain for w2. The shuffled
+  weights are then *viewed* as ``torch.float4_e2m1fn_x2`` (aiter's ``dtypes.fp4x2``): aiter's
+  fused_moe reads the weight format from ``w1.dtype``, and its grouped gfx1250 kernel -- the one
+  that writes the fused combine's stage-2 scatter -- takes fp4 activations (A4W4) only for
+  ``w1.dtype == fp4x2`` (aiter grouped_moe_gfx1250.py:991) and fp8 activations (A8W4) for fp4x2 or
+  uint8; MegaMoEGfx1250.forward accepts both ("requires MXFP4 w1/w2 weights (uint8 or fp4x2)").
+  On uint8 an A4W4 step would take fused_moe's generic path and the combine would sum a buffer
+  nothing wrote. ATOM serves ``wire=fp4 force_a8w4=0`` fused the same way (its fp4 weights are
+  fp4x2 parameters).
 Not run on AMD hardware.
 """
 
@@ -26,6 +34,7 @@ import torch
 from ..weights import ExpertWeights, deinterleave_gate_up
 
 SHUFFLE_MODULE = "aiter.ops.shuffle"
+FP4X2 = torch.float4_e2m1fn_x2  # aiter dtypes.fp4x2: two e2m1 per byte, what MegaMoEGfx1250's A4W4 needs
 V2_NLANE = 16  # shuffle_weight_a16w4(src, NLane=16, gate_up) as in aiter's MegaMoEV2 test and ATOM
 
 
@@ -73,9 +82,9 @@ def prepare_gfx1250_weights(weights: ExpertWeights, shuffle: Any = None) -> Aite
     e = w1.shape[0]
     return AiterLayerWeights(
         runtime="MegaMoEGfx1250",
-        w1=shuffle.moe_shuffle_weight(w1, experts_cnt=e, is_guinterleave=True, gate_up=True).contiguous(),
+        w1=shuffle.moe_shuffle_weight(w1, experts_cnt=e, is_guinterleave=True, gate_up=True).contiguous().view(FP4X2),
         w1_scale=shuffle.moe_shuffle_scale(s1, experts_cnt=e, is_guinterleave=True, gate_up=True).contiguous(),
-        w2=shuffle.moe_shuffle_weight(w2, experts_cnt=e).contiguous(),
+        w2=shuffle.moe_shuffle_weight(w2, experts_cnt=e).contiguous().view(FP4X2),
         w2_scale=shuffle.moe_shuffle_scale(s2, experts_cnt=e).contiguous(),
         num_experts=e,
     )

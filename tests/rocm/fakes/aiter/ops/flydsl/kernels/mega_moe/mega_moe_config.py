@@ -16,6 +16,10 @@ vLLM 0.34's ``DeepseekV4AiterMegaMoEExperts._uses_fixed_slot`` calls
 - the P2P (combine) wire of every entry: "none" (bf16) while ``mtpr_config_class(mtpr) <= 1024``
   (``P2P_FP8_MIN_MTPR``, line 32), "fp8_blockwise_1x32" above.
 Kernel tile choices are not modelled: an entry holds its bucket and its P2P wire only.
+
+``build_mega_moe_bundle_plan_a4w4`` is the A4W4 revision's builder (tests install it under the real
+name): keyword ``a_dtype`` ("fp8" | "fp4", ``SUPPORTED_ACTIVATION_DTYPES``) and ``p2p_quant`` ("auto" |
+"none" | "fp8_blockwise_1x32"); an fp4 plan starts the fp8 P2P combine at mtpr >= 1024.
 """
 
 from bisect import bisect_left
@@ -125,3 +129,25 @@ def build_mega_moe_bundle_plan(mtpr: int, *, experts_per_rank: int = REFERENCE_E
     )
     return MegaMoEBundlePlan(mtpr=mtpr, fixed_slot_dispatch=_use_fixed_slots(mtpr, world_size, experts_per_rank),
                              entries=entries)
+
+
+ACTIVATION_DTYPES = ("fp4", "fp8")
+_BUILD_FP8 = build_mega_moe_bundle_plan.__wrapped__  # 4d06fb8d's, whatever tests bind the public name to
+
+
+@cache
+def build_mega_moe_bundle_plan_a4w4(mtpr: int, *, a_dtype: str = "fp8", p2p_quant: str = "auto",
+                                    experts_per_rank: int = REFERENCE_EXPERTS_PER_RANK, model_dim: int = 7168,
+                                    inter_dim: int = 3072, world_size: int = 8) -> MegaMoEBundlePlan:
+    from aiter import CALL_LOG
+
+    if a_dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"unsupported a_dtype={a_dtype!r}")
+    plan = _BUILD_FP8(mtpr, experts_per_rank=experts_per_rank, model_dim=model_dim,
+                                                  inter_dim=inter_dim, world_size=world_size)
+    CALL_LOG[-1][1].update(a_dtype=a_dtype, p2p_quant=p2p_quant)
+    if a_dtype != "fp4" or p2p_quant != "auto":
+        return plan
+    wire = "fp8_blockwise_1x32" if mtpr >= P2P_FP8_MIN_MTPR else "none"
+    entries = tuple(MegaMoEBundleEntry(e.token_bucket, MegaMoEConfig(p2p_quant=wire)) for e in plan.entries)
+    return MegaMoEBundlePlan(mtpr=plan.mtpr, fixed_slot_dispatch=plan.fixed_slot_dispatch, entries=entries)

@@ -18,8 +18,11 @@ the ones that fail quietly upstream fail the same way here:
   inside torch.inference_mode, that is an inference tensor, and a later forward outside it fails;
 - construction allocates (its arena and buffers, mega_moe.py:462-500): a HIP last error left by cco
   init (fakes/fake_hip.py) is raised there, as torch's next error check raises it;
-- a quantised wire on the mori dispatch builds a mori EPv2 op with a per-token scale row: a mori
-  without ROCm/mori#593 refuses it (fakes/mori/ops/dispatch_combine_v2.py: RuntimeError at build);
+- a quantised wire on the mori dispatch asks mori's ``hip_backend.scale_stride_bytes`` for the row's
+  stride and builds ``ep_plans.EpDispatchPlan(scale_bytes=)``: a mori without ROCm/mori#593 has
+  neither (fakes/mori/ops/dispatch_combine_v2/: RuntimeError at build, as aiter raises it);
+- 22f2e2dc: ``stage1_fused`` needs the flydsl dispatch and an fp8 / fp4 wire (the compact plan
+  carries the scale row itself); topk in [1, 32] (the wave size);
 - ``forward(..., recv_token_bound=None)`` (e4048607 mega_moe.py:335-346): a Python int capping the
   recv slots the GEMM sees, never below the received count; recorded per call.
 forward computes this rank's experts' share (fakes/aiter/_moe_math.py).
@@ -37,6 +40,7 @@ from aiter.ops.flydsl.moe_common import GateMode
 _DISPATCH_BACKENDS = ("flydsl", "mori")
 _DISPATCH_WIRES = ("bf16", "fp8", "fp4")
 _COMBINE_QUANT_MODES = ("none", "mxfp8", "mxfp4")
+_WAVE_SIZE = 32  # config.py:6; MegaMoEConfig: "dispatch requires topk in [1, _WAVE_SIZE]"
 
 
 class _Base:
@@ -159,18 +163,34 @@ class MegaMoEGfx1250_22f2e2dc(_Base):
             raise ValueError(f"combine_quant must be one of {_COMBINE_QUANT_MODES}, got {cq!r}")
         if stage1_fused and (backend != "flydsl" or wire == "bf16"):
             raise ValueError("stage1_fused requires dispatch_backend='flydsl' and an fp8 or fp4 dispatch wire")
+        if not 0 < topk <= _WAVE_SIZE:
+            raise ValueError(f"dispatch requires topk in [1, {_WAVE_SIZE}], got {topk}")
         if backend == "mori" and wire != "bf16":  # the sender-quantised rows travel with their E8M0 scale row
-            import mori.ops.dispatch_combine_v2 as v2
-
-            v2.EpDispatchCombineOp(v2.EpDispatchCombineConfig(
-                rank=rank, world_size=world_size, hidden_dim=model_dim, max_num_inp_token_per_rank=max_tokens_per_rank,
-                num_experts_per_rank=experts // world_size, num_experts_per_token=topk, scale_dim=model_dim // 32,
-                scale_type_size=1), communicator)
+            self._build_mori_scale_dispatch(world_size, model_dim, max_tokens_per_rank, experts // world_size, topk, wire)
         self.config = dict(dispatch_backend=backend, dispatch_wire=wire, combine_quant=cq)
+        self.stage1_fused = bool(stage1_fused)
         CALL_LOG.append(("MegaMoEGfx1250", dict(rank=rank, world_size=world_size, model_dim=model_dim,
                          inter_dim=inter_dim, experts=experts, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
                          activation=activation, gate_mode=gate_mode, quant_type=quant_type,
                          swiglu_limit=swiglu_limit, stage1_fused=stage1_fused, **self.config)))
+
+    @staticmethod
+    def _build_mori_scale_dispatch(world_size, model_dim, mtpr, experts_per_rank, topk, wire):
+        """MegaMoEConfig.dispatch_scale_dst_nbytes + _build_mori_dispatch: the stride is asked of mori's
+        ``hip_backend.scale_stride_bytes`` (an ImportError -> RuntimeError "needs a mori whose EP dispatch
+        carries a per-token scale row (ROCm/mori#593 or later)"), and ``EpDispatchPlan(scale_bytes=)``."""
+        try:
+            from mori.ops.dispatch_combine_v2.hip_backend import scale_stride_bytes
+        except ImportError as exc:
+            raise RuntimeError(f"dispatch_wire={wire!r} needs a mori whose EP dispatch carries a per-token scale row "
+                               "(ROCm/mori#593 or later); the installed one has no scale_stride_bytes") from exc
+        from mori.ops.dispatch_combine_v2.ep_plans import EpDispatchPlan
+
+        scale_bytes = model_dim // 32
+        scale_stride_bytes(scale_bytes)
+        EpDispatchPlan(world_size=world_size, hidden_dim=model_dim // 2 if wire == "fp4" else model_dim,
+                       max_tok_per_rank=mtpr, num_expert_per_rank=experts_per_rank, num_expert_per_token=topk,
+                       max_recv=world_size * mtpr, dtype=torch.uint8, use_weights=True, scale_bytes=scale_bytes)
 
     def forward(self, hidden_states, topk_weights, topk_ids, *, w1, w2, w1_scale, w2_scale, bias1=None, bias2=None,
                 a1_scale=None, a2_scale=None, recv_token_bound=None, next_topk_ids=None, next_recv_token_bound=None,
