@@ -65,8 +65,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         if targets is not None and name not in targets:
             continue
         problem = _bench_problem(module)
-        if problem:  # `megamoe bench X --help` still answers; running it says what is missing
+        if problem:  # `megamoe bench X --help` still answers (saying so); running it says what is missing
             p.set_defaults(_problem=problem)
+            p.description = f"{help_text}: {problem}"
         else:
             importlib.import_module(module).add_arguments(p)
     return parser

@@ -112,7 +112,7 @@ def test_demo_reads_the_wire_knobs(tmp_path) -> None:
     ([], {"MEGA_DISPATCH": "symm"}, "megamoe demo: error: MEGA_DISPATCH=symm is the device P2P path and needs CUDA GPUs"),
     ([], {"MEGA_MAX_TOKENS_PER_RANK": "64"}, "megamoe demo: error: MEGA_MAX_TOKENS_PER_RANK=64 is set, but megamoe "
                                              "demo does not apply it"),
-])
+], ids=["ranks-3", "wire-fp16", "dispatch-symm", "mtpr-set"])
 def test_demo_refuses_in_one_line_before_any_rank_starts(args, env, line) -> None:
     r = megamoe("demo", *args, env=env, timeout=120)
     assert r.returncode == 2 and len(r.stdout.strip().splitlines()) == 1, r.stdout + r.stderr
@@ -206,7 +206,7 @@ def test_info_engine_knobs_row_and_selection_row_agree_on_the_wire(capsys, monke
     ("sglang-0.5.22", 2, "--engine sglang-0.5.22: the SGLang plugin registers on sglang-0.5.23 only"),
     ("vllm-0.35", 0, "--engine vllm-0.35 is newer than the vLLM releases read (vllm-0.32 to vllm-0.34): read as "
                      "vllm-0.34 reads it"),
-])
+], ids=["vllm-0.31", "sglang-0.5.22", "vllm-0.35"])
 def test_info_engine_outside_the_served_releases(engine, rc, needle, capsys, monkeypatch):
     got, out = info_main(capsys, monkeypatch, "--device", "cpu", "--engine", engine)
     assert got == rc and needle in out, out
