@@ -20,14 +20,16 @@ BENCH_VARIABLES='Variables (the same in both engines; unset = the default shown)
   PRESET         unset | reference: the reference run (docs/serving.md): random 8192 / 1024, ignore EOS,
                  seed 0, request rate inf, 64 warm-ups, concurrency 512 x 5120 prompts then 4096 x 8192
                  prompts; DATASET=sharegpt with it: 512 x 5120. POINT=512 | 4096 runs one point only
-  BACKEND=megamoe  the label of this run in the result names (megamoe | default: the A/B)
-  RESULT_DIR=bench_results  where results go: <engine>_<BACKEND>_<DATASET>_c<CONCURRENCY>_<time>.json(l)
+  LABEL=megamoe  the name of this run in the result files (letters, digits, . _ -), e.g. LABEL=default
+                 for the A/B run against a server started with BACKEND=default: the bench measures
+                 whichever server is running (BACKEND is the serve scripts'"'"' variable and is refused here)
+  RESULT_DIR=bench_results  where results go: <engine>_<LABEL>_<DATASET>_c<CONCURRENCY>_<time>.json(l)
   LM_EVAL=lm_eval  the lm_eval executable (DATASET=gsm8k)
 Options: --help, --dry-run (print the commands, run nothing); other arguments go to the bench command.'
 
 bench_parse_args() { script_parse_args "$BENCH_VARIABLES" "$@"; }
 
-# bench_resolve: validates the variables and sets MODEL, DATASET, ISL, OSL, RATE, WARMUPS, SEED, BACKEND,
+# bench_resolve: validates the variables and sets MODEL, DATASET, ISL, OSL, RATE, WARMUPS, SEED, LABEL,
 # RESULT_DIR, STAMP and POINTS (one "concurrency:prompts" per run, in order).
 bench_resolve() {
   MODEL=${MODEL:-deepseek-ai/DeepSeek-V4-Pro}
@@ -49,10 +51,11 @@ bench_resolve() {
   [[ $WARMUPS =~ ^[0-9]+$ ]] || { script_fail "WARMUPS=$WARMUPS must be a number of requests >= 0"; return 2; }
   [[ $SEED =~ ^[0-9]+$ ]] || { script_fail "SEED=$SEED must be an integer >= 0"; return 2; }
   [[ $RATE == inf || $RATE =~ ^[0-9]+(\.[0-9]+)?$ ]] || { script_fail "REQUEST_RATE=$RATE must be inf or requests per second"; return 2; }
-  BACKEND=${BACKEND:-megamoe}
-  case $BACKEND in megamoe|default) ;; *)
-    script_fail "BACKEND=$BACKEND is not valid; allowed: megamoe | default"; return 2;;
-  esac
+  if [[ -n ${BACKEND:-} ]]; then
+    script_fail "BACKEND=$BACKEND: the bench measures whichever server is running (BACKEND picks the server's MoE backend in the serve scripts); set LABEL=$BACKEND to name the results"; return 2
+  fi
+  LABEL=${LABEL:-megamoe}
+  [[ $LABEL =~ ^[A-Za-z0-9._-]+$ ]] || { script_fail "LABEL=$LABEL: use letters, digits, . _ - (it names the result files)"; return 2; }
   if [[ $DATASET == sharegpt ]]; then
     [[ -n ${DATASET_PATH:-} ]] || { script_fail "DATASET=sharegpt needs DATASET_PATH=<ShareGPT json> (nothing is downloaded)"; return 2; }
   fi

@@ -29,13 +29,14 @@ SERVE_VARIABLES='Variables (the same in both engines; unset = the default shown)
   MAX_MODEL_LEN  context length (PRESET=reference: 9472; unset: the model'"'"'s)
   CUDA_GRAPH     1 | 0: capture CUDA graphs (vLLM 0: --enforce-eager; SGLang 0: --disable-cuda-graph).
                  Default 1, except N>1 with TRANSPORT=nccl | mori | flydsl, whose forward reads row
-                 counts on the host (with graphs on, the plugin refuses the start naming the flag)
+                 counts on the host: CUDA_GRAPH=1 with those is refused (the plugin would refuse the start)
   HOST=127.0.0.1 PORT (vLLM 8000, SGLang 30000: each engine'"'"'s own default)
-  CHECK=1        0 skips the `megamoe info` check; MEGAMOE=megamoe: the command the check runs
+  CHECK=1        0 skips the checks before the start (MODEL path, `megamoe info`); MEGAMOE=megamoe: the
+                 command the check runs
   DEVICE         what `megamoe info` plans for: cuda | rocm (default: rocm where /dev/kfd exists)
 An exported MEGA_* value is never overridden: it is kept, and WIRE / COMBINE_WIRE / TRANSPORT / MTPR
-that disagree with it are refused. Options: --help, --dry-run (print the environment and the command,
-after the same check; start nothing). Every other argument goes to the engine unchanged (a lone --
+that disagree with it are refused. Options: --help, --dry-run (print the environment line, when a MEGA_*
+is set, and the command, after the same check; start nothing). Every other argument goes to the engine unchanged (a lone --
 is dropped).'
 
 # serve_parse_args "$@": DRY_RUN (0 | 1) and EXTRA (the engine's arguments); --help prints the calling
@@ -67,10 +68,12 @@ _serve_knob() {
   return 0
 }
 
-# serve_resolve ENGINE (vllm | sglang): validates the variables and sets N, BACKEND, PRESET, KV, MAX_LEN,
-# GRAPHS (0 | 1), MEGA_ENV (the MEGA_* assignments the server gets) and EPLB_FLAGS.
+# serve_resolve ENGINE (vllm | sglang): validates the variables and sets SERVE_MODEL (MODEL, else the caller's
+# MODEL_DEFAULT), N, BACKEND, PRESET, KV, MAX_LEN, GRAPHS (0 | 1), MEGA_ENV (the MEGA_*
+# assignments the server gets) and EPLB_FLAGS.
 serve_resolve() {
   local engine=$1
+  SERVE_MODEL=${MODEL:-$MODEL_DEFAULT}
   N=${N:-${DP:-8}}
   [[ $N =~ ^[1-9][0-9]*$ ]] || { script_fail "N=$N must be a positive GPU count (the EP size)"; return 2; }
   BACKEND=${BACKEND:-megamoe}
@@ -106,6 +109,9 @@ serve_resolve() {
   [[ $BACKEND == megamoe && $N != 1 && $transport =~ ^(nccl|mori|flydsl)$ ]] && eager=1
   GRAPHS=${CUDA_GRAPH:-$((1 - eager))}
   case $GRAPHS in 0|1) ;; *) script_fail "CUDA_GRAPH=$GRAPHS must be 0 or 1"; return 2;; esac
+  if ((GRAPHS && eager)); then
+    script_fail "CUDA_GRAPH=1 with transport $transport at N=$N: that forward reads row counts on the host, so the plugin refuses CUDA graphs over it at start-up; unset CUDA_GRAPH (eager is the default there) or use TRANSPORT=auto | symm | ipc"; return 2
+  fi
   ((reference)) && EPLB=${EPLB:-r0}
   source "$(dirname "${BASH_SOURCE[0]}")/_eplb.sh"
   eplb_flags "$engine" || return 2
@@ -128,10 +134,16 @@ PY
 
 # serve_check ENGINE MODEL PRESET_NAME: `megamoe info` with the environment the server gets, so a wire that
 # contradicts the checkpoint fails here and not after the model loaded. MODEL a local folder or file: it is
-# read; otherwise the preset of the script's model (the published checkpoint's config). Exit 2 on a refusal.
+# read; a path (/..., ./..., ../..., ~...) that does not exist is refused; otherwise (a Hugging Face id) the
+# preset of the script's model (the published checkpoint's config). Exit 2 on a refusal.
 serve_check() {
   local engine=$1 model=$2 preset_name=$3
-  [[ $BACKEND == default || ${CHECK:-1} == 0 ]] && return 0
+  [[ ${CHECK:-1} == 0 ]] && return 0
+  if [[ $model =~ ^(/|\./|\.\./|~) && ! -e $model ]]; then
+    script_fail "MODEL=$model does not exist: set MODEL to the checkpoint folder on this host or to a Hugging Face id (org/name); CHECK=0 skips the checks"
+    return 2
+  fi
+  [[ $BACKEND == default ]] && return 0
   local megamoe=${MEGAMOE:-megamoe}
   if ! command -v "$megamoe" >/dev/null 2>&1; then
     script_fail "$megamoe not found: install megamoe-backend into the engine's environment (docs/install.md) or set MEGAMOE=/path/to/megamoe; CHECK=0 skips the check of the knobs against the checkpoint"
@@ -151,17 +163,24 @@ serve_check() {
   [[ -n $release ]] && cmd+=(--engine "$release")
   local out
   if ! out=$(env "${MEGA_ENV[@]}" "${cmd[@]}" 2>&1); then
-    echo "$out" | grep -E "error|Error" | tail -3 >&2
-    script_fail "megamoe info refuses this environment (${MEGA_ENV[*]:-no MEGA_* set}): fix the knob it names (WIRE sets MEGA_DISPATCH_WIRE, COMBINE_WIRE MEGA_COMBINE_WIRE, TRANSPORT MEGA_DISPATCH, MTPR MEGA_MAX_TOKENS_PER_RANK); ran: ${cmd[*]}"
+    local why
+    why=$(echo "$out" | grep -E "error|Error" | tail -3)
+    echo "$why" >&2
+    if [[ $why =~ (MEGA_|AITER_FORCE_A8W4) ]]; then
+      script_fail "megamoe info refuses this environment (${MEGA_ENV[*]:-no MEGA_* set}): fix the knob it names (WIRE sets MEGA_DISPATCH_WIRE, COMBINE_WIRE MEGA_COMBINE_WIRE, TRANSPORT MEGA_DISPATCH, MTPR MEGA_MAX_TOKENS_PER_RANK); ran: ${cmd[*]}"
+    else
+      script_fail "megamoe info refuses this setup (the error above names what; not a MEGA_* knob): fix MODEL, N or EPLB, or the engine installed for PYTHON, as it says; ran: ${cmd[*]}"
+    fi
     return 2
   fi
   echo "check: ${cmd[*]}" >&2
   echo "$out" | grep -E "^\[megamoe\]|^startup line" | sed 's/^/check: /' >&2 || true
 }
 
-# serve_run CMD...: print the environment and the command (shell-quoted, one line each); exec unless --dry-run.
+# serve_run CMD...: print the environment (only when a MEGA_* is set) and the command (shell-quoted, one line
+# each); exec unless --dry-run.
 serve_run() {
-  shell_line env "${MEGA_ENV[@]}"
+  ((${#MEGA_ENV[@]})) && shell_line env "${MEGA_ENV[@]}"
   shell_line "$@"
   ((DRY_RUN)) && return 0
   exec env "${MEGA_ENV[@]}" "$@"

@@ -14,7 +14,7 @@ megamoe_serve() {
   serve_parse_args "$@"
   serve_resolve sglang || exit 2
   [[ -n ${SGLANG_PLUGINS:-} ]] && MEGA_ENV+=("SGLANG_PLUGINS=$SGLANG_PLUGINS")
-  local model=${MODEL:-$MODEL_DEFAULT}
+  local model=$SERVE_MODEL
   local cmd=(sglang serve --model-path "$model" --trust-remote-code
              --host "${HOST:-127.0.0.1}" --port "${PORT:-30000}"
              --tp "$N" --attn-dp-size "$N" --ep-size "$N")

@@ -14,7 +14,7 @@ host=${HOST:-127.0.0.1} port=${PORT:-30000}
 BENCH_LINES=()
 for point in "${POINTS[@]}"; do
   c=${point%%:*} n=${point##*:}
-  name=sglang_${BACKEND}_${DATASET}_c${c}_${STAMP}
+  name=sglang_${LABEL}_${DATASET}_c${c}_${STAMP}
   if [[ $DATASET == gsm8k ]]; then
     bench_gsm8k_cmd "http://$host:$port" "$c" "$RESULT_DIR/$name"
   else

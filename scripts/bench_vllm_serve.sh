@@ -13,7 +13,7 @@ host=${HOST:-127.0.0.1} port=${PORT:-8000}
 BENCH_LINES=()
 for point in "${POINTS[@]}"; do
   c=${point%%:*} n=${point##*:}
-  name=vllm_${BACKEND}_${DATASET}_c${c}_${STAMP}
+  name=vllm_${LABEL}_${DATASET}_c${c}_${STAMP}
   if [[ $DATASET == gsm8k ]]; then
     bench_gsm8k_cmd "http://$host:$port" "$c" "$RESULT_DIR/$name"
   else

@@ -8,7 +8,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/_serve_common.sh"
 serve_vllm() {
   serve_parse_args "$@"
   serve_resolve vllm || exit 2
-  local model=${MODEL:-$MODEL_DEFAULT}
+  local model=$SERVE_MODEL
   local cmd=("${VLLM:-vllm}" serve "$model" --trust-remote-code
              --host "${HOST:-127.0.0.1}" --port "${PORT:-8000}"
              --data-parallel-size "$N" --tensor-parallel-size 1 --enable-expert-parallel)

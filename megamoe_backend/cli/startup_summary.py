@@ -1,6 +1,6 @@
-"""Many runtimes' startup lines -> one line per distinct plan, for commands that create dozens.
+"""Many layers' startup lines -> one line per distinct plan, for commands that build dozens.
 
-Why: `megamoe demo` creates a runtime per rank per case (20+ identical-but-for-ep_rank lines
+Why: `megamoe demo` builds a layer per rank per case (20+ identical-but-for-ep_rank lines
 before its table). The line stays the contract engines log (``LayerPlan.startup_line``); this only
 folds them: the ``key=value`` fields every plan shares are printed once, then each distinct plan
 (ranks folded) with only the fields that tell it apart -- as plain lines or as table rows.
@@ -38,13 +38,13 @@ def _ranks(ranks: list[int]) -> str:
 class StartupSummary:
     """Startup lines folded: the fields all plans share, then one row per distinct plan."""
 
-    runtimes: int  # lines read
+    line_count: int  # startup lines read (one per layer built)
     shared: dict[str, str]  # fields equal in every plan
     columns: tuple[str, ...]  # the fields that tell plans apart
     plans: tuple[tuple[str, tuple[str, ...]], ...]  # (ranks, values of ``columns``) per distinct plan
 
     def lines(self) -> list[str]:
-        head = f"{self.runtimes} runtimes, {len(self.plans)} distinct plans; shared: " + " ".join(
+        head = f"{self.line_count} startup lines, {len(self.plans)} distinct plans; shared: " + " ".join(
             f"{k}={v}" for k, v in self.shared.items())
         return [head] + [f"  ranks {ranks}: " + " ".join(f"{k}={v}" for k, v in zip(self.columns, values))
                          for ranks, values in self.plans]

@@ -135,6 +135,10 @@ def select_backends(facts: PlatformFacts, knobs, math, *, ep_size: int | None = 
             reasons = (f"cuda: {provider} experts", f"transport {transport} (MEGA_DISPATCH=auto): {why}")
             return Selection(provider, transport, needs_ep_topology=pending, reasons=reasons, **base)
         # symm / ipc: the device P2P forward (peer arenas, capturable); nccl: the eager torch forward
+        if knobs.transport in ("symm", "ipc") and provider != "triton":
+            raise PlatformError(f"MEGA_DISPATCH={knobs.transport} is the device P2P forward, which runs the Triton "
+                                "experts, and triton is not importable here: install it (pip install "
+                                "'megamoe-backend[triton]', Triton >= 3.4), or set MEGA_DISPATCH=nccl (eager) or auto")
         reasons = (f"cuda: {provider} experts", f"transport {knobs.transport} (MEGA_DISPATCH={knobs.transport})")
         return Selection(provider, knobs.transport, reasons=reasons, **base)
     return _select_rocm(facts, knobs, math, ep_size, experts_per_rank, rocm or RocmAsk())
@@ -228,7 +232,8 @@ def _fused_selection(facts, knobs, math, ep_size, experts_per_rank, head, rocm: 
     """(Selection, None) when aiter's fused runtime can honour every knob, else (None, why not)."""
     runtime = RUNTIME_BY_ARCH.get(facts.gfx_arch or "")
     if runtime is None:
-        return None, f"no fused aiter MegaMoE runtime for {facts.gfx_arch} (MegaMoEV2: gfx950, MegaMoEGfx1250: gfx1250)"
+        arch = facts.gfx_arch or "an unknown AMD GPU (no GPU here: plan with --gfx-arch gfx950 | gfx1250)"
+        return None, f"no fused aiter MegaMoE runtime for {arch} (MegaMoEV2: gfx950, MegaMoEGfx1250: gfx1250)"
     for pkg, why in (("aiter", "amd-aiter"), ("mori", "amd-mori (aiter's MegaMoE runs on mori shmem / cco)")):
         if not facts.has(pkg):
             return None, f"{why} not importable"

@@ -55,6 +55,29 @@ class EngineRelease:
         return f"{self.engine}-{'.'.join(str(p) for p in self.version)}"
 
 
+def release_served(release: EngineRelease) -> str | None:
+    """Refuse (EngineReleaseError, naming --engine and the fix) a release the plugins do not register on:
+    vLLM older than the oldest of READ_RELEASES, SGLang other than the one read; for a vLLM newer than
+    the newest read, the note that it is read as that one (the vLLM plugin tries newer releases with a
+    warning); else None. The releases are READ_RELEASES: the ones the readings were read against."""
+    read = [EngineRelease.parse(r) for r in READ_RELEASES if r.startswith(release.engine)]
+    if release.engine == "sglang":
+        if release.version not in [r.version for r in read]:
+            raise EngineReleaseError(
+                f"--engine {release}: the SGLang plugin registers on {', '.join(map(str, read))} only (its hooks are "
+                f"checked against exactly that release); pass --engine {read[-1]}")
+        return None
+    oldest, newest = read[0], read[-1]
+    if release.version[:2] < oldest.version:
+        raise EngineReleaseError(
+            f"--engine {release}: vLLM older than {'.'.join(map(str, oldest.version))} has no --moe-backend megamoe_ep "
+            f"(the plugin refuses to register there); pass --engine {oldest} to {newest}, or upgrade vLLM")
+    if release.version[:2] > newest.version:
+        return (f"--engine {release} is newer than the vLLM releases read ({oldest} to {newest}): read as {newest} "
+                "reads it (the plugin tries a newer vLLM after a warning)")
+    return None
+
+
 @dataclass(frozen=True)
 class EngineReading:
     """The scheme the engine's own quant method names for the experts, and what named it."""
@@ -99,4 +122,5 @@ def reading_for_config(release: EngineRelease | None, config: Mapping[str, Any],
     return None
 
 
-__all__ = ["ENGINES", "READ_RELEASES", "EngineReading", "EngineRelease", "EngineReleaseError", "reading_for_config"]
+__all__ = ["ENGINES", "READ_RELEASES", "EngineReading", "EngineRelease", "EngineReleaseError", "reading_for_config",
+           "release_served"]

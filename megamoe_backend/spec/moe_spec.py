@@ -224,4 +224,6 @@ def quant_scheme_from_config(quant_cfg: Mapping[str, Any] | None, expert_dtype: 
         if "fp8" in idtype:
             return "a8w4"
         raise ConfigError(f"Quark MXFP4 input_tensors dtype {idtype!r}: expected fp4 (A4W4) or fp8 (A8W4)")
-    raise ConfigError(f"quantization_config quant_method={method!r} is not supported (bf16, fp8 block, Quark MXFP4)")
+    raise ConfigError(f"quantization_config quant_method={method!r} is not supported: MegaMoE serves bf16 experts (no "
+                      "quantization_config) and MXFP4 experts (quant_method mxfp4, Quark MXFP4, or DeepSeek V4's fp8 "
+                      "config with fp4 experts); block-FP8 experts are refused as well")

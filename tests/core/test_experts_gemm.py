@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from megamoe_backend.experts.registry import describe_experts_gemm, make_provider
-from megamoe_backend.experts.triton import TritonExperts
 from megamoe_backend.knobs import KnobError, Knobs
 from megamoe_backend.layer import MegaMoELayer
 from megamoe_backend.plan import build_plan
@@ -14,6 +13,14 @@ from megamoe_backend.spec import preset
 from megamoe_backend.workload import ProblemConfig, make_problem
 
 SPEC = preset("dsv4-pro").scaled(hidden_size=128, moe_intermediate_size=128, n_routed_experts=8)
+
+
+def triton_experts():
+    """TritonExperts, or a skip where triton is not installed (the knob tests here need no triton)."""
+    pytest.importorskip("triton", reason="TritonExperts imports triton (pip install -e .[test,triton])")
+    from megamoe_backend.experts.triton import TritonExperts
+
+    return TritonExperts
 
 
 def test_knob_values():
@@ -26,7 +33,7 @@ def test_knob_values():
 @pytest.mark.parametrize("build", [
     lambda: Knobs.from_env({"MEGA_EXPERTS_GEMM": "CUDA"}),
     lambda: Knobs(experts_gemm="cuda"),
-    lambda: TritonExperts(gemm="cuda"),
+    lambda: triton_experts()(gemm="cuda"),
 ], ids=["env", "knobs", "provider"])
 def test_cuda_is_refused_naming_the_knob_and_where_the_code_went(build):
     with pytest.raises(KnobError, match=r"MEGA_EXPERTS_GEMM=cuda: .* benchmarks/research/cuda_gemms/\. Unset MEGA_EXPERTS_GEMM"):
@@ -41,6 +48,7 @@ def test_info_line_names_what_runs():
 def test_the_layer_hands_its_plans_knob_to_the_provider(monkeypatch):
     """The environment set after import reaches the provider through Knobs.from_env -> the plan -> the
     registry (the provider itself never reads os.environ: a value it read would be ignored here)."""
+    TritonExperts = triton_experts()
     monkeypatch.setenv("MEGA_EXPERTS_GEMM", "triton")
     knobs = Knobs.from_env()
     assert make_provider("triton", 8, knobs).gemm == "triton"

@@ -10,9 +10,11 @@ import logging
 import pytest
 import torch
 
-from megamoe_backend.experts import ExpertMath, ExpertWeights, quantize_expert_weights
-from megamoe_backend.experts.fragments import FoldSpanError
-from megamoe_backend.experts.triton import TritonExperts
+pytest.importorskip("triton", reason="TritonExperts imports triton (pip install -e .[test,triton]; scripts/test.sh does)")
+
+from megamoe_backend.experts import ExpertMath, ExpertWeights, quantize_expert_weights  # noqa: E402
+from megamoe_backend.experts.fragments import FoldSpanError  # noqa: E402
+from megamoe_backend.experts.triton import TritonExperts  # noqa: E402
 
 A8W4 = ExpertMath("a8w4", 10.0)
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megamoe_backend.knobs import KnobError, Knobs
-from megamoe_backend.plan import ExpertPlacement, PlacementError, build_plan, initial_redundant_map, select_backends
+from megamoe_backend.plan import (ExpertPlacement, PlacementError, build_plan, facts_for, initial_redundant_map,
+                                  select_backends)
+from megamoe_backend.platform import PackageInfo
 from megamoe_backend.experts import ExpertMath
 from megamoe_backend.spec import preset
 
@@ -102,8 +106,11 @@ def test_selection_cpu_and_cuda() -> None:
     math = ExpertMath("a4w4")
     cpu = select_backends(Knobs(), math, "cpu")
     assert (cpu.provider, cpu.transport) == ("torch", "gloo")
-    assert select_backends(Knobs(transport="symm"), math, "cuda").transport == "symm"
-    assert select_backends(Knobs(), math, "cuda").transport == "nccl"
+    # a CUDA host with triton (the device P2P forward runs the Triton experts; without them symm is refused)
+    cuda = dataclasses.replace(facts_for("cuda"), packages={**facts_for("cuda").packages,
+                                                           "triton": PackageInfo("triton", True)})
+    assert select_backends(Knobs(transport="symm"), math, "cuda", facts=cuda).transport == "symm"
+    assert select_backends(Knobs(), math, "cuda", facts=cuda).transport == "nccl"  # pending: the EP group decides
     for bad in ("symm", "mori"):
         with pytest.raises(KnobError, match=f"MEGA_DISPATCH={bad}"):
             select_backends(Knobs(transport=bad), math, "cpu")

@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-SCRIPT_VARS = ("N", "DP", "WIRE", "COMBINE_WIRE", "TRANSPORT", "MTPR", "PORT", "HOST", "MODEL", "BACKEND", "PRESET",
+SCRIPT_VARS = ("N", "DP", "WIRE", "COMBINE_WIRE", "TRANSPORT", "MTPR", "PORT", "HOST", "MODEL", "BACKEND", "LABEL", "PRESET",
                "KV_CACHE", "MAX_MODEL_LEN", "CUDA_GRAPH", "CHECK", "MEGAMOE", "DEVICE", "DATASET", "DATASET_PATH",
                "ISL", "OSL", "CONCURRENCY", "PROMPTS", "NUM_PROMPTS", "REQUEST_RATE", "WARMUPS", "SEED", "POINT",
                "RESULT_DIR", "LM_EVAL", "PYTHON", "VLLM", "SGLANG_PLUGINS")
@@ -45,10 +45,14 @@ def serve(engine: str, model: str, *args: str, **env: str) -> tuple[dict[str, st
     """(the MEGA_* environment, the engine's argv after the executable, the process) of a serve dry run."""
     proc = run(SERVE[engine, model], "--dry-run", *args, **env)
     assert proc.returncode == 0, proc.stderr
-    env_line, cmd_line = proc.stdout.splitlines()
-    env_argv = shlex.split(env_line)
-    assert env_argv[0] == "env"
-    return dict(a.split("=", 1) for a in env_argv[1:]), shlex.split(cmd_line), proc
+    *env_lines, cmd_line = proc.stdout.splitlines()
+    knobs = {}
+    if env_lines:  # printed only when a MEGA_* is set: never a bare `env`
+        (env_line,) = env_lines
+        env_argv = shlex.split(env_line)
+        assert env_argv[0] == "env" and len(env_argv) > 1, env_line
+        knobs = dict(a.split("=", 1) for a in env_argv[1:])
+    return knobs, shlex.split(cmd_line), proc
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -61,9 +65,9 @@ def flag(argv: list[str], name: str) -> str:
 def test_both_engines_default_to_the_same_model_wire_and_layout(model):
     """Default: no MEGA_* set (the plugin follows the engine's reading of the checkpoint), the same
     checkpoint, N=8 in the engine's DP-attention + EP spelling, MegaMoE on, graphs on."""
-    venv, vargv, _ = serve("vllm", model)
-    senv, sargv, _ = serve("sglang", model)
-    assert venv == {} and senv == {}
+    venv, vargv, vproc = serve("vllm", model)
+    senv, sargv, sproc = serve("sglang", model)
+    assert venv == {} and senv == {} and not vproc.stdout.startswith("env") and not sproc.stdout.startswith("env")
     checkpoint = {"dsv4": "deepseek-ai/DeepSeek-V4-Pro", "r1": "amd/DeepSeek-R1-0528-MXFP4"}[model]
     assert vargv[:3] == ["vllm", "serve", checkpoint] and flag(sargv, "--model-path") == checkpoint
     assert (flag(vargv, "--data-parallel-size"), flag(vargv, "--tensor-parallel-size")) == ("8", "1")
@@ -121,7 +125,7 @@ def test_backend_default_is_the_same_command_without_megamoe(model):
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 @pytest.mark.parametrize("env, graphs", [({}, True), ({"TRANSPORT": "nccl"}, False), ({"TRANSPORT": "mori"}, False),
                                          ({"TRANSPORT": "ipc"}, True), ({"N": "1", "TRANSPORT": "nccl"}, True),
-                                         ({"TRANSPORT": "nccl", "CUDA_GRAPH": "1"}, True), ({"CUDA_GRAPH": "0"}, False),
+                                         ({"CUDA_GRAPH": "0"}, False),
                                          ({"TRANSPORT": "nccl", "BACKEND": "default"}, True)])
 def test_cuda_graph_rule_is_the_same(engine, env, graphs):
     _, argv, _ = serve(engine, "dsv4", **env)
@@ -138,6 +142,9 @@ def test_cuda_graph_rule_is_the_same(engine, env, graphs):
     ({"BACKEND": "flashinfer"}, "BACKEND=flashinfer is not valid; allowed: megamoe | default"),
     ({"PRESET": "fast"}, "PRESET=fast is not valid; allowed: reference"),
     ({"CUDA_GRAPH": "yes"}, "CUDA_GRAPH=yes must be 0 or 1"),
+    ({"CUDA_GRAPH": "1", "TRANSPORT": "nccl"}, "CUDA_GRAPH=1 with transport nccl at N=8: that forward reads row counts "
+                                               "on the host, so the plugin refuses CUDA graphs over it at start-up"),
+    ({"CUDA_GRAPH": "1", "MEGA_DISPATCH": "mori"}, "CUDA_GRAPH=1 with transport mori at N=8"),
     ({"EPLB": "64"}, "EPLB=64 is not valid; allowed: off | r<redundant experts>"),
 ])
 def test_bad_variables_are_refused_the_same_way(engine, env, message):
@@ -179,7 +186,7 @@ def bench(engine: str, *args: str, **env: str) -> list[list[str]]:
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_reference_bench_runs_both_points_with_fixed_lengths(engine):
-    runs = bench(engine, PRESET="reference", MODEL="/models/V4", BACKEND="default")
+    runs = bench(engine, PRESET="reference", MODEL="/models/V4", LABEL="default")
     assert [(flag(r, "--max-concurrency"), flag(r, "--num-prompts")) for r in runs] == [("512", "5120"), ("4096", "8192")]
     warm = {"vllm": "--num-warmups", "sglang": "--warmup-requests"}[engine]
     # fixed ISL / OSL: 0.0 on vLLM's scale ([L(1-r), L(1+r)]), 1.0 on SGLang's ([rL, L])
@@ -222,7 +229,12 @@ def test_bench_scripts_share_defaults_and_refusals():
     for engine in BENCH:
         for env, message in (({"ISL": "x"}, "ISL=x must be a positive integer"),
                              ({"DATASET": "mmlu"}, "DATASET=mmlu is not valid; allowed: random | sharegpt | gsm8k"),
-                             ({"PRESET": "reference", "POINT": "64"}, "POINT=64 is not valid")):
+                             ({"PRESET": "reference", "POINT": "64"}, "POINT=64 is not valid"),
+                             # BACKEND only picks a server's MoE backend: the bench names its results by LABEL
+                             ({"BACKEND": "default"}, "BACKEND=default: the bench measures whichever server is "
+                                                      "running (BACKEND picks the server's MoE backend in the serve "
+                                                      "scripts); set LABEL=default to name the results"),
+                             ({"LABEL": "a b"}, "LABEL=a b: use letters, digits")):
             bad = run(BENCH[engine], "--dry-run", **env)
             assert bad.returncode == 2 and message in bad.stderr, (engine, env, bad.stderr)
 
@@ -234,7 +246,7 @@ def test_help_prints_the_variables_and_starts_nothing(script):
     proc = run(script, "--help", VLLM="/nonexistent/vllm", PYTHON="/nonexistent/python", MEGAMOE="/nonexistent/megamoe")
     assert proc.returncode == 0 and proc.stderr == ""
     names = ("WIRE", "COMBINE_WIRE", "TRANSPORT", "MTPR", "EPLB", "BACKEND=megamoe", "PRESET", "MODEL") if \
-        script.startswith("serve") else ("DATASET=random", "ISL=8192", "CONCURRENCY=64", "PRESET", "BACKEND=megamoe")
+        script.startswith("serve") else ("DATASET=random", "ISL=8192", "CONCURRENCY=64", "PRESET", "LABEL=megamoe")
     for name in names:
         assert f"\n  {name}" in proc.stdout, name
     assert script in proc.stdout  # the usage lines of the script itself
@@ -283,6 +295,23 @@ def test_dry_run_on_vllm_033_follows_its_a8w4_reading():
     assert "--engine vllm-0.33.0" in proc.stderr and "quant=a8w4" in proc.stderr and "wire=fp8" in proc.stderr
     unset = run(SERVE["vllm", "dsv4"], "--dry-run", CHECK="1", PYTHON=str(python))
     assert unset.returncode == 0 and "wire=fp8" in unset.stderr  # WIRE unset: the reading's wire, not bf16
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_model_error_is_not_blamed_on_a_knob_and_a_missing_model_path_fails(engine, tmp_path):
+    """megamoe info refusing the checkpoint (not a MoE model) says so, not "fix the knob"; MODEL=/nonexistent
+    is refused before anything is printed or started (it exited 0 with a note)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
+    proc = run(SERVE[engine, "r1"], "--dry-run", CHECK="1", MODEL=str(tmp_path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "model_type='llama' is not a MoE model" in proc.stderr
+    assert "megamoe info refuses this setup (the error above names what; not a MEGA_* knob)" in proc.stderr
+    assert "fix the knob" not in proc.stderr
+    missing = run(SERVE[engine, "r1"], "--dry-run", CHECK="1", MODEL="/nonexistent")
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert "error: MODEL=/nonexistent does not exist: set MODEL to the checkpoint folder" in missing.stderr
+    run_it = run(SERVE[engine, "r1"], CHECK="1", MODEL="/nonexistent", VLLM="/bin/true")  # no --dry-run: not started
+    assert run_it.returncode == 2
 
 
 def test_check_names_the_missing_megamoe_command():

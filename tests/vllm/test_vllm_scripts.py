@@ -22,11 +22,10 @@ from test_scripts_dry_run import run  # noqa: E402  (the dry-run helper: clean v
 
 
 def argv_of(script: str, **env: str) -> list[list[str]]:
-    """Every command line a dry run prints, after the executable (serve: the second line)."""
+    """Every command line a dry run prints, after the executable (serve: not its `env MEGA_*` line)."""
     proc = run(script, "--dry-run", **env)
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    lines = lines[1:] if script.startswith("serve") else lines
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("env ")]
     return [shlex.split(line) for line in lines]
 
 
