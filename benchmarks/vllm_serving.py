@@ -173,13 +173,16 @@ def plot(result: dict, path: str, card: str) -> None:
             better_high = key != "ms_per_output_token"
             ratios.append(mega[name][key] / base[name][key] if better_high else base[name][key] / mega[name][key])
             names.append(f"{name}\n({key})")
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.bar(names, ratios, color=["tab:green" if r >= 1 else "tab:red" for r in ratios])
     ax.axhline(1.0, color="black", lw=1)
     for i, r in enumerate(ratios):
         ax.text(i, r, f"{r:.2f}x", ha="center", va="bottom")
-    ax.set_ylabel("megamoe_ep speed / vLLM default MoE backend (>1: faster)")
-    ax.set_title(f"vLLM 0.34 offline, DSV4-Pro MoE shapes (MXFP4 A8W4), one {card}")
+    default = next((x.split("Using ")[-1] for x in result["runs"]["default"].get("moe_log", []) if "Using " in x
+                    and "backend" in x), "vLLM's default")
+    ax.set_ylabel("megamoe_ep / vLLM default (>1: faster)")
+    ax.set_title(f"vLLM 0.34 offline on one {card}\nDSV4-Pro MoE shapes (384 x 3072, top-6, MXFP4), 1 MoE layer;"
+                 f" default: {default}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
