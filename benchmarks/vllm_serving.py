@@ -44,7 +44,7 @@ def build_checkpoint(out_dir: Path, layers: int = 2) -> Path:
     from safetensors.torch import save_file
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
-    from tiny_model import TinyDeepseekConfig, _linear, _write_tokenizer
+    from tiny_model import TinyDeepseekConfig, _write_tokenizer, build_state_dict
 
     cfg = TinyDeepseekConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * INTER,
                              moe_intermediate_size=INTER, num_hidden_layers=layers, first_k_dense_replace=1,
@@ -54,42 +54,20 @@ def build_checkpoint(out_dir: Path, layers: int = 2) -> Path:
     if (out / "config.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(0)
-    h, heads = cfg.hidden_size, cfg.num_attention_heads
-    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    sd = {"model.embed_tokens.weight": torch.randn(VOCAB, h, generator=g),
-          "model.norm.weight": torch.ones(h), "lm_head.weight": _linear(g, VOCAB, h, gain=4.0)}
 
-    def mxfp4(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-        data = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
-        scales = torch.randint(119, 122, (rows, cols // 32), dtype=torch.uint8, generator=g)
-        return data, scales
-
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        sd[f"{p}.input_layernorm.weight"] = torch.ones(h)
-        sd[f"{p}.post_attention_layernorm.weight"] = torch.ones(h)
-        sd[f"{p}.self_attn.q_proj.weight"] = _linear(g, heads * qk, h)
-        sd[f"{p}.self_attn.kv_a_proj_with_mqa.weight"] = _linear(g, cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
-        sd[f"{p}.self_attn.kv_a_layernorm.weight"] = torch.ones(cfg.kv_lora_rank)
-        sd[f"{p}.self_attn.kv_b_proj.weight"] = _linear(g, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-        sd[f"{p}.self_attn.o_proj.weight"] = _linear(g, h, heads * cfg.v_head_dim, gain=0.5)
-        if i < cfg.first_k_dense_replace:
-            sd[f"{p}.mlp.gate_proj.weight"] = _linear(g, cfg.intermediate_size, h)
-            sd[f"{p}.mlp.up_proj.weight"] = _linear(g, cfg.intermediate_size, h)
-            sd[f"{p}.mlp.down_proj.weight"] = _linear(g, h, cfg.intermediate_size, gain=0.5)
-            continue
-        sd[f"{p}.mlp.gate.weight"] = _linear(g, EXPERTS, h, gain=2.0)
-        sd[f"{p}.mlp.gate.e_score_correction_bias"] = (torch.rand(EXPERTS, generator=g) - 0.5) * 0.4
+    def mxfp4_experts(g: torch.Generator, cfg, prefix: str) -> dict[str, torch.Tensor]:
+        experts = {}
         for e in range(EXPERTS):
-            q = f"{p}.mlp.experts.{e}"
-            for name, (rows, cols) in (("gate_proj", (INTER, h)), ("up_proj", (INTER, h)), ("down_proj", (h, INTER))):
-                sd[f"{q}.{name}.weight"], sd[f"{q}.{name}.weight_scale"] = mxfp4(rows, cols)
-                sd[f"{q}.{name}.input_scale"] = torch.tensor(8.0 / 448.0, dtype=torch.float32)
-        shared = INTER
-        sd[f"{p}.mlp.shared_experts.gate_proj.weight"] = _linear(g, shared, h)
-        sd[f"{p}.mlp.shared_experts.up_proj.weight"] = _linear(g, shared, h)
-        sd[f"{p}.mlp.shared_experts.down_proj.weight"] = _linear(g, h, shared, gain=0.5)
+            q = f"{prefix}.mlp.experts.{e}"
+            for name, (rows, cols) in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)),
+                                       ("down_proj", (HIDDEN, INTER))):
+                experts[f"{q}.{name}.weight"] = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
+                experts[f"{q}.{name}.weight_scale"] = torch.randint(119, 122, (rows, cols // 32), dtype=torch.uint8,
+                                                                    generator=g)
+                experts[f"{q}.{name}.input_scale"] = torch.tensor(8.0 / 448.0, dtype=torch.float32)
+        return experts
+
+    sd = build_state_dict(cfg, seed=0, routed_experts=mxfp4_experts)
     keep = ("e_score_correction_bias", "input_scale")
     sd = {k: (v.to(torch.bfloat16) if v.is_floating_point() and not k.endswith(keep) else v).contiguous()
           for k, v in sd.items()}

@@ -31,7 +31,7 @@ CUDA_GEMMS_MOVED = (
 )
 DEFAULT_MAX_TOKENS_PER_RANK = 8192
 DEFAULT_P2P_TIMEOUT_S = 30.0
-# The start-up forwards' bound (layer/device/wait_budget.py says which forwards): they include every
+# The start-up forwards' bound (layer/device/startup_wait.py says which forwards): they include every
 # rank's first Triton compiles, which a 2-core-per-rank host can stretch past a minute on one rank.
 DEFAULT_P2P_STARTUP_TIMEOUT_S = 600.0
 

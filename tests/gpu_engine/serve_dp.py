@@ -38,7 +38,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "vllm"))
 
 from engine_run import PROMPTS, score_sequences  # noqa: E402
-from serve_one import GRAPH_MODES, OpProbe, bundle_workarounds, engine_kwargs, graph_env  # noqa: E402
+from serve_one import GRAPH_MODES, engine_kwargs, generate_and_score, prepare_process  # noqa: E402
 
 
 def work_of(rank: int, groups: int) -> dict:
@@ -50,28 +50,14 @@ def work_of(rank: int, groups: int) -> dict:
 def run_work(llm, work: dict) -> dict:
     """One generate call for the prompts and one for the sequences (a call holds all of a rank's
     requests, so an idle DP rank keeps stepping inside it while another rank finishes)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(temperature=0.0, max_tokens=work["max_tokens"], logprobs=2, ignore_eos=True)
-    outs = llm.generate(work["prompts"], sp, use_tqdm=False)
-    score = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    scored = llm.generate([TokensPrompt(prompt_token_ids=s) for s in work["sequences"]], score, use_tqdm=False)
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "top2": [[{str(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs]
-                     for o in outs],
-            "forced": [[float(pos[tok].logprob) for tok, pos in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
-                       for o in scored]}
+    out = generate_and_score(llm, work["prompts"], work["max_tokens"], [])
+    out["forced"] = generate_and_score(llm, [], 1, work["sequences"])["forced"]
+    return out
 
 
 def rank_main(args) -> None:
     """One DP rank (or, with --dp 1, the EP 1 reference over every group)."""
-    for key, value in graph_env(args.graphs).items():
-        os.environ.setdefault(key, value)
-    bundle_workarounds()
-    probe = OpProbe()
-    if args.moe_backend == "megamoe_ep":
-        probe.install()
+    probe = prepare_process(args.graphs, args.moe_backend)
     kwargs = engine_kwargs(args.model, args.graphs, args.moe_backend, args.gpu_memory_utilization)
     if args.dp > 1:
         from vllm.platforms import current_platform

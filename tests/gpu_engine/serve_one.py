@@ -147,6 +147,39 @@ class OpProbe:
         return out
 
 
+def prepare_process(graphs: str, moe_backend: str | None) -> OpProbe:
+    """What a probe process sets before vLLM starts: the graph mode's environment, the bundle's
+    workarounds, and (MegaMoE runs) the op probe, which it returns."""
+    for key, value in graph_env(graphs).items():
+        os.environ.setdefault(key, value)
+    bundle_workarounds()
+    probe = OpProbe()
+    if moe_backend == "megamoe_ep":
+        probe.install()
+    return probe
+
+
+def generate_and_score(llm, prompts: list[str], max_tokens: int, sequences: list[list[int]]) -> dict:
+    """Greedy ``prompts`` (one call: tokens, top-2 logprobs per step) and teacher-forced ``sequences``
+    (one call: log p(token_i | tokens_<i), position 0 has none); either list may be empty."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = {"tokens": [], "top2": [], "forced": []}
+    if prompts:
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, ignore_eos=True)
+        gen = llm.generate(prompts, sp, use_tqdm=False)
+        out["tokens"] = [list(o.outputs[0].token_ids) for o in gen]
+        out["top2"] = [[{str(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs]
+                       for o in gen]
+    if sequences:
+        score = SamplingParams(max_tokens=1, prompt_logprobs=0)
+        scored = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], score, use_tqdm=False)
+        out["forced"] = [[float(pos[tok].logprob) for tok, pos in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
+                         for o in scored]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -155,33 +188,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     args = ap.parse_args()
-    for key, value in graph_env(args.graphs).items():
-        os.environ.setdefault(key, value)
-
-    bundle_workarounds()
-    probe = OpProbe()
-    if args.moe_backend == "megamoe_ep":
-        probe.install()
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    probe = prepare_process(args.graphs, args.moe_backend)
+    from vllm import LLM
 
     t0 = time.time()
     llm = LLM(**engine_kwargs(args.model, args.graphs, args.moe_backend, args.gpu_memory_utilization))
     t_init = time.time() - t0
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=2, ignore_eos=True)
-    outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in PROMPTS]
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    top2 = [[{str(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs]
-    batch = llm.generate(PROMPTS[:3], sp, use_tqdm=False)
-    score_params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    scored = [llm.generate([TokensPrompt(prompt_token_ids=seq)], score_params, use_tqdm=False)[0]
-              for seq in score_sequences()]
-    forced = [[float(pos[tok].logprob) for tok, pos in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
-              for o in scored]
+    # one prompt / one sequence per call: a request's numerics do not depend on what shares its batch
+    per_request = [generate_and_score(llm, [p], args.max_tokens, []) for p in PROMPTS]
+    scored = [generate_and_score(llm, [], 1, [seq]) for seq in score_sequences()]
+    batch = generate_and_score(llm, PROMPTS[:3], args.max_tokens, [])
     cfg = llm.llm_engine.vllm_config.compilation_config
     print("RESULT " + json.dumps({
-        "tokens": tokens, "top2": top2, "forced": forced, "rhos": probe.rhos(),
-        "batch_tokens": [list(o.outputs[0].token_ids) for o in batch],
+        "tokens": [r["tokens"][0] for r in per_request], "top2": [r["top2"][0] for r in per_request],
+        "forced": [r["forced"][0] for r in scored], "rhos": probe.rhos(), "batch_tokens": batch["tokens"],
         "op_calls": {"eager": probe.eager, "captured": probe.captured}, "padding": probe.padding(),
         "cudagraph_mode": str(cfg.cudagraph_mode), "init_s": round(t_init, 1), "total_s": round(time.time() - t0, 1),
     }), flush=True)

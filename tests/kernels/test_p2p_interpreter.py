@@ -299,23 +299,32 @@ def test_ep_forward_equals_the_ep1_device_forward(world, case, idle):
     assert rel_l2(got.float(), fp32) < GATES[case[0]]
 
 
-def _dead_worker(rank, world):
+def _ipc_layer(rank, world, seed, name, startup_timeout_s):
+    """(layer, problem) of one interpreter rank over ipc, MEGA_P2P_TIMEOUT_S=2, raising on a peer timeout."""
     os.environ["TRITON_INTERPRET"] = "1"
     import torch.distributed as dist
 
     from megamoe_backend.layer import MegaMoELayer
-    from megamoe_backend.transport import PeerTimeoutError
     from megamoe_backend.workload import ProblemConfig, make_problem
     from megamoe_backend.workload.problem import local_weights
 
-    problem = make_problem(ProblemConfig(SPEC, 3, world, seed=3))
-    # the peer dies before the first forward, a start-up forward: its bound is set as short here
+    problem = make_problem(ProblemConfig(SPEC, 3, world, seed=seed))
     knobs = Knobs(dispatch_wire="bf16", max_tokens_per_rank=4, transport="ipc", p2p_timeout_s=2.0,
-                  p2p_startup_timeout_s=2.0, on_peer_timeout="raise")
+                  p2p_startup_timeout_s=startup_timeout_s, on_peer_timeout="raise")
     plan = build_plan(SPEC, knobs, rank, world, quant="bf16", backends=("triton", "ipc"))
     layer = MegaMoELayer(plan, local_weights(problem.expert_weights("bf16"), plan.placement, rank),
                          group=dist.group.WORLD, provider=TritonExperts(capacity=4 * K * world), device_path=True,
-                         name="layer 9")
+                         name=name)
+    return layer, problem
+
+
+def _dead_worker(rank, world):
+    import torch.distributed as dist
+
+    from megamoe_backend.transport import PeerTimeoutError
+
+    # the peer dies before the first forward, a start-up forward: its bound is set as short here
+    layer, problem = _ipc_layer(rank, world, 3, "layer 9", startup_timeout_s=2.0)
     dist.barrier()
     if rank == 1:
         os._exit(0)
@@ -347,21 +356,11 @@ LATE_S = 8.0  # a rank this late to a barrier (a slow first compile) is 4x the s
 
 
 def _late_worker(rank, world):
-    os.environ["TRITON_INTERPRET"] = "1"
     import torch.distributed as dist
 
-    from megamoe_backend.layer import MegaMoELayer
     from megamoe_backend.transport import PeerTimeoutError
-    from megamoe_backend.workload import ProblemConfig, make_problem
-    from megamoe_backend.workload.problem import local_weights
 
-    problem = make_problem(ProblemConfig(SPEC, 3, world, seed=4))
-    knobs = Knobs(dispatch_wire="bf16", max_tokens_per_rank=4, transport="ipc", p2p_timeout_s=2.0,
-                  p2p_startup_timeout_s=120.0, on_peer_timeout="raise")
-    plan = build_plan(SPEC, knobs, rank, world, quant="bf16", backends=("triton", "ipc"))
-    layer = MegaMoELayer(plan, local_weights(problem.expert_weights("bf16"), plan.placement, rank),
-                         group=dist.group.WORLD, provider=TritonExperts(capacity=4 * K * world), device_path=True,
-                         name="layer 5")
+    layer, problem = _ipc_layer(rank, world, 4, "layer 5", startup_timeout_s=120.0)
     x, ids, w = problem.x[:3], problem.topk_ids[:3], problem.topk_weights[:3]
     result = {}
     for forward in ("start-up", "steady"):

@@ -117,12 +117,43 @@ def _linear(gen: torch.Generator, out_features: int, in_features: int, gain: flo
     return torch.randn(out_features, in_features, generator=gen) * (gain / math.sqrt(in_features))
 
 
-def build_state_dict(cfg: TinyDeepseekConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """fp32 tensors under DeepSeek-V3 checkpoint names."""
+def attention_weights(g: torch.Generator, cfg: TinyDeepseekConfig, prefix: str) -> dict[str, torch.Tensor]:
+    """One decoder layer's norms and MLA projections (fp32, DeepSeek-V3 names under ``prefix``)."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    qk_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    return {
+        f"{prefix}.input_layernorm.weight": torch.ones(h),
+        f"{prefix}.post_attention_layernorm.weight": torch.ones(h),
+        f"{prefix}.self_attn.q_proj.weight": _linear(g, heads * qk_head, h),
+        f"{prefix}.self_attn.kv_a_proj_with_mqa.weight": _linear(g, cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
+        f"{prefix}.self_attn.kv_a_layernorm.weight": torch.ones(cfg.kv_lora_rank),
+        f"{prefix}.self_attn.kv_b_proj.weight": _linear(g, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                                        cfg.kv_lora_rank),
+        f"{prefix}.self_attn.o_proj.weight": _linear(g, h, heads * cfg.v_head_dim, gain=0.5),
+    }
+
+
+def dense_mlp_weights(g: torch.Generator, cfg: TinyDeepseekConfig, prefix: str) -> dict[str, torch.Tensor]:
+    """A dense layer's SwiGLU MLP (DeepSeek's first_k_dense_replace layers)."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    return {f"{prefix}.mlp.gate_proj.weight": _linear(g, inter, h), f"{prefix}.mlp.up_proj.weight": _linear(g, inter, h),
+            f"{prefix}.mlp.down_proj.weight": _linear(g, h, inter, gain=0.5)}
+
+
+def router_weights(g: torch.Generator, cfg: TinyDeepseekConfig, prefix: str) -> dict[str, torch.Tensor]:
+    """A MoE layer's router: the gate and its noaux_tc correction bias, large enough to change which
+    experts win for some tokens."""
+    experts = cfg.n_routed_experts
+    return {f"{prefix}.mlp.gate.weight": _linear(g, experts, cfg.hidden_size, gain=2.0),
+            f"{prefix}.mlp.gate.e_score_correction_bias": (torch.rand(experts, generator=g) - 0.5) * 0.4}
+
+
+def build_state_dict(cfg: TinyDeepseekConfig, seed: int = 0, routed_experts=None) -> dict[str, torch.Tensor]:
+    """fp32 tensors under DeepSeek-V3 checkpoint names. ``routed_experts(g, cfg, prefix) -> dict``
+    draws a MoE layer's routed experts (default ``fp32_routed_experts``; benchmarks/vllm_serving.py
+    draws MXFP4 bytes directly, at shapes whose fp32 weights would not fit)."""
     g = torch.Generator().manual_seed(seed)
     h = cfg.hidden_size
-    heads = cfg.num_attention_heads
-    qk_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     sd: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": torch.randn(cfg.vocab_size, h, generator=g),
         "model.norm.weight": torch.ones(h),
@@ -130,34 +161,28 @@ def build_state_dict(cfg: TinyDeepseekConfig, seed: int = 0) -> dict[str, torch.
     }
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
-        sd[f"{p}.input_layernorm.weight"] = torch.ones(h)
-        sd[f"{p}.post_attention_layernorm.weight"] = torch.ones(h)
-        sd[f"{p}.self_attn.q_proj.weight"] = _linear(g, heads * qk_head, h)
-        sd[f"{p}.self_attn.kv_a_proj_with_mqa.weight"] = _linear(g, cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
-        sd[f"{p}.self_attn.kv_a_layernorm.weight"] = torch.ones(cfg.kv_lora_rank)
-        sd[f"{p}.self_attn.kv_b_proj.weight"] = _linear(
-            g, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank
-        )
-        sd[f"{p}.self_attn.o_proj.weight"] = _linear(g, h, heads * cfg.v_head_dim, gain=0.5)
+        sd.update(attention_weights(g, cfg, p))
         if i < cfg.first_k_dense_replace:
-            sd[f"{p}.mlp.gate_proj.weight"] = _linear(g, cfg.intermediate_size, h)
-            sd[f"{p}.mlp.up_proj.weight"] = _linear(g, cfg.intermediate_size, h)
-            sd[f"{p}.mlp.down_proj.weight"] = _linear(g, h, cfg.intermediate_size, gain=0.5)
+            sd.update(dense_mlp_weights(g, cfg, p))
             continue
-        sd[f"{p}.mlp.gate.weight"] = _linear(g, cfg.n_routed_experts, h, gain=2.0)
-        # Large enough to change which experts win for some tokens (noaux_tc selection).
-        sd[f"{p}.mlp.gate.e_score_correction_bias"] = (torch.rand(cfg.n_routed_experts, generator=g) - 0.5) * 0.4
-        inter = cfg.moe_intermediate_size
-        for e in range(cfg.n_routed_experts):
-            q = f"{p}.mlp.experts.{e}"
-            sd[f"{q}.gate_proj.weight"] = _linear(g, inter, h)
-            sd[f"{q}.up_proj.weight"] = _linear(g, inter, h)
-            sd[f"{q}.down_proj.weight"] = _linear(g, h, inter, gain=0.3)
-        shared = inter * cfg.n_shared_experts
+        sd.update(router_weights(g, cfg, p))
+        sd.update((routed_experts or fp32_routed_experts)(g, cfg, p))
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         sd[f"{p}.mlp.shared_experts.gate_proj.weight"] = _linear(g, shared, h)
         sd[f"{p}.mlp.shared_experts.up_proj.weight"] = _linear(g, shared, h)
         sd[f"{p}.mlp.shared_experts.down_proj.weight"] = _linear(g, h, shared, gain=0.5)
     return sd
+
+
+def fp32_routed_experts(g: torch.Generator, cfg: TinyDeepseekConfig, prefix: str) -> dict[str, torch.Tensor]:
+    """One MoE layer's routed experts in fp32 (gate / up / down per expert)."""
+    h, inter, out = cfg.hidden_size, cfg.moe_intermediate_size, {}
+    for e in range(cfg.n_routed_experts):
+        q = f"{prefix}.mlp.experts.{e}"
+        out[f"{q}.gate_proj.weight"] = _linear(g, inter, h)
+        out[f"{q}.up_proj.weight"] = _linear(g, inter, h)
+        out[f"{q}.down_proj.weight"] = _linear(g, h, inter, gain=0.3)
+    return out
 
 
 def _is_routed_expert_weight(name: str) -> bool:
