@@ -4,7 +4,7 @@ their own) — repeated forwards bitwise equal, every variant equal to the defau
 vs the bench's exact subset reference, and every variant's combine wire rows (``forward_wire``, bf16
 and fp8) equal to the encode of its fp32 rows in three repeats. 192 experts, DSV4-Pro shapes, a8w4
 and a4w4, 8192 and 1024 tokens. (The wire check was added after the register-operand race,
-docs/triton.md, which a one-off script found, benchmarks/results/h200_fp8_rs_race.json; on the fixed
+benchmarks/research/NOTEBOOK.md's tuning log, which a one-off script found, benchmarks/results/h200_fp8_rs_race.json; on the fixed
 kernels, tree c91ffab, every check here passes on an H200.)
 
 Why: a first design held both tile heights in one kernel; on the H200 its A8W4 GEMM1 gave results

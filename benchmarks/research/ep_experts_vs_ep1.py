@@ -16,7 +16,7 @@ forward_wire on the same weights, and measures both the same two ways:
 
 Needs a CUDA GPU (EP 8 x 48 experts at 8192 tokens: every rank's weights, ~13 GB, and arenas on one card).
 Runs so far (H100, 2026-12-06, no H200 could be started), issue 48 item 2's two measured rounds:
-benchmarks/results/h100_pdl_rescale_ab.json and h100_layout_spans_ab.json, docs/ep-device.md's last two sections.
+benchmarks/results/h100_pdl_rescale_ab.json and h100_layout_spans_ab.json, benchmarks/research/NOTEBOOK.md part 2 (the issue 48 sections).
 A kernel launched more than once per step is split by launch order (graph_spans): frag8's re-scales read as
 ``rowscale_e4m3_kernel [1/2]`` (A, received rows) and ``[2/2]`` (A2, sorted pair rows). With PDL on, a kernel's
 busy time includes its wait for its predecessor; ``--no-pdl`` launches both forwards without it, for kernel times.

@@ -2,13 +2,13 @@
 
 Why: `megamoe bench experts` (median of CUDA-graph replays, ~60 ms of back-to-back forwards per
 sample) and `benchmarks/research/profile_experts.py` (torch.profiler kernel sums over a few eager forwards) have
-disagreed by 8-19 % for the same kernels (docs/triton.md); a tile that wins in one can tie in the
+disagreed by 8-19 % for the same kernels (benchmarks/research/NOTEBOOK.md's tuning log); a tile that wins in one can tie in the
 other. Modes per case, each twice: ``graph`` / ``eager`` (the bench's time_fn with / without a
 graph), ``burstN`` (events around N eager forwards after 5 ms of GPU sleep), ``prof6`` (profiler
 kernel sum over 6 forwards). Each mode's median / min SM MHz and power-capped fraction is stored
 beside its time (bench/gpu_clock.py): on the H200 here sustained modes run with the SW power cap set
 (~1550-1700 MHz), measurements right after an idle gap mostly without, and the cap state is what
-separates fast from slow (docs/triton.md). 192 experts, a8w4, DSV4-Pro shapes; needs a CUDA GPU.
+separates fast from slow (docs/triton.md, "Sustained runs are power-capped"). 192 experts, a8w4, DSV4-Pro shapes; needs a CUDA GPU.
 
     PYTHONPATH=. python3 benchmarks/research/timing_modes.py                # writes $OUT/timing_modes.json (or ./)
 """

@@ -2,7 +2,7 @@
 its loop is the frag8 K step's MMA alone — BN/64 x BK/32 = 8 FP8 wgmmas per step of shape
 64 x N x 32 with the weights as the register A operand — and, with the retire, exactly one full wait
 per step (without it, none: Triton keeps groups in flight). The H200 numbers it gave are in
-benchmarks/results/h200_wgmma_probe.json and docs/triton.md."""
+benchmarks/results/h200_wgmma_probe.json and benchmarks/research/NOTEBOOK.md ("The 64-row tiles' MMA alone")."""
 
 from __future__ import annotations
 
