@@ -122,3 +122,12 @@ def test_the_placeholder_transport_is_never_judged():
     assert plan.backends.needs_ep_topology and plan.backends.transport == "nccl"  # the placeholder
     with pytest.raises(ValueError, match="settled plan"):
         CaptureFacts.of(plan, "cuda")
+
+
+@pytest.mark.parametrize("graphs, said", [(VLLM, "graphs=captured"), (EngineGraphs(False, "--enforce-eager"), "graphs=eager"),
+                                          (None, None)])
+def test_the_startup_line_says_whether_the_engine_captures_the_layer(cuda_host, graphs, said):
+    """What an operator greps to see the layer inside the engine's CUDA graphs (seen on an H100 in vLLM
+    0.34: docs/vllm.md, "On a GPU"); no engine (benchmarks): no field."""
+    line = settle(cuda_host, 8, graphs=graphs).startup_line()
+    assert (said in line) if said else ("graphs=" not in line)
