@@ -64,7 +64,7 @@ def main() -> int:
     if len(sys.argv) != 2 or not torch.cuda.is_available():
         print("usage (CUDA GPU): rowscale_ab.py OLD_REV|OLD_CHECKOUT_DIR", file=sys.stderr)
         return 2
-    from megamoe_backend.bench.bench_experts import make_routing
+    from benchmarks.bench_experts import make_routing
     from megamoe_backend.experts.triton import gather as gnew, layout_kernels as lnew
     from megamoe_backend.experts.triton.layout import build_layout, max_tiles
     from megamoe_backend.experts.triton.quant import quantize_rows

@@ -6,7 +6,7 @@ disagreed by 8-19 % for the same kernels (docs/triton.md); a tile that wins in o
 other. Modes per case, each twice: ``graph`` / ``eager`` (the bench's time_fn with / without a
 graph), ``burstN`` (events around N eager forwards after 5 ms of GPU sleep), ``prof6`` (profiler
 kernel sum over 6 forwards). Each mode's median / min SM MHz and power-capped fraction is stored
-beside its time (bench/gpu_clock.py): on the H200 here sustained modes run with the SW power cap set
+beside its time (benchmarks/gpu_clock.py): on the H200 here sustained modes run with the SW power cap set
 (~1550-1700 MHz), measurements right after an idle gap mostly without, and the cap state is what
 separates fast from slow (docs/triton.md). 192 experts, a8w4, DSV4-Pro shapes; needs a CUDA GPU.
 
@@ -46,8 +46,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("timing_modes needs a CUDA GPU", file=sys.stderr)
         return 2
-    from megamoe_backend.bench.bench_experts import make_routing, make_weights, time_fn
-    from megamoe_backend.bench.gpu_clock import ClockSampler
+    from benchmarks.bench_experts import make_routing, make_weights, time_fn
+    from benchmarks.gpu_clock import ClockSampler
     from megamoe_backend.experts import ExpertMath
     from megamoe_backend.experts.triton.config import TileConfig
     from megamoe_backend.experts.triton.provider import TritonExperts
