@@ -91,34 +91,34 @@ replot() {  # replot MODULE JSON
 }
 
 if [ "$MODE" = smoke ]; then
-  step experts_smoke 45 -m megamoe_backend.bench.bench_experts --experts 48 --tokens 128 --schemes a8w4 a4w4 "${PEERS[@]}" \
+  step experts_smoke 45 -m benchmarks.bench_experts --experts 48 --tokens 128 --schemes a8w4 a4w4 "${PEERS[@]}" \
     --json "$OUT/smoke_experts.json" --plot "$OUT/smoke_experts.png"
-  step layer_smoke 50 -m megamoe_backend.bench.bench_layer --experts 48 --tokens 128 --schemes a8w4 --combine-wires bf16 \
+  step layer_smoke 50 -m benchmarks.bench_layer --experts 48 --tokens 128 --schemes a8w4 --combine-wires bf16 \
     --no-chain "${PEERS[@]}" --json "$OUT/smoke_layer.json" --plot "$OUT/smoke_layer.png"
-  step emulated_smoke 100 -m megamoe_backend.bench.bench_layer --emulate --ep 2 --experts-total 96 --tokens 128 \
+  step emulated_smoke 100 -m benchmarks.bench_layer --emulate --ep 2 --experts-total 96 --tokens 128 \
     --routings uniform --schemes a8w4 --combine-wires bf16 "${PEERS[@]}" --json "$OUT/smoke_emulated.json" \
     --plot "$OUT/smoke_emulated.png"
 elif [ "$MODE" = emulated ]; then
   # shellcheck disable=SC2046
-  step emulated 100 -m megamoe_backend.bench.bench_layer --emulate $([ -n "${EMU_EP:-}" ] && echo --ep "$EMU_EP") \
+  step emulated 100 -m benchmarks.bench_layer --emulate $([ -n "${EMU_EP:-}" ] && echo --ep "$EMU_EP") \
     --tokens 8 128 1024 8192 --routings uniform \
     --schemes a8w4 a4w4 --combine-wires bf16 "${PEERS[@]}" --json "$OUT/${GPU}_layer_ep_emulated${EMU_EP:+_ep$EMU_EP}_peers.json" \
     --plot "$OUT/${GPU}_layer_ep_emulated${EMU_EP:+_ep$EMU_EP}_peers.png"
-  replot megamoe_backend.bench.bench_layer "$OUT/${GPU}_layer_ep_emulated${EMU_EP:+_ep$EMU_EP}_peers.json"
+  replot benchmarks.bench_layer "$OUT/${GPU}_layer_ep_emulated${EMU_EP:+_ep$EMU_EP}_peers.json"
 else
   # 48 experts first: one EP 8 rank's share of DSV4-Pro, the issues' headline figures
   share=62; [ "$MODE" = experts ] && share=100
   if [ "$MODE" != layer ]; then
     # shellcheck disable=SC2086
-    step experts $share -m megamoe_backend.bench.bench_experts --experts $EXPERTS --tokens $TOKENS \
+    step experts $share -m benchmarks.bench_experts --experts $EXPERTS --tokens $TOKENS \
       --schemes a8w4 a4w4 "${PEERS[@]}" --json "$OUT/${GPU}_experts${GRID}_peers.json" --plot "$OUT/${GPU}_experts${GRID}_peers.png"
-    replot megamoe_backend.bench.bench_experts "$OUT/${GPU}_experts${GRID}_peers.json"
+    replot benchmarks.bench_experts "$OUT/${GPU}_experts${GRID}_peers.json"
   fi
   if [ "$MODE" != experts ]; then
     # shellcheck disable=SC2086
-    step layer 100 -m megamoe_backend.bench.bench_layer --experts $EXPERTS --tokens $TOKENS --schemes a8w4 a4w4 \
+    step layer 100 -m benchmarks.bench_layer --experts $EXPERTS --tokens $TOKENS --schemes a8w4 a4w4 \
       --combine-wires bf16 --no-chain "${PEERS[@]}" --json "$OUT/${GPU}_layer${GRID}_peers.json" --plot "$OUT/${GPU}_layer${GRID}_peers.png"
-    replot megamoe_backend.bench.bench_layer "$OUT/${GPU}_layer${GRID}_peers.json"
+    replot benchmarks.bench_layer "$OUT/${GPU}_layer${GRID}_peers.json"
   fi
 fi
 [ -f "$TUNE" ] && cp "$TUNE" "$OUT/flashinfer_autotune.json"

@@ -39,7 +39,7 @@ def grids_of(variant: str):
 def main() -> int:
     from emulated_kernel_spans import ab_cli, emulated_dsv4, gemm_round
 
-    from megamoe_backend.bench.bench_layer_emulated import make_routes
+    from benchmarks.bench_layer_emulated import make_routes
     from megamoe_backend.experts.triton.config import default_config
     from megamoe_backend.experts.triton.layout import max_tiles
 

@@ -18,12 +18,14 @@ import sys
 
 import torch
 
-from megamoe_backend.bench.bench_experts import check_subset, make_routing, make_weights, rel_l2, subset_reference
+from benchmarks.bench_experts import make_routing, make_weights
+from benchmarks.references import check_subset, subset_reference
 from megamoe_backend.experts import ExpertMath
 from megamoe_backend.experts.triton.config import default_config
 from megamoe_backend.experts.triton.provider import TritonExperts
 from megamoe_backend.experts.triton.quant import quantize_rows
 from megamoe_backend.formats.wire import combine_wire
+from megamoe_backend.layer.reference import rel_l2
 
 
 def main(path: str, n_exp: int = 192) -> int:

@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from megamoe_backend.bench.bench_experts import capture_graph
+from benchmarks.bench_experts import capture_graph
 from megamoe_backend.experts.triton.layout import build_layout
 
 from cuda_gemms.gemms import Sm90Frag8Gemms

@@ -21,7 +21,7 @@ import torch
 
 
 def profile_step(emu, routes, bound, replays: int = 5) -> dict:
-    from megamoe_backend.bench.bench_experts import capture_graph
+    from benchmarks.bench_experts import capture_graph
 
     return graph_spans(capture_graph(lambda: emu.forward(routes, bound)), emu.ep, replays)
 
@@ -68,12 +68,11 @@ MTPR = 8192
 def emulated_dsv4(ep: int, experts: int, device):
     """(spec, EmulatedEP) of DSV4-Pro scaled to ep x experts (A8W4 + fp8 wire, bf16 combine, MTPR 8192):
     the one setup this probe, persistent_grid_ab.py and bounded_grid_ab.py time. Its providers are this
-    probe's own TritonExperts (as the layer would build them), so gemm_round can hand them a GridPolicy."""
-    from megamoe_backend.bench.bench_experts import make_weights
-    from megamoe_backend.bench.bench_layer import SCHEMES
-    from megamoe_backend.experts.triton import TritonExperts
+    probe's own (grid_experts, as the layer would build them), so gemm_round can hand them a GridPolicy."""
+    from benchmarks.bench_experts import make_weights
+    from benchmarks.bench_layer import SCHEMES
+    from benchmarks.emulated_ep import EmulatedEP
     from megamoe_backend.knobs import Knobs
-    from megamoe_backend.parallel.emulated_ep import EmulatedEP
     from megamoe_backend.plan import build_plan
     from megamoe_backend.spec import preset
 
@@ -83,7 +82,22 @@ def emulated_dsv4(ep: int, experts: int, device):
     plans = [build_plan(spec, knobs, r, ep, quant="a8w4", backends=("triton", "ipc")) for r in range(ep)]
     capacity = MTPR * spec.num_experts_per_tok * ep  # what registry.make_provider gives the layer's own provider
     return spec, EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device,
-                            provider_for=lambda r: TritonExperts(capacity=capacity))
+                            provider_for=lambda r: grid_experts(capacity))
+
+
+def grid_experts(capacity: int):
+    """A TritonExperts whose forwards plan their launches with its ``grids`` (a launch_plan.GridPolicy, set
+    by gemm_round): the product's provider runs the measured defaults only."""
+    from megamoe_backend.experts.triton import TritonExperts
+    from megamoe_backend.experts.triton.launch_plan import DEFAULT_GRIDS, plan_launches
+
+    class GridExperts(TritonExperts):
+        grids = DEFAULT_GRIDS
+
+        def _launch_plan(self, mode, pairs, weights, live, device):
+            return plan_launches(self.config, pairs, weights.num_experts, mode, live, device, self.grids)
+
+    return GridExperts(capacity=capacity)
 
 
 def gemm_round(label: str, emu, routes, bound, grids=None) -> dict:
@@ -115,7 +129,7 @@ def ab_cli(script: str, default_cases: list[str], variants) -> tuple[argparse.Na
 
 
 def main() -> int:
-    from megamoe_backend.bench.bench_layer_emulated import make_routes
+    from benchmarks.bench_layer_emulated import make_routes
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=8)

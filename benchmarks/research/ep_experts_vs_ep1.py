@@ -33,7 +33,7 @@ import torch
 
 def share_pairs(routes, rank: int, experts: int):
     """(x rows of the tokens that reach ``rank``, their ExpertPairs with local slots): what the rank receives."""
-    from megamoe_backend.bench.bench_layer_emulated import rank_share
+    from benchmarks.bench_layer_emulated import rank_share
     from megamoe_backend.experts import ExpertPairs
 
     xs, lid, w, tok = rank_share(routes, rank, experts)
@@ -44,10 +44,10 @@ def share_pairs(routes, rank: int, experts: int):
 def main() -> int:
     from emulated_kernel_spans import emulated_dsv4, graph_spans
 
-    from megamoe_backend.bench.bench_experts import capture_graph, forward_call
-    from megamoe_backend.bench.bench_layer_emulated import make_routes
-    from megamoe_backend.bench.gpu_clock import ClockSampler
-    from megamoe_backend.bench.timing import time_fn
+    from benchmarks.bench_experts import capture_graph, forward_call
+    from benchmarks.bench_layer_emulated import make_routes
+    from benchmarks.gpu_clock import ClockSampler
+    from benchmarks.timing import time_fn
     from megamoe_backend.experts import ExpertMath
     from megamoe_backend.experts.triton.provider import TritonExperts
     from megamoe_backend.experts.triton.quant import quantize_rows

@@ -34,10 +34,10 @@ import torch
 
 
 def main() -> int:
-    from megamoe_backend.bench import peers as peer_bench
-    from megamoe_backend.bench.bench_experts import TokenCheck, forward_call, make_routing, make_weights
-    from megamoe_backend.bench.references import check_tokens
-    from megamoe_backend.bench.timing import time_fn
+    from benchmarks import peers as peer_bench
+    from benchmarks.bench_experts import TokenCheck, forward_call, make_routing, make_weights
+    from benchmarks.references import check_tokens
+    from benchmarks.timing import time_fn
     from megamoe_backend.experts import ExpertMath
     from megamoe_backend.experts.triton.provider import TritonExperts
     from megamoe_backend.experts.triton.quant import quantize_rows

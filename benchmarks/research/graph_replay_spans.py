@@ -68,7 +68,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("graph_replay_spans needs a CUDA GPU", file=sys.stderr)
         return 2
-    from megamoe_backend.bench.bench_experts import capture_graph, make_routing, make_weights, time_fn, time_isolated
+    from benchmarks.bench_experts import capture_graph, make_routing, make_weights, time_fn, time_isolated
     from megamoe_backend.experts import ExpertMath
     from megamoe_backend.experts.triton.provider import TritonExperts
     from megamoe_backend.experts.triton.quant import quantize_rows

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from megamoe_backend.bench.bench_experts import make_routing
+from benchmarks.bench_experts import make_routing
 from megamoe_backend.experts import ExpertMath, ExpertWeights
 from megamoe_backend.experts.triton.config import TileConfig
 from megamoe_backend.experts.triton.provider import TritonExperts

@@ -24,9 +24,9 @@ import torch
 
 
 def main() -> int:
-    from megamoe_backend.bench.bench_experts import forward_call, make_routing, make_weights
-    from megamoe_backend.bench.gpu_clock import ClockSampler
-    from megamoe_backend.bench.timing import capture_graph, time_fn
+    from benchmarks.bench_experts import forward_call, make_routing, make_weights
+    from benchmarks.gpu_clock import ClockSampler
+    from benchmarks.timing import capture_graph, time_fn
     from megamoe_backend.experts import ExpertMath
     from megamoe_backend.experts.triton import launches
     from megamoe_backend.experts.triton.provider import TritonExperts

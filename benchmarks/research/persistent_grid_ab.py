@@ -30,7 +30,7 @@ WAVES = {"bounded": 1.0, "persistent x1": 1.0, "persistent x4": 4.0, "persistent
 def main() -> int:
     from emulated_kernel_spans import ab_cli, emulated_dsv4, gemm_round
 
-    from megamoe_backend.bench.bench_layer_emulated import make_routes
+    from benchmarks.bench_layer_emulated import make_routes
     from megamoe_backend.experts.triton.launch_plan import GridPolicy
 
     args, out = ab_cli("persistent_grid_ab", ["2x192x8192", "8x48x2048", "8x48x8"], VARIANTS)

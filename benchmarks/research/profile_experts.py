@@ -24,7 +24,7 @@ the time that remains is what the decode does not cost.
 Kernel sums time a few forwards after the GPU idled, at full clock; under sustained load the H200
 here runs power-capped and ~10 % slower (docs/triton.md), and a tile can win one way and tie the
 other. ``--sustained`` times each config like `megamoe bench experts` (median of back-to-back
-CUDA-graph replays) with NVML's clock / power-cap state beside it (bench/gpu_clock.py).
+CUDA-graph replays) with NVML's clock / power-cap state beside it (benchmarks/gpu_clock.py).
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def main() -> int:
     if args.variant == "nodecode":  # must precede the first compile of the kernels
         mxjit._FRAG_ASM = tl.constexpr("{\nmov.b32 $0, $4;\nmov.b32 $1, $5;\nmov.b32 $2, $7;\nmov.b32 $3, $4;\n}")
         mxjit._FRAG8_ASM = tl.constexpr("{\nmov.b32 $0, $2;\nmov.b32 $1, $3;\n}")  # frag8: word and row g's table
-    from megamoe_backend.bench.bench_experts import capture_graph, forward_call, make_routing, make_weights, time_fn, time_isolated
-    from megamoe_backend.bench.gpu_clock import ClockSampler
+    from benchmarks.bench_experts import capture_graph, forward_call, make_routing, make_weights, time_fn, time_isolated
+    from benchmarks.gpu_clock import ClockSampler
     from megamoe_backend.experts import ExpertMath
     from megamoe_backend.experts.triton.config import TileConfig
     from megamoe_backend.experts.triton.provider import TritonExperts

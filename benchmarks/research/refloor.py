@@ -1,4 +1,4 @@
-"""Re-derive the floors of a saved `bench experts` / `bench layer` JSON with bench/floor.py (no GPU).
+"""Re-derive the floors of a saved `bench experts` / `bench layer` JSON with benchmarks/floor.py (no GPU).
 
 Why: the runs committed before issue 35 divided the FLOPs of every scheme by the bf16 MMA peak,
 while A8W4 / A4W4 run FP8 MMA on Hopper; their times stay valid, only the floor and "x floor" were
@@ -17,8 +17,8 @@ import argparse
 import json
 import sys
 
-from megamoe_backend.bench.bench_experts import SCHEMES
-from megamoe_backend.bench.floor import H200_SXM, expert_floor
+from benchmarks.bench_experts import SCHEMES
+from benchmarks.floor import H200_SXM, expert_floor
 from megamoe_backend.experts import ExpertMath
 
 BF16_ONLY = {"bf16": H200_SXM.mma_flops_per_s["bf16"], "fp8": H200_SXM.mma_flops_per_s["bf16"]}  # the old floors' peak

@@ -20,8 +20,8 @@ import torch
 
 
 def main() -> int:
-    from megamoe_backend.bench.bench_experts import capture_graph, make_weights, slice_weights
-    from megamoe_backend.bench.bench_layer import Routes, replay_us
+    from benchmarks.bench_experts import capture_graph, make_weights, slice_weights
+    from benchmarks.bench_layer import Routes, replay_us
     from megamoe_backend.knobs import Knobs
     from megamoe_backend.layer import MegaMoELayer
     from megamoe_backend.plan import build_plan

@@ -1,5 +1,8 @@
 """`megamoe` command line: info | demo | bench.
 
+``bench`` is a thin entry: the benchmarks are not part of the installed package but the ``benchmarks``
+package of a source checkout (found beside this package); without one it says so in one line.
+
 Why the parser is built lazily: importing a command's module can import torch (seconds). ``megamoe
 --help`` imports none of them, and ``megamoe X ...`` imports X's module only (``info`` and ``demo`` keep
 their torch imports inside ``run``, so their ``--help`` is fast too).
@@ -10,17 +13,32 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 SUBCOMMANDS = {
     "info": ("megamoe_backend.cli.info", "print the resolved plan (spec, knobs, wire bytes, startup line)"),
     "demo": ("megamoe_backend.cli.demo", "run the EP layer on 2 gloo ranks (CPU) for every wire x quant"),
 }
 BENCH_TARGETS = {
-    "experts": ("megamoe_backend.bench.bench_experts", "single-GPU expert kernels vs torch._grouped_mm and the floor"),
-    "layer": ("megamoe_backend.bench.bench_layer", "the whole layer in a CUDA graph vs its experts, naive torch, the floor"),
+    "experts": ("benchmarks.bench_experts", "single-GPU expert kernels vs torch._grouped_mm and the floor"),
+    "layer": ("benchmarks.bench_layer", "the whole layer in a CUDA graph vs its experts, naive torch, the floor"),
 }
 # what `megamoe bench` needs that a CPU-only install lacks; checked before its module is imported
 BENCH_NEEDS = "triton (pip install 'megamoe-backend[triton]') and a CUDA GPU"
+# the source checkout this package would sit in (an editable install); a wheel install has no benchmarks/ there
+CHECKOUT = Path(__file__).resolve().parents[2]
+BENCH_ABSENT = ("the benchmarks are not installed with the package: run it from a source checkout "
+                "(git clone, pip install -e .), whose benchmarks/ it imports")
+
+
+def _benchmarks_on_path() -> bool:
+    """Whether the checkout's ``benchmarks`` package exists; if so its checkout goes first on sys.path, so
+    that package (not another of the same name) is the one imported."""
+    if not (CHECKOUT / "benchmarks" / "__init__.py").is_file():
+        return False
+    if str(CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(CHECKOUT))
+    return True
 
 
 def _chosen(argv: list[str] | None, names) -> set[str] | None:
@@ -35,6 +53,8 @@ def _bench_problem(module: str) -> str | None:
     """Why ``megamoe bench`` cannot run here (one line), or None."""
     from importlib.util import find_spec
 
+    if not _benchmarks_on_path():
+        return BENCH_ABSENT
     if find_spec("triton") is None:
         return f"needs {BENCH_NEEDS}; triton is not importable here"
     try:

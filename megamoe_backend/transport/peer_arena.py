@@ -13,10 +13,9 @@ Backends (allocation and rendezvous are eager, before any graph capture):
 - ``IpcPeerArena``: CUDA IPC handles exchanged over the group (ranks of one host, also several
   rank processes sharing one GPU: what the GPU tests run); on CPU (the Triton interpreter in CI)
   the same arena is a shared-memory file mapped by every rank.
-- ``EmulatedPeerArena``: every rank in ONE process on one device, the ranks' arenas in one
-  allocation (an ``EmulatedGroup`` per rank stands in for the process group): per-rank kernel
-  times without ranks time-slicing a GPU (``megamoe bench layer --ep N --emulate``), and the P2P
-  forward's tests in one process.
+- a group's own: a group object with a ``peer_arena(layout, device)`` method builds the arenas of
+  ranks that are not processes (the one-process emulator, benchmarks/emulated_ep.py: the P2P
+  forward's interpreter tests and the per-rank kernel times of ``megamoe bench layer --emulate``).
 """
 
 from __future__ import annotations
@@ -216,74 +215,20 @@ def agree_on_setup(group, kind: str, step: str, error: str | None, payload=None,
     return [p for p, _ in every]
 
 
-class EmulatedRanks:
-    """N EP ranks in one process: one allocation holds every rank's arena (made by the first arena
-    built), so peers are offsets into it, as they are across processes."""
-
-    def __init__(self, ep: int, device: torch.device) -> None:
-        self.ep, self.device = ep, _indexed(torch.device(device))
-        self.buffer: torch.Tensor | None = None
-        self.layout: ArenaLayout | None = None
-        # held for the world's lifetime: the workspace cache keys on a group's identity (id), which
-        # must not be reused by another rank's group
-        self._groups = [EmulatedGroup(self, r) for r in range(ep)]
-
-    def group(self, rank: int) -> "EmulatedGroup":
-        if not 0 <= rank < self.ep:
-            raise ValueError(f"emulated rank {rank} outside [0, {self.ep})")
-        return self._groups[rank]
-
-    def arenas(self, layout: ArenaLayout) -> torch.Tensor:
-        if self.buffer is None:
-            self.buffer, self.layout = torch.zeros(self.ep * layout.total, dtype=torch.uint8, device=self.device), layout
-        elif layout != self.layout:
-            raise TransportError(f"[megamoe] emulated ranks share one arena layout; got {layout} after {self.layout}")
-        return self.buffer
-
-
-@dataclass(frozen=True, eq=False)
-class EmulatedGroup:
-    """Stands in for rank ``rank``'s process group (the workspace cache keys on its identity)."""
-
-    world: EmulatedRanks
-    rank: int
-
-
-class EmulatedPeerArena(PeerArena):
-    name = "emulated"
-    needs_handshake = False  # every rank's arena is a slice of one allocation of this process
-
-    def __init__(self, layout: ArenaLayout, group: EmulatedGroup, device: torch.device) -> None:
-        world = group.world
-        if world.ep != layout.ep:
-            raise TransportError(f"[megamoe] {world.ep} emulated ranks, the plan has ep_size {layout.ep}")
-        if _indexed(torch.device(device)) != world.device:
-            raise TransportError(f"[megamoe] emulated ranks live on {world.device}, the layer on {device}")
-        buf = world.arenas(layout)
-        arenas = [buf[r * layout.total: (r + 1) * layout.total] for r in range(layout.ep)]
-        super().__init__(layout, group.rank, arenas[group.rank], arenas)
-
-
 ARENAS = {"ipc": IpcPeerArena, "symm": SymmPeerArena}
 
 
 def make_arena(kind: str, layout: ArenaLayout, group, device: torch.device) -> PeerArena:
-    """The arena of MEGA_DISPATCH=``kind`` over ``group``; an EmulatedGroup gets the emulated arena
-    whatever the kind (the bench plans with ipc, the kernels are the same)."""
-    if isinstance(group, EmulatedGroup):
-        return EmulatedPeerArena(layout, group, device)
+    """The arena of MEGA_DISPATCH=``kind`` over ``group``; a group that builds its own (``peer_arena``:
+    ranks in one process, see above) gets that one whatever the kind (the kernels are the same)."""
+    own_arena = getattr(group, "peer_arena", None)
+    if own_arena is not None:
+        return own_arena(layout, device)
     if kind not in ARENAS:
         raise ValueError(f"no peer arena for transport {kind!r}; the device P2P forward runs over {', '.join(ARENAS)}")
     if group is None:
         raise ValueError(f"MEGA_DISPATCH={kind}: ep_size {layout.ep} needs a process group (group=None given)")
     return ARENAS[kind](layout, group, device)
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """"cuda" -> "cuda:N" (the current device), as tensors report it; other devices as they are."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _cuda_handle(t: torch.Tensor) -> bytes:

@@ -1,4 +1,4 @@
-"""bench/floor.py: the floor of an experts forward, against numbers worked out by hand for DSV4-Pro
+"""benchmarks/floor.py: the floor of an experts forward, against numbers worked out by hand for DSV4-Pro
 (hidden 7168, intermediate 3072, top-6), and the benches' use of it (which peak each scheme gets)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe_backend.bench.bench_experts import case_floors
-from megamoe_backend.bench.floor import (
+from benchmarks.bench_experts import case_floors
+from benchmarks.floor import (
     H100_PCIE,
     H100_SXM,
     H200_SXM,
@@ -85,7 +85,7 @@ def test_experts_hit_total_and_by_rank():
 def test_bench_cases_get_the_peak_of_their_scheme():
     """bench experts' cases: A8W4 against the FP8 peak, the bf16 torch baseline against bf16; the
     measured floor uses the run's ceilings, and is NaN where the run measured none."""
-    from megamoe_backend.bench.bench_experts import Case, fill_metrics
+    from benchmarks.bench_experts import Case, fill_metrics
 
     ceilings = {"measured_copy_tbs": 4.0, "measured_bf16_gemm_tflops": 700.0, "measured_fp8_gemm_tflops": 1400.0}
     a8w4 = Case(48, 8192, 8192 * TOPK, "a8w4", "triton", active_experts=48, us=6563.232656)

@@ -1,4 +1,4 @@
-"""bench/peers.py and its plumbing on CPU: which peers run and why the others are skipped, the project's
+"""benchmarks/peers.py and its plumbing on CPU: which peers run and why the others are skipped, the project's
 MXFP4 weights in each peer's layout (read back with an independent ml_dtypes decoder, bit for bit), the
 routing metadata matmul_ogs is handed, and the JSON / table / PNG of a run with a peer injected at the
 Peer boundary (CPU timing). The peers themselves run on the H200 (benchmarks/run_peers_h200.sh)."""
@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from megamoe_backend.bench import bench_experts, bench_layer, bench_layer_emulated, peers
-from megamoe_backend.bench.bench_experts import Case, make_weights
-from megamoe_backend.bench.peer_weights import to_flashinfer, to_triton_kernels
-from megamoe_backend.bench.references import check_tokens, rel_l2, token_reference
+from benchmarks import bench_experts, bench_layer, bench_layer_emulated, peers
+from benchmarks.bench_experts import Case, make_weights
+from benchmarks.peer_weights import to_flashinfer, to_triton_kernels
+from benchmarks.references import check_tokens, token_reference
 from megamoe_backend.experts import ExpertWeights
 from megamoe_backend.experts.weights import deinterleave_gate_up
+from megamoe_backend.layer.reference import rel_l2
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -427,7 +428,7 @@ def test_bench_experts_on_cpu_lists_the_skipped_peers(tmp_path):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "megamoe_backend.bench.bench_experts", "--experts", "3", "--tokens", "2",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_experts", "--experts", "3", "--tokens", "2",
                            "--hidden", "64", "--intermediate", "64", "--topk", "2", "--schemes", "a8w4", "--no-baseline",
                            "--peers", "--json", str(out), "--plot", str(png)],
                           env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megamoe_backend.bench.bench_layer import main
+from benchmarks.bench_layer import main
 
 # matplotlib is a test dependency (pyproject [test]): no skip, a missing one must fail here
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"

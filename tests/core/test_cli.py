@@ -256,3 +256,13 @@ def test_bench_without_triton_is_one_line(tmp_path):
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
     assert r.stderr.strip() == ("megamoe bench experts: needs triton (pip install 'megamoe-backend[triton]') and a "
                                 "CUDA GPU; triton is not importable here")
+
+
+def test_bench_without_the_benchmarks_is_one_line(monkeypatch, capsys, tmp_path):
+    """A wheel install has no benchmarks/ beside the package: `megamoe bench layer` says so in one line."""
+    from megamoe_backend.cli import main as cli
+
+    monkeypatch.setattr(cli, "CHECKOUT", tmp_path)
+    assert cli.main(["bench", "layer", "--tokens", "8"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"megamoe bench layer: {cli.BENCH_ABSENT}\n"

@@ -1,13 +1,13 @@
 """The commands README.md and docs/*.md name, run the way the docs say (issue 45, item 6).
 
 Every command in a fenced block or an inline code span that starts (after ``VAR=value`` assignments
-and ``bash``) with ``scripts/...``, ``megamoe`` or ``python -m megamoe_backend...`` is found and:
+and ``bash``) with ``scripts/...``, ``megamoe`` or ``python -m megamoe_backend... | benchmarks...`` is found and:
 - scripts/*.sh: exists (brace forms and globs expanded) and answers ``--help``; a full serve / bench
   invocation runs with ``--dry-run`` (the check against megamoe info off: CHECK=0), and every variable it
   assigns is one the script's ``--help`` lists; ``scripts/test.sh`` only ever gets ``--help``;
 - ``megamoe ...``: its argv parses with the CLI's own parser (megamoe_backend.cli.main.build_parser),
   and each subcommand answers ``--help``;
-- ``python -m megamoe_backend.X ...``: the module exists, its argv parses with its own add_arguments
+- ``python -m megamoe_backend.X | benchmarks.X ...``: the module exists, its argv parses with its own add_arguments
   (the parser ``megamoe bench`` builds), and ``python -m X --help`` exits 0.
 A synopsis (``[...]``, ``a | b``, ``...``, ``<...>``) is only checked for its command's ``--help``.
 A command the doc keeps as history (a measurement of code that has since left the package) is marked
@@ -40,6 +40,7 @@ SCRIPT = re.compile(r"^scripts/[\w{},*.-]+\.(sh|py)$")
 SKIP_MARK = re.compile(r"<!-- docs-test: skip: (.+?) -->")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 SPAN = re.compile(r"`([^`]+)`")
+MODULE_ROOTS = ("megamoe_backend", "benchmarks.")  # `python -m` modules the docs name: the package, the benches
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def _is_command(words: list[str]) -> bool:
         return False
     head = words[0]
     return (bool(SCRIPT.match(head)) or head == "megamoe" or head.endswith("bin/megamoe")
-            or (len(words) > 2 and head.startswith("python") and words[1] == "-m" and words[2].startswith("megamoe_backend")))
+            or (len(words) > 2 and head.startswith("python") and words[1] == "-m" and words[2].startswith(MODULE_ROOTS)))
 
 
 def _candidates(text: str, where: str, offset: int) -> list[Command]:
@@ -151,7 +152,7 @@ def test_the_finder_sees_the_docs_commands():
     texts = [c.text for c in doc_commands()]
     assert any(t.startswith("MODEL=/models/DeepSeek-V4-Pro PRESET=reference scripts/serve_vllm_dsv4_pro_ep.sh") for t in texts)
     assert any(t.startswith("megamoe info") for t in texts)
-    assert any("python3 -m megamoe_backend.bench.bench_layer" in t for t in texts)
+    assert any("python3 -m benchmarks.bench_layer" in t for t in texts)
     assert any(t.startswith("EPLB=r64 scripts/serve_sglang_r1_mxfp4_ep.sh --dry-run") for t in texts)
 
 
@@ -269,7 +270,7 @@ def module_commands() -> list[Command]:
     out = []
     for c in doc_commands():
         _, words = c.split()
-        if len(words) > 2 and words[1] == "-m" and words[2].startswith("megamoe_backend"):
+        if len(words) > 2 and words[1] == "-m" and words[2].startswith(MODULE_ROOTS):
             out.append(c)
     return out
 

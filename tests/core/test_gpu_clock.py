@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from megamoe_backend.bench import gpu_clock
+from benchmarks import gpu_clock
 
 
 def test_no_nvml_on_cpu_records_nothing():

@@ -23,6 +23,3 @@ def make_problem(wfmt, layout="interleaved", n_exp=3, hidden=64, inter=64, token
     pairs = ExpertPairs(torch.arange(tokens).repeat_interleave(topk), ids.reshape(-1).contiguous(), torch.rand(tokens * topk, generator=g))
     return weights, x, pairs
 
-
-def rel_l2(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())

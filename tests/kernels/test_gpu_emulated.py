@@ -1,4 +1,4 @@
-"""The one-process emulated EP (parallel/emulated_ep.py) and the live-row experts on a CUDA GPU.
+"""The one-process emulated EP (benchmarks/emulated_ep.py) and the live-row experts on a CUDA GPU.
 
 What is shown, DSV4-Pro hidden / intermediate, 16 experts over EP 2 and 4, uneven DP batches
 (an idle rank among them), 20 % masked ids:
@@ -24,10 +24,10 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-from megamoe_backend.bench.bench_experts import capture_graph, make_weights  # noqa: E402
+from benchmarks.bench_experts import capture_graph, make_weights  # noqa: E402
 from megamoe_backend.knobs import Knobs  # noqa: E402
 from megamoe_backend.layer import MegaMoELayer, fp32_reference_moe, rel_l2  # noqa: E402
-from megamoe_backend.parallel.emulated_ep import EmulatedEP  # noqa: E402
+from benchmarks.emulated_ep import EmulatedEP  # noqa: E402
 from megamoe_backend.plan import build_plan  # noqa: E402
 from megamoe_backend.spec import preset  # noqa: E402
 from megamoe_backend.transport import clear_transport_cache  # noqa: E402

@@ -18,7 +18,8 @@ from megamoe_backend.experts.triton.provider import TritonExperts  # noqa: E402
 from megamoe_backend.experts.triton.quant import encode_wire_rows, quantize_rows  # noqa: E402
 from megamoe_backend.formats import MXTensor, dequantize_mx, quantize_mx  # noqa: E402
 from megamoe_backend.formats.wire import encode_mx_rows  # noqa: E402
-from expert_problems import FRAG8_TOL, make_problem, rel_l2  # noqa: E402
+from expert_problems import FRAG8_TOL, make_problem  # noqa: E402
+from megamoe_backend.layer.reference import rel_l2  # noqa: E402
 
 DEV = torch.device("cuda")
 SCHEMES = [("a8w4", "mxfp4"), ("a4w4", "mxfp4"), ("bf16", "mxfp4"), ("bf16", "bf16"), ("a8w4", "bf16")]

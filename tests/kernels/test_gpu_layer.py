@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the interpreter tests cover the kernels on CPU)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from megamoe_backend.bench.bench_experts import make_weights  # noqa: E402
+from benchmarks.bench_experts import make_weights  # noqa: E402
 from megamoe_backend.knobs import Knobs  # noqa: E402
 from megamoe_backend.layer import MegaMoELayer, fp32_reference_moe, rel_l2  # noqa: E402
 from megamoe_backend.plan import build_plan  # noqa: E402

@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-from megamoe_backend.bench.bench_experts import make_weights  # noqa: E402
+from benchmarks.bench_experts import make_weights  # noqa: E402
 from megamoe_backend.experts.triton import TritonExperts  # noqa: E402
 from megamoe_backend.knobs import Knobs  # noqa: E402
 from megamoe_backend.layer import MegaMoELayer, fp32_reference_moe, rel_l2  # noqa: E402

@@ -4,7 +4,7 @@ Checked here: the layout over LiveRows reads and places the live heads of each s
 slots past them never become rows) and leaves live_tiles on the device, 0 outside its ``active``
 range; the experts over LiveRows + SegmentDest write exactly what the plain forward writes for the
 live pairs, and nothing for stale ones; the tile config picked on the device when no bound is
-given; the one-process emulated EP forward (parallel/emulated_ep.py) bit-identical to the ep_size-1
+given; the one-process emulated EP forward (benchmarks/emulated_ep.py) bit-identical to the ep_size-1
 device forward (bf16 wires; uneven DP batches with an idle rank; bound passed or not) and within
 the gates for A8W4 / A4W4. The same on an H200 with graphs and timing: tests/kernels/test_gpu_ep.py.
 """
@@ -29,7 +29,7 @@ from megamoe_backend.experts.triton.layout import build_layout, build_layout_tor
 from megamoe_backend.formats import MXTensor, quantize_mx  # noqa: E402
 from megamoe_backend.knobs import Knobs  # noqa: E402
 from megamoe_backend.layer import MegaMoELayer, fp32_reference_moe, rel_l2  # noqa: E402
-from megamoe_backend.parallel.emulated_ep import EmulatedEP  # noqa: E402
+from benchmarks.emulated_ep import EmulatedEP  # noqa: E402
 from megamoe_backend.plan import build_plan  # noqa: E402
 from megamoe_backend.transport import clear_transport_cache  # noqa: E402
 from megamoe_backend.workload import ProblemConfig, make_problem  # noqa: E402
@@ -190,13 +190,13 @@ def test_persistent_gemms_claim_every_tile_once_and_leave_the_counters_zero():
 
 
 # ------------------------------------------------------------------------------ emulated EP
-def _emulated(world, quant, wire, combine, tokens, mtpr, grids=launch_plan.DEFAULT_GRIDS):
+def _emulated(world, quant, wire, combine, tokens, mtpr):
     problem = make_problem(ProblemConfig(SPEC, max(tokens), world, seed=3, masked_fraction=0.2))
     knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, transport="ipc")
     plans = [build_plan(SPEC, knobs, r, world, quant=quant, backends=("triton", "ipc")) for r in range(world)]
     emu = EmulatedEP(world, plans.__getitem__,
                      lambda r: local_weights(problem.expert_weights(quant), plans[r].placement, r),
-                     torch.device("cpu"), provider_for=lambda r: TritonExperts(capacity=mtpr * K * world, grids=grids))
+                     torch.device("cpu"), provider_for=lambda r: TritonExperts(capacity=mtpr * K * world))
     per = max(tokens)
     idx = [torch.arange(r * per, r * per + tokens[r]) for r in range(world)]
     inputs = [(problem.x[i], problem.topk_ids[i], problem.topk_weights[i]) for i in idx]
@@ -254,21 +254,21 @@ def test_a_bounded_forward_runs_persistent_grids_where_its_region_dwarfs_the_bou
 
 
 def test_a_bounded_forward_over_persistent_grids_equals_the_tile_grid(monkeypatch):
-    """The bounded EP forward, its GEMMs forced onto persistent grids (GridPolicy ratio 0 at any tile
-    height), writes every rank's output as over the tile grid (ratio inf), bit for bit (uneven batches,
-    an idle rank); the forwards record which launch they took, so the two runs cannot be the same path."""
+    """The bounded EP forward, its GEMMs forced onto persistent grids (launch_plan.persistent_gemms answering
+    True), writes every rank's output as over the tile grid (False), bit for bit (uneven batches, an idle
+    rank); the forwards record that they asked, so the two runs cannot be the same path."""
     world, tokens, mtpr = 4, (0, 2, 5, 5), 8
-    real, took = launch_plan.persistent_gemms, []
-    monkeypatch.setattr(launch_plan, "persistent_gemms", lambda *a: took.append(real(*a)) or took[-1])
-    tile_grids = launch_plan.GridPolicy(bounded_persist_ratio=float("inf"))
-    _, emu, inputs, _ = _emulated(world, "a8w4", "fp8", "fp8_blockwise_1x32", tokens, mtpr, tile_grids)
+    took, forced = [], {}
+    monkeypatch.setattr(launch_plan, "persistent_gemms", lambda *a: took.append(forced["persist"]) or forced["persist"])
+    forced["persist"] = False
+    _, emu, inputs, _ = _emulated(world, "a8w4", "fp8", "fp8_blockwise_1x32", tokens, mtpr)
     tile_grid = torch.cat(emu.forward(inputs, max_tokens_across_ranks=max(tokens)))
     emu.raise_if_bad_input()
     assert took and not any(took)
     took.clear()
     clear_transport_cache()
-    persistent_grids = launch_plan.GridPolicy(bounded_persist_block_m=0, bounded_persist_ratio=0.0)
-    _, emu, inputs, _ = _emulated(world, "a8w4", "fp8", "fp8_blockwise_1x32", tokens, mtpr, persistent_grids)
+    forced["persist"] = True
+    _, emu, inputs, _ = _emulated(world, "a8w4", "fp8", "fp8_blockwise_1x32", tokens, mtpr)
     persistent = torch.cat(emu.forward(inputs, max_tokens_across_ranks=max(tokens)))
     assert took and all(took)
     emu.raise_if_bad_input()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe_backend.bench.bench_experts import make_weights
+from benchmarks.bench_experts import make_weights
 from megamoe_backend.experts import TorchReferenceExperts
 from megamoe_backend.knobs import Knobs
 from megamoe_backend.layer import MegaMoELayer

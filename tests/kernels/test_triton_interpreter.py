@@ -53,7 +53,8 @@ from megamoe_backend.experts import (  # noqa: E402
 from megamoe_backend.experts.fragments import fp8_k_order  # noqa: E402
 from megamoe_backend.formats import MXTensor, dequantize_mx, quantize_mx  # noqa: E402
 from megamoe_backend.formats.wire import encode_mx_rows  # noqa: E402
-from expert_problems import make_problem, rel_l2  # noqa: E402
+from expert_problems import make_problem  # noqa: E402
+from megamoe_backend.layer.reference import rel_l2  # noqa: E402
 
 _MODULES = ("mxjit", "quant", "mainloop", "gather", "layout_kernels", "layout", "config", "gemm1", "gemm2", "provider")
 
@@ -539,7 +540,7 @@ def test_provider_selection_on_cpu_is_the_reference():
 
 
 def test_bench_smoke(tmp_path):
-    from megamoe_backend.bench import bench_experts
+    from benchmarks import bench_experts
 
     out = tmp_path / "b.json"
     rc = bench_experts.main(["--experts", "3", "--tokens", "2", "--hidden", "64", "--intermediate", "64", "--topk", "2",

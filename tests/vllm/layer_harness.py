@@ -128,8 +128,8 @@ def run_rank(rank: int, world: int, port: int, case: MoECase, moe_backend: str, 
 
 
 def reference_moe(case: MoECase) -> torch.Tensor:
-    """fp32 reference of the same layer: core's route() + plain SwiGLU experts (no quantisation)."""
-    from megamoe_backend.layer import route
+    """fp32 reference of the same layer: core's route() + the fp32 reference MoE (no quantisation)."""
+    from megamoe_backend.layer import fp32_reference_moe, route
     from megamoe_backend.spec import MoESpec
 
     t = case_tensors(case)
@@ -137,11 +137,6 @@ def reference_moe(case: MoECase) -> torch.Tensor:
                    num_experts_per_tok=case.topk, n_group=case.n_group, topk_group=case.topk_group,
                    scoring_func="sigmoid", topk_method="noaux_tc", routed_scaling_factor=case.routed_scaling_factor)
     ids, w = route(t["logits"], spec, t["bias"])
-    x = t["x"].float()
-    out = torch.zeros_like(x)
-    for tok in range(case.tokens):
-        for k in range(case.topk):
-            e = int(ids[tok, k])
-            h = torch.nn.functional.silu(x[tok] @ t[f"{e}.gate"].float().T) * (x[tok] @ t[f"{e}.up"].float().T)
-            out[tok] += w[tok, k] * (h @ t[f"{e}.down"].float().T)
-    return out
+    w1 = torch.stack([torch.cat([t[f"{e}.gate"], t[f"{e}.up"]]) for e in range(case.experts)]).float()
+    w2 = torch.stack([t[f"{e}.down"] for e in range(case.experts)]).float()
+    return fp32_reference_moe(t["x"], ids, w, w1, w2, gate_up_layout="plain")

@@ -30,7 +30,8 @@ from megamoe_backend.experts.triton import provider as provider_module  # noqa: 
 from megamoe_backend.experts.triton.provider import TritonExperts  # noqa: E402
 from megamoe_backend.experts.triton.quant import quantize_rows  # noqa: E402
 from megamoe_backend.formats.wire import combine_wire  # noqa: E402
-from expert_problems import FRAG8_TOL, make_problem, rel_l2  # noqa: E402
+from expert_problems import FRAG8_TOL, make_problem  # noqa: E402
+from megamoe_backend.layer.reference import rel_l2  # noqa: E402
 
 from cuda_gemms.experts import CudaFrag8Experts  # noqa: E402
 from cuda_gemms.gemms import Sm90Frag8Gemms  # noqa: E402

@@ -109,7 +109,7 @@ def rowscale_e4m3_kernel(
     3072) at 2 warps, against 202 / 127 us for a one-step kernel that stored 4-byte groups at
     computed positions with 8 warps; benchmarks/results/h200_power_ab.json). Once per received row,
     H200, same shapes: A takes 34 us at 2 warps, where the per-pair kernel took 265 us at 8 warps in
-    the same call (benchmarks/research/rowscale_ab.py, benchmarks/results/h200_rows_ab.json).
+    the same call (rowscale_ab.py at 64d6ae2, benchmarks/results/h200_rows_ab.json).
 
     PERSIST (the live rows of a fixed region, experts/live.py): a fixed grid strides over the live
     rows only: SORTED, the rows of the layout's live tiles (live_ptr: live_tiles, BM rows each);

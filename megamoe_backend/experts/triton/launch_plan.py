@@ -4,8 +4,9 @@ Facts in (pair count, live rows, decoder, device), a ``LaunchPlan`` out; the lau
 launches.py's, the buffers forward_buffers.py's. One place per decision: the provider asks
 ``plan_launches`` and nothing else re-derives a config, a grid or a pass.
 
-Research probes vary the measured thresholds through ``GridPolicy`` (TritonExperts(grid=...)), never
-by rebinding module globals: benchmarks/research/bounded_grid_ab.py, persistent_grid_ab.py.
+The measured grid thresholds are one ``GridPolicy``; research probes pass plan_launches another
+through a provider of their own (benchmarks/research/emulated_kernel_spans.py: bounded_grid_ab.py,
+persistent_grid_ab.py), never by rebinding module globals.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def convert_a(fl: ForwardLaunch, x, bufs: ForwardBuffers, live: LiveRows | None)
     if fl.mode == "frag8":
         a8 = bufs.per_received_row("a8", (n_recv, hidden), torch.uint8)
         a_rs = bufs.per_received_row("a_rs", (n_recv,), torch.float32)
-        # 2 warps per row: fastest of 1 / 2 / 4 / 8 at 8192 tokens, within noise of them at 1024 (benchmarks/research/rowscale_ab.py)
+        # 2 warps per row: fastest of 1 / 2 / 4 / 8 at 8192 tokens, within noise of them at 1024 (rowscale_ab.py at 64d6ae2)
         rowscale_e4m3_kernel[(grid(n_recv, fl.plan.rescale_programs),)](
             fl.pairs.row, data, data.stride(0), scale, scale.stride(0), a8, a8.stride(0), a_rs, hidden,
             A_FMT=fl.a_fmt, SORTED=False, NB=triton.next_power_of_2(hidden // MX_BLOCK), PK=rowscale_piece(hidden),

@@ -36,7 +36,7 @@ from .checks import (
 )
 from .config import TileConfig, interpreting
 from .forward_buffers import ForwardBuffers
-from .launch_plan import DEFAULT_GRIDS, GridPolicy, LaunchPlan, plan_launches
+from .launch_plan import LaunchPlan, plan_launches
 from .launches import ForwardLaunch, Operand, a2_buffers, a2_operand, convert_a, forward_launch, gemm1, gemm2, quantise_received
 from .layout import ExpertLayout, build_layout
 
@@ -67,14 +67,12 @@ class TritonExperts(ExpertsProvider):
         passes ``knobs.experts_gemm``; nothing here reads the environment): "auto" | "triton", both
         the Triton kernels today (the sm_90a CUDA GEMMs, measured slower in every bucket, moved to
         benchmarks/research/cuda_gemms; "cuda" is refused naming the knob).
-    grids: when persistent GEMM grids run and how large (launch_plan.GridPolicy: the H200 defaults;
-        research probes pass others).
     """
 
     name = "triton"
 
     def __init__(self, capacity: int | None = None, decoder: str = "auto", config: TileConfig | None = None,
-                 gemm: str = "auto", grids: GridPolicy = DEFAULT_GRIDS) -> None:
+                 gemm: str = "auto") -> None:
         if decoder not in DECODERS:
             raise ValueError(f"decoder={decoder!r}; expected one of {DECODERS}")
         if capacity is not None and capacity < 0:
@@ -83,7 +81,6 @@ class TritonExperts(ExpertsProvider):
         self.capacity = capacity
         self.decoder = decoder
         self.config = config
-        self.grids = grids
 
     @classmethod
     def supports(cls, device: torch.device, math: ExpertMath, weights_fmt: str) -> bool:
@@ -235,7 +232,7 @@ class TritonExperts(ExpertsProvider):
     def _launch_plan(self, mode: str, pairs: int, weights: ExpertWeights, live: LiveRows | None,
                      device: torch.device) -> LaunchPlan:
         """The tile configs, grids and passes of this forward (launch_plan.plan_launches)."""
-        return plan_launches(self.config, pairs, weights.num_experts, mode, live, device, self.grids)
+        return plan_launches(self.config, pairs, weights.num_experts, mode, live, device)
 
     def _gemm1(self, fl: ForwardLaunch, layout: ExpertLayout, cfg: TileConfig, a: Operand, a2: torch.Tensor,
                a2_scale: torch.Tensor) -> None:

@@ -10,12 +10,15 @@ bound, the same on every rank) or MEGA_MAX_TOKENS_PER_RANK; the experts walk onl
 each source sent (experts/live.py), so a step costs its live rows, whatever B is. The tile config
 follows B when the engine passed it, else it is picked on the device from the live pair count.
 
-``steps`` is the forward as a generator that stops after each launch group a peer must see, so the
-one-process emulator (bench/bench_layer_emulated.py) can run every rank's step i before any rank's
-step i + 1 on one stream, with each barrier split into signal and wait.
+``steps`` is the forward as a generator that stops after each launch group a peer must see and
+hands each barrier to its driver (``PeerBarrier``): ``run_steps`` launches it whole; a driver of
+several ranks on one stream (the one-process emulator, benchmarks/emulated_ep.py, which the P2P
+forward's interpreter tests run on) launches every rank's signal before any rank's wait.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -55,10 +58,9 @@ class P2PForward(WorkspaceForward):
             raise PeerInputError(f"[megamoe] {self.layer_name}: {problem}")
         return mtpr if max_tokens_across_ranks is None else int(max_tokens_across_ranks)
 
-    def steps(self, x, topk_ids, topk_weights, output_scale: float = 1.0, out=None, max_tokens_across_ranks=None,
-              split_barriers: bool = False):
-        """The forward, yielding after: dispatch, barrier 0 (signal; with ``split_barriers`` then its
-        wait), the experts, barrier 1 (likewise); the last step (top-k sum) returns the result (the
+    def steps(self, x, topk_ids, topk_weights, output_scale: float = 1.0, out=None, max_tokens_across_ranks=None):
+        """The forward, yielding after the dispatch and after the experts, and barrier 0 / 1 as a
+        ``PeerBarrier`` for the driver to launch; the last step (top-k sum) returns the result (the
         generator's return value: run_steps). Host checks run before the first launch."""
         from ..device.p2p import dispatch
         from ..device.topk_sum import topk_sum
@@ -76,7 +78,7 @@ class P2PForward(WorkspaceForward):
         dispatch(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), self.owner, self.slot, rows, ws.arena,
                  ws.wire.name, hidden, ws.pair_live, word, index)
         yield "dispatch"
-        yield from self._barrier(0, rows, split_barriers, budget)
+        yield self._barrier(0, rows, budget)
         n_recv = plan.ep_size * rows
         n_pairs = n_recv * k
         pairs = ExpertPairs(row=ws.pair_row[:n_pairs], slot=ws.recv_slot[:n_pairs], weight=ws.recv_weight[:n_pairs])
@@ -87,7 +89,7 @@ class P2PForward(WorkspaceForward):
                                    out=ws.arena.local, dest=dest, live=live,
                                    scratch=ws.scratch)
         yield "experts"
-        yield from self._barrier(1, rows, split_barriers, budget)
+        yield self._barrier(1, rows, budget)
         if t:
             topk_sum(ws.combine_rows[: t * k], ws.pair_live[: t * k], out, plan.combine.mx, hidden, k, word, index,
                      output_scale)
@@ -105,24 +107,33 @@ class P2PForward(WorkspaceForward):
         ws.captured_before = ws.captured_before or capturing_now
         return ws.startup_budget if takes_startup_bound(facts) else ws.budget
 
-    def _barrier(self, phase: int, rows: int, split: bool, budget: int):
+    def _barrier(self, phase: int, rows: int, budget: int) -> "PeerBarrier":
+        ws = self.workspace
+        return PeerBarrier(phase, (ws.arena, ws.epochs, phase, budget, rows, ws.status.word, self.status_index))
+
+
+@dataclass(frozen=True)
+class PeerBarrier:
+    """Barrier ``phase`` of one rank's forward (its launch arguments), launched by the driver of the
+    steps. Why the driver: ``run_steps`` launches signal and wait as one kernel, while ranks sharing
+    one stream (the one-process emulator) need every rank's signal launched before any rank's wait:
+    a wait queued ahead of the signal it waits for would never end."""
+
+    phase: int
+    args: tuple
+
+    def launch(self, signal: bool = True, wait: bool = True) -> None:
         from ..device.p2p import barrier
 
-        ws = self.workspace
-        args = (ws.arena, ws.epochs, phase, budget, rows, ws.status.word, self.status_index)
-        if split:
-            barrier(*args, signal=True, wait=False)
-            yield f"signal {phase}"
-            barrier(*args, signal=False, wait=True)
-        else:
-            barrier(*args)
-        yield f"barrier {phase}"
+        barrier(*self.args, signal=signal, wait=wait)
 
 
 def run_steps(steps) -> torch.Tensor:
-    """Run a ``P2PForward.steps`` generator to its end and return its result."""
+    """Run a ``P2PForward.steps`` generator to its end, each barrier launched whole; return its result."""
     while True:
         try:
-            next(steps)
+            step = next(steps)
         except StopIteration as done:
             return done.value
+        if isinstance(step, PeerBarrier):
+            step.launch()

@@ -66,12 +66,13 @@ def _replays_us(graph, n: int = REPLAYS) -> float:
 def _rank_worker(rank: int, world: int, cases: list[dict], mtpr: int, seed: int) -> list[dict]:
     import torch.distributed as dist
 
-    from ..experts import ExpertPairs
-    from ..knobs import Knobs
-    from ..layer import MegaMoELayer
-    from ..plan import build_plan
-    from ..spec import preset
-    from ..transport import clear_transport_cache
+    from megamoe_backend.experts import ExpertPairs
+    from megamoe_backend.knobs import Knobs
+    from megamoe_backend.layer import MegaMoELayer
+    from megamoe_backend.plan import build_plan
+    from megamoe_backend.spec import preset
+    from megamoe_backend.transport import clear_transport_cache
+
     from .bench_experts import capture_graph, make_weights
     from .layer_common import Routes
 
@@ -134,7 +135,8 @@ def _replays_single(call, n: int = REPLAYS) -> float:
 
 def _baselines(c: EPLayerCase, device, seed: int) -> None:
     """naive torch and floor of the whole step (all ranks' tokens and experts) in this process."""
-    from ..spec import preset
+    from megamoe_backend.spec import preset
+
     from .bench_experts import graph_or_eager, make_weights, time_fn, weight_bytes_per_expert
     from .floor import datasheet_for
     from .layer_common import Routes, naive_torch_layer
@@ -156,14 +158,15 @@ def _baselines(c: EPLayerCase, device, seed: int) -> None:
 
 
 def run_ep(args: argparse.Namespace) -> int:
-    from ..parallel.spawn import spawn_ranks
+    from megamoe_backend.parallel.spawn import spawn_ranks
+
     from .bench_experts import environment
     from .layer_common import COMBINES, SCHEMES
 
     device = torch.device("cuda")
     ep = args.ep
     meta = environment(argparse.Namespace(**{**vars(args), "hidden": 7168, "intermediate": 3072, "topk": 6}),
-                       "megamoe_backend.bench.bench_layer")
+                       "benchmarks.bench_layer")
     meta["what"] = f"megamoe bench layer --ep {ep}: the device P2P forward (MEGA_DISPATCH=ipc), one CUDA graph per rank"
     gpus = torch.cuda.device_count()
     meta["placement"] = (f"{ep} ranks on {ep} GPUs: real per-layer times" if gpus >= ep else

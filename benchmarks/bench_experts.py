@@ -25,7 +25,7 @@ Baseline ("torch_grouped_mm"): sort + gather, torch._grouped_mm on the DEQUANTIS
 SwiGLU in torch, torch._grouped_mm, route weight, scatter into rows of the same output format
 (bf16: the fp32 product rounded once; fp8 wire: WireFormat.encode); timed the same way.
 
-Peers (``--peers``, bench/peers.py): after the project's cases of each bucket, the MoE kernels a user
+Peers (``--peers``, benchmarks/peers.py): after the project's cases of each bucket, the MoE kernels a user
 would run instead (FlashInfer CUTLASS Humming / W4A16, triton_kernels matmul_ogs), on the same routing
 and the same MXFP4 weights, timed the same way; each peer's whole MoE call (one route-weighted row per
 token) beside this bench's experts half, relL2 per token against the same fp32 reference
@@ -51,10 +51,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..experts import ExpertMath, ExpertPairs, ExpertWeights, swiglu
-from ..experts.triton.config import TileConfig, bucket_class, default_config, interpreting
-from ..formats import MX_BLOCK, dequantize_mx
-from ..formats.wire import combine_wire
+from megamoe_backend.experts import ExpertMath, ExpertPairs, ExpertWeights, swiglu
+from megamoe_backend.experts.triton.config import TileConfig, bucket_class, default_config, interpreting
+from megamoe_backend.formats import MX_BLOCK, dequantize_mx
+from megamoe_backend.formats.wire import combine_wire
+from megamoe_backend.layer.reference import rel_l2
+
 from . import peers as peer_bench
 from .floor import (
     datasheet_ceilings,
@@ -65,7 +67,7 @@ from .floor import (
     weight_bytes_per_expert,
 )
 from .gpu_clock import ClockSampler
-from .references import check_subset, check_tokens, rel_l2, subset_reference, token_reference  # noqa: F401 - re-exported
+from .references import check_subset, check_tokens, subset_reference, token_reference
 from .timing import CEILING_GEMM_N, capture_graph, graph_or_eager, measure_ceilings, time_fn, time_isolated  # noqa: F401 - re-exported
 
 SCHEMES = {  # name -> (ExpertMath.quant, weight format)
@@ -96,7 +98,7 @@ VARIANTS = {
 
 # What the JSON says about its floors (meta.floor): which peak each case's floor_us divides by.
 FLOOR_META = {
-    "model": "max(weight bytes of the experts hit / HBM, 6 P H I FLOPs / MMA peak): megamoe_backend/bench/floor.py",
+    "model": "max(weight bytes of the experts hit / HBM, 6 P H I FLOPs / MMA peak): benchmarks/floor.py",
     "floor_us": "the card's datasheet ceilings (meta.ceilings datasheet, hbm_tbs, bf16_tflops, fp8_tflops)",
     "floor_measured_us": "this run's measured ceilings (meta.ceilings measured_copy_tbs, measured_*_gemm_tflops)",
     "mma_peak": "fp8 for MX activations on MXFP4 weights (A8W4, A4W4: FP8 MMA on Hopper), bf16 otherwise "
@@ -177,8 +179,8 @@ class Case:
 # ----------------------------------------------------------------------------------------- data
 def make_weights(n_exp: int, hidden: int, inter: int, device: torch.device, seed: int):
     """Random bf16 weights -> MXFP4 (Triton quantiser on GPU, per expert) and their exact bf16 dequantisation."""
-    from ..experts.triton.quant import quantize_rows
-    from ..formats import quantize_mx
+    from megamoe_backend.experts.triton.quant import quantize_rows
+    from megamoe_backend.formats import quantize_mx
 
     quantize = quantize_rows if device.type == "cuda" else quantize_mx
 
@@ -405,8 +407,8 @@ def run_case(c: Case, fn, check) -> Case:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..experts.triton.provider import STORAGE_OF, TritonExperts
-    from ..experts.triton.quant import quantize_rows
+    from megamoe_backend.experts.triton.provider import STORAGE_OF, TritonExperts
+    from megamoe_backend.experts.triton.quant import quantize_rows
 
     if args.replot:
         return replot(args.replot, args.plot)

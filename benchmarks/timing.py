@@ -2,7 +2,7 @@
 and the ceilings (a copy, a bf16 GEMM, an FP8 GEMM) measured at the start of a run.
 
 Why one module: ``megamoe bench experts``, ``bench layer`` (ep_size 1, ``--ep N``, ``--emulate``) and the
-peers they measure beside the project (bench/peers.py) must time every figure the same way, in the same
+peers they measure beside the project (benchmarks/peers.py) must time every figure the same way, in the same
 run; the benches import this, nothing here imports a bench.
 """
 
@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from ..experts.triton.config import interpreting
+from megamoe_backend.experts.triton.config import interpreting
+
 from .gpu_clock import ClockSampler
 
 CEILING_GEMM_N = 8192  # the ceilings' GEMMs: N x N x N, bf16 and e4m3

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..formats import MX_BLOCK
+from megamoe_backend.formats import MX_BLOCK
 
 
 @dataclass(frozen=True)

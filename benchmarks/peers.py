@@ -18,7 +18,7 @@ its two GEMMs are also timed alone through the GEMM profiler its autotuner uses 
 same token count, on that profiler's own routing).
 
 Weights: the bench's own MXFP4 weights, moved byte for byte into each peer's logical layout
-(bench/peer_weights.py), then through the peer's own device-side preparation (Humming's E8M0 range
+(benchmarks/peer_weights.py), then through the peer's own device-side preparation (Humming's E8M0 range
 clamp and the SM90 interleaves; triton_kernels' ``convert_layout``), so relL2 against the bench's fp32
 reference measures the peer's arithmetic.
 
@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..experts import ExpertWeights
+from megamoe_backend.experts import ExpertWeights
+
 from .gpu_clock import ClockSampler
 from .peer_weights import to_flashinfer, to_triton_kernels
 from .timing import graph_or_eager, time_fn, time_isolated

@@ -1,12 +1,12 @@
 """The project's MXFP4 expert weights re-laid as each peer's documented logical layout.
 
-Why: the peer figures of ``megamoe bench experts / layer --peers`` (bench/peers.py) must run the SAME
+Why: the peer figures of ``megamoe bench experts / layer --peers`` (benchmarks/peers.py) must run the SAME
 MXFP4 weights the project runs, so that their relL2 against the project's fp32 reference (fp32 math on
 the dequantised weights) measures the peer's arithmetic, not a second quantisation. Each peer's own
 load-time preparation (FlashInfer's ``*Config.prepare_weights``, vLLM's ``_swizzle_mxfp4``) starts from
 bf16 weights and quantises them itself; here the already-quantised codes and E8M0 scales are moved
 into the layout that preparation produces just before its device-side swizzles, and the peer's own
-swizzle functions run on top of that (on the GPU: bench/peers.py). No value is re-rounded: every byte
+swizzle functions run on top of that (on the GPU: benchmarks/peers.py). No value is re-rounded: every byte
 of a code or a scale is one of the project's.
 
 The project's layout (experts/weights.py): w1 ``[E, 2I, H/2]`` uint8, two e2m1 codes per byte, the
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..experts import ExpertWeights
-from ..experts.weights import interleave_gate_up
+from megamoe_backend.experts import ExpertWeights
+from megamoe_backend.experts.weights import interleave_gate_up
 
 
 @dataclass(frozen=True)

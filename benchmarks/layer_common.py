@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from ..experts import ExpertWeights, swiglu
+from megamoe_backend.experts import ExpertWeights, swiglu
 
 SCHEMES = {"a8w4": "fp8", "a4w4": "fp4"}  # quant -> its dispatch wire
 COMBINES = ("bf16", "fp8_blockwise_1x32")
@@ -39,18 +39,18 @@ class Routes:
         self.w.copy_(w / w.sum(1, keepdim=True))
 
 
-def naive_torch_layer(x, ids, w, wd: ExpertWeights, limit):
-    """argsort + gather + two bf16 torch._grouped_mm + SwiGLU + route weight + index_add (capturable)."""
-    t, k = ids.shape
-    flat = ids.reshape(-1)
+def naive_torch_layer(x, ids, w, wd: ExpertWeights, limit, rows=None):
+    """argsort + gather + two bf16 torch._grouped_mm + SwiGLU + route weight + index_add (capturable).
+    ``ids`` / ``w``: [T, k], pair p of token p // k; or, with ``rows`` (the row of ``x`` of each pair), [P]."""
+    flat, k = ids.reshape(-1), ids.shape[-1]
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(wd.num_experts, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    rows = order // k
-    h = torch._grouped_mm(x[rows], wd.w1.transpose(1, 2), offs=offs)
+    src = order // k if rows is None else rows[order]
+    h = torch._grouped_mm(x[src], wd.w1.transpose(1, 2), offs=offs)
     act = swiglu(h.float(), wd.gate_up_layout, limit).to(torch.bfloat16)
     y = torch._grouped_mm(act, wd.w2.transpose(1, 2), offs=offs).float() * w.reshape(-1)[order, None]
-    return torch.zeros(t, wd.hidden, dtype=torch.float32, device=x.device).index_add_(0, rows, y).to(torch.bfloat16)
+    return torch.zeros(x.shape[0], wd.hidden, dtype=torch.float32, device=x.device).index_add_(0, src, y).to(torch.bfloat16)
 
 
 def rms_norm(h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

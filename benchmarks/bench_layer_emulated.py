@@ -1,6 +1,6 @@
 """`megamoe bench layer --ep N --emulate`: one EP rank's device P2P forward, per rank, on ONE GPU.
 
-The N ranks of one layer run in one process (parallel/emulated_ep.py): the ranks' arenas are one
+The N ranks of one layer run in one process (benchmarks/emulated_ep.py): the ranks' arenas are one
 allocation, each rank's steps are launched in turn on one stream, so nothing time-slices the GPU and
 every figure is one rank's own kernels. A step is timed with the GPU held busy (torch.cuda._sleep)
 while the host enqueues it, so CUDA events around each rank's launches see no host gaps. Per case:
@@ -18,12 +18,12 @@ while the host enqueues it, so CUDA events around each rank's launches see no ho
                    emulator those bytes go to the same GPU's HBM (inside rank_us)
   naive_torch_us   one rank's share in naive torch: the pairs routed to rank 0, argsort + bf16
                    torch._grouped_mm of its local experts + index_add (graph replay)
-  floor_us         the slowest rank's floor (bench/floor.py: its experts hit / HBM, its FLOPs / FP8 peak)
+  floor_us         the slowest rank's floor (benchmarks/floor.py: its experts hit / HBM, its FLOPs / FP8 peak)
   weight_stream_us the busiest rank's weights (its experts hit) streamed at the copy rate measured at
                    the start of the run (meta.ceilings); rank_x_weight_stream = rank_us / it (issue 48)
   floor_measured_us the slowest rank's floor at the run's measured copy / FP8 GEMM ceilings
   peers_us         with --peers: each peer on the slowest rank's share (its local experts, the tokens that
-                   reach it, their global top-k ids; bench/peers.py), the same routing; rank_over_peer /
+                   reach it, their global top-k ids; benchmarks/peers.py), the same routing; rank_over_peer /
                    experts_over_peer = rank_us / experts_us over it (below 1: the project is faster)
 
 Cases: EP x local experts x tokens per rank x scheme x combine wire x bound (max_tokens_across_ranks
@@ -138,7 +138,7 @@ def rank_share(routes, rank: int, experts: int):
 
 def rank_token_share(routes, rank: int, experts: int):
     """(x rows, global ids [U, k], route weights [U, k]) of the U tokens (of all ranks) with at least one
-    pair on ``rank``: what a fused MoE that takes EP ranks natively runs there (bench/peers.py)."""
+    pair on ``rank``: what a fused MoE that takes EP ranks natively runs there (benchmarks/peers.py)."""
     xs, ids, ws = (torch.cat([r[i] for r in routes]) for i in range(3))
     tok = ((ids // experts) == rank).any(dim=1).nonzero().squeeze(1)
     return xs[tok], ids[tok], ws[tok]
@@ -147,9 +147,11 @@ def rank_token_share(routes, rank: int, experts: int):
 def run_rank_peers(ready, routes, rank: int, ep: int, experts: int, weights, spec, args, ceilings: dict) -> list:
     """The peers on ``rank``'s share (rank_token_share), relL2 per token against the fp32 reference of
     its local pairs (references.token_reference on the rank's dequantised experts)."""
+    from megamoe_backend.layer.reference import rel_l2
+
     from .bench_experts import ceiling_ratios
     from .peers import CHECK_TOKENS, PeerShape, run_peers
-    from .references import check_tokens, rel_l2, token_reference
+    from .references import check_tokens, token_reference
 
     x, ids, w = rank_token_share(routes, rank, experts)
     if not x.shape[0]:
@@ -169,24 +171,9 @@ def run_rank_peers(ready, routes, rank: int, ep: int, experts: int, weights, spe
     return results
 
 
-def naive_rank_layer(xs, local_ids, weights, rows, wd, limit):
-    """argsort + gather + two bf16 torch._grouped_mm + SwiGLU + route weight + index_add (capturable)."""
-    from ..experts import swiglu
-
-    order = torch.argsort(local_ids, stable=True)
-    counts = torch.zeros(wd.num_experts, dtype=torch.int64, device=xs.device).index_add_(0, local_ids,
-                                                                                       torch.ones_like(local_ids))
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    src = rows[order]
-    h = torch._grouped_mm(xs[src], wd.w1.transpose(1, 2), offs=offs)
-    act = swiglu(h.float(), wd.gate_up_layout, limit).to(torch.bfloat16)
-    y = torch._grouped_mm(act, wd.w2.transpose(1, 2), offs=offs).float() * weights[order, None]
-    return torch.zeros(xs.shape[0], wd.hidden, dtype=torch.float32, device=xs.device).index_add_(0, src, y).to(torch.bfloat16)
-
-
 def timed_steps(emu, inputs, bound, n: int = TIMED_STEPS):
     """Per-rank (whole µs, per-step µs) of ``n`` forwards (medians), the GPU held busy while each is enqueued."""
-    from ..parallel.emulated_ep import RankTimer
+    from .emulated_ep import RankTimer
 
     emu.forward(inputs, bound)  # warm: compiles, allocator
     torch.cuda.synchronize()
@@ -227,14 +214,15 @@ def step_graph_us(emu, inputs, bound) -> float:
 def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict, save, ready_peers=(),
               peer_results=None, t0: float = 0.0) -> None:
     """Every case of one (EP, local experts): rank weights made once, one emulated EP per wire set."""
-    from ..knobs import Knobs
-    from ..parallel.emulated_ep import EmulatedEP
-    from ..plan import build_plan
-    from ..spec import preset
-    from ..transport import clear_transport_cache
+    from megamoe_backend.knobs import Knobs
+    from megamoe_backend.plan import build_plan
+    from megamoe_backend.spec import preset
+    from megamoe_backend.transport import clear_transport_cache
+
     from .bench_experts import graph_or_eager, make_weights, measured_peaks, time_fn
-    from .layer_common import SCHEMES
+    from .emulated_ep import EmulatedEP
     from .floor import datasheet_of, expert_floor, weight_bytes_per_expert
+    from .layer_common import SCHEMES, naive_torch_layer
 
     device = torch.device("cuda")
     spec = preset("dsv4-pro").scaled(n_routed_experts=ep * experts)
@@ -307,9 +295,9 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
                                 except Exception as exc:  # noqa: BLE001 - the project's figures of the case stand
                                     c.peers_error = f"{type(exc).__name__}: {str(exc)[:400]}"
                             if not args.no_baseline and bounded:
-                                share = rank_share(routes, 0, experts)
-                                if share[1].numel():
-                                    naive, _ = graph_or_eager(lambda: naive_rank_layer(*share, bf16_rank0, spec.swiglu_limit))  # noqa: B023
+                                xs, lid, lw, rows = rank_share(routes, 0, experts)
+                                if lid.numel():
+                                    naive, _ = graph_or_eager(lambda: naive_torch_layer(xs, lid, lw, bf16_rank0, spec.swiglu_limit, rows))  # noqa: B023
                                     c.naive_torch_us, _ = time_fn(naive, use_graph=False)
                             elif cases and cases[-1].tokens == tokens and cases[-1].bounded:
                                 c.naive_torch_us = cases[-1].naive_torch_us  # same routes; the baseline knows no bound
@@ -395,7 +383,7 @@ def run_emulated(args: argparse.Namespace) -> int:
         print("bench layer --emulate needs a CUDA GPU", file=sys.stderr)
         return 2
     meta = environment(argparse.Namespace(**{**vars(args), "hidden": 7168, "intermediate": 3072, "topk": 6}),
-                       "megamoe_backend.bench.bench_layer")
+                       "benchmarks.bench_layer")
     meta["what"] = ("megamoe bench layer --ep N --emulate: N EP ranks of one DSV4-Pro layer (384 experts) in one process "
                     "on one GPU, each rank's device P2P forward timed on its own (CUDA events, kernels only)")
     meta["nvlink_model"] = {"bytes_per_s_per_direction": NVLINK_BYTES_PER_S, "barrier_latency_us": BARRIER_LATENCY_US,

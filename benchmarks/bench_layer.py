@@ -21,7 +21,7 @@ A8W4 + fp8 dispatch wire and A4W4 + fp4 wire, both combine wires. Per case, all 
                       chain - glue is what the MoE layer costs inside the chain
 
   layer_rel_l2        per token against fp32 on the dequantised weights (references.token_reference)
-  peers_us            with ``--peers`` (bench/peers.py): each peer's whole MoE call on the same routing and
+  peers_us            with ``--peers`` (benchmarks/peers.py): each peer's whole MoE call on the same routing and
                       weights, timed the same way; layer_over_peer / experts_over_peer = layer_us /
                       experts_us over it (below 1: the project is faster); the peers' own results,
                       relL2 on the same reference, in the JSON's ``peers``
@@ -40,11 +40,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..experts import ExpertPairs, ExpertWeights
-from ..knobs import Knobs
-from ..plan import build_plan
-from ..spec import preset
-from ..transport import clear_transport_cache
+from megamoe_backend.experts import ExpertPairs, ExpertWeights
+from megamoe_backend.knobs import Knobs
+from megamoe_backend.layer.reference import rel_l2
+from megamoe_backend.plan import build_plan
+from megamoe_backend.spec import preset
+from megamoe_backend.transport import clear_transport_cache
+
 from .bench_experts import (
     FLOOR_META,
     card_name,
@@ -62,7 +64,7 @@ from . import peers as peer_bench
 from .floor import datasheet_ceilings, experts_hit
 from .gpu_clock import ClockSampler
 from .layer_common import CHAIN_LAYERS, COMBINES, SCHEMES, Routes, naive_torch_layer, replay_us, rms_norm  # noqa: F401 - re-exported
-from .references import check_tokens, rel_l2, token_reference
+from .references import check_tokens, token_reference
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,7 +143,7 @@ def experts_alone(layer, routes: Routes):
 
 def run_case(c: LayerCase, args, weights: ExpertWeights, bf16_weights: ExpertWeights, device,
              ceilings: dict | None = None) -> LayerCase:
-    from ..layer import MegaMoELayer
+    from megamoe_backend.layer import MegaMoELayer
 
     spec = preset("dsv4-pro").scaled(n_routed_experts=c.experts)
     knobs = Knobs(dispatch_wire=c.dispatch_wire, combine_wire=c.combine_wire, max_tokens_per_rank=args.mtpr)
@@ -214,7 +216,7 @@ def run_peers_for(n_exp: int, tokens: int, ready: list, fp4: ExpertWeights, bf16
 
 def chain_us(first, c: LayerCase, args, device, glue_only: bool = False) -> float:
     """µs per layer of the 61-layer chain in one graph (``glue_only``: RMSNorm + residual, no MoE)."""
-    from ..layer import MegaMoELayer
+    from megamoe_backend.layer import MegaMoELayer
 
     layers = [first] + [MegaMoELayer(first.plan, first.weights, device=device, layer_id=i) for i in range(1, CHAIN_LAYERS)]
     routes = [Routes(c.tokens, c.experts, first.plan.topk, first.plan.hidden, device, args.seed + 1 + i)

@@ -1,1 +1,0 @@
-"""Benchmarks behind `megamoe bench ...` (each module exposes add_arguments(parser) and run(args) -> int)."""
