@@ -45,11 +45,15 @@ def variants():
                dict(EP_PAD=8, CHECK_ROWS=True, CLOCK="globaltimer", FENCE=True, SIGNAL=signal, WAIT=wait), 1)
     yield ("status publish", publish_kernel, {"words_ptr": "*i64", "ack_host_ptr": "*i64", "host_ptr": "*i64"},
            dict(WORDS=4, PAD=8), 1)
-    quant_types = {"x_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*u8", "status_ptr": "*i64", "live_ptr": "*i64"}
+    quant_types = {"x_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*u8", "status_ptr": "*i64", "live_ptr": "*i64",
+                   "ids_ptr": "*i32"}
     for fmt in ("fp8", "fp4"):
-        for persist in (False, True):
-            yield (f"quantize {fmt}{' live rows' if persist else ''}", _quantize_rows_kernel, quant_types,
-                   dict(FMT=fmt, BLOCKS=BLOCKS_PER_PROGRAM, HW_CVT=True, STATUS=not persist, PERSIST=persist, N_SEG=8), 4)
+        # over all rows; over the rows that route somewhere (the ep_size-1 device forward: vLLM's int32 ids, top-6);
+        # over live rows
+        for name, persist, topk in (("", False, 0), (" routed rows", False, 6), (" live rows", True, 0)):
+            yield (f"quantize {fmt}{name}", _quantize_rows_kernel, quant_types,
+                   dict(FMT=fmt, BLOCKS=BLOCKS_PER_PROGRAM, HW_CVT=True, STATUS=not persist, PERSIST=persist, N_SEG=8,
+                        TOPK=topk, TOPK_PAD=8 if topk else 1), 4)
     for seg in (False, True):
         counts = "*i64" if seg else "*i32"
         yield (f"layout histogram{' live rows' if seg else ''}", _chunk_histogram,
