@@ -1,5 +1,7 @@
 """Transports of the torch forward by name, imported lazily (mori needs ROCm). MEGA_DISPATCH=symm | ipc
-are the device P2P forward (layer/device/p2p.py over transport/peer_arena.py), not transports here."""
+are the device P2P forward (layer/device/p2p.py over transport/peer_arena.py), not transports here.
+
+``plan`` is a LayerPlan, read by its fields only: the transports sit below the plan and do not import it."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ from typing import Any
 
 import torch
 
-from ..plan import LayerPlan
 from .base import Transport
 from .torch_dist import LocalTransport, TorchDistTransport
 
@@ -17,7 +18,7 @@ TRANSPORTS = {
 }
 
 
-def make_transport(plan: LayerPlan, group: Any, device: torch.device) -> Transport:
+def make_transport(plan: Any, group: Any, device: torch.device) -> Transport:
     name = plan.backends.transport
     if group is None:
         if plan.ep_size != 1:

@@ -17,9 +17,10 @@ import logging
 import torch
 
 from ...experts import ExpertPairs
-from ...plan.token_bound import NO_BOUND, bound_problem
+from ...plan.token_bound import bound_problem
 from ...transport import PeerInputError, Transport, get_transport, received_pairs
 from ...transport.cache import cached_transport_keys, transport_key
+from ...transport.bound_header import NO_BOUND
 from ...transport.layout import DispatchLayout
 from ...transport.registry import make_transport
 from .base import LayerForward, refuse_capture
