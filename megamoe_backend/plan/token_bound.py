@@ -11,7 +11,7 @@ MEGA_MAX_TOKENS_PER_RANK, and the SAME on every EP rank. The bound is rounded up
 so a handful of values (and tile configs) serve every step, as vLLM's DeepEP path does under CUDA
 graphs; it is computed from per-DP-rank counts every rank holds, never from this rank's own batch.
 
-Every EP forward takes the bound (``takes_token_bound``): the device P2P forward sizes its receive
+Every EP forward takes the bound (the forward oracle's ``takes_token_bound``, plan/forward_choice.py): the device P2P forward sizes its receive
 regions and tile config by it and its barrier compares every rank's number; the torch forward
 (gloo / NCCL / mori transports) sizes nothing by it but checks both rules, the second
 through its dispatch header, which carries every rank's bound next to its status
@@ -24,15 +24,12 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 def takes_token_bound(layer: Any) -> bool:
-    """Whether ``layer.forward`` takes ``max_tokens_across_ranks``: the forwards that exchange rows
-    (device P2P, torch, the mori device forward: its tile config) and aiter's fused runtime (it
-    picks its runtime and config bucket by it, docs/rocm.md); not the ep_size-1 device forward (no
-    peers, nothing sized by it). The one place the plugins ask this; a MegaMoELayer answers through
-    its forward path (``layer.takes_token_bound``)."""
-    declared = getattr(layer, "takes_token_bound", None)  # MegaMoELayer: its forward path says
-    if isinstance(declared, bool):
-        return declared
-    return getattr(layer, "workspace", None) is not None and layer.plan.ep_size > 1
+    """Whether ``layer.forward`` takes ``max_tokens_across_ranks``, as the forward oracle answered it
+    for that layer (``layer.forward_choice``, plan/forward_choice.py): every forward that exchanges
+    rows and aiter's fused runtime, not the ep_size-1 device forward. The one place the plugins ask
+    this; an object with no forward choice (an engine test's stand-in runtime) takes none."""
+    choice = getattr(layer, "forward_choice", None)
+    return choice is not None and choice.takes_token_bound
 
 
 def tokens_per_ep_rank(tokens_per_dp_rank: Iterable[int], split: int) -> int:

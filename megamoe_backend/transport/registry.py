@@ -1,5 +1,6 @@
 """Transports of the torch forward by name, imported lazily (mori needs ROCm). MEGA_DISPATCH=symm | ipc
-are the device P2P forward (layer/device/p2p.py over transport/peer_arena.py), not transports here.
+are the device P2P forward (layer/device/p2p.py over transport/peer_arena.py), not transports here: the
+forward oracle (plan/forward_choice.py) refuses the torch forward over them before this is asked.
 
 ``plan`` is a LayerPlan, read by its fields only: the transports sit below the plan and do not import it."""
 
@@ -26,10 +27,6 @@ def make_transport(plan: Any, group: Any, device: torch.device) -> Transport:
         return LocalTransport()
     if name in ("gloo", "nccl"):
         return TorchDistTransport(group, device)
-    if name in ("ipc", "symm"):
-        raise ValueError(
-            f"MEGA_DISPATCH={name} is the device P2P forward: it needs CUDA and the triton experts (this layer: device "
-            f"{device}, experts {plan.backends.provider}); use MEGA_DISPATCH=nccl (or gloo on CPU) otherwise")
     try:
         target = TRANSPORTS[name]
     except KeyError:

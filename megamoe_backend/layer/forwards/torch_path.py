@@ -66,10 +66,6 @@ class TorchForward(LayerForward):
     def name(self) -> str:
         return self.transport.name
 
-    @property
-    def takes_token_bound(self) -> bool:
-        return True  # checked, and agreed through the dispatch header (module docstring)
-
     def __call__(self, x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks):
         plan = self.plan
         if out is not None:
