@@ -55,13 +55,13 @@ def run(args: argparse.Namespace) -> int:
             print(line)
     forecast, plan = r.forecast, r.plan
     if forecast is None:
-        print(plan.startup_line())
-    else:  # the pending placeholder is not the decision: the line of what auto picks on one host (or on this one)
+        print(plan.startup_line(r.startup_forward.moves_rows))
+    else:  # auto is pending until the EP group settles it: the line of what it picks on one host (or on this one)
         print(f"MEGA_DISPATCH=auto: {forecast.describe()}; {forecast.depends_on}")
         picked = forecast.here or forecast.one_host
         where = "on this host" if forecast.here else "on one host with peer access"
         print(f"startup line when auto picks {picked} ({where}; {forecast.several_hosts}, eager, across hosts):")
-        print(plan.startup_line(picked))
+        print(plan.startup_line(r.startup_forward.moves_rows))
     return 0
 
 
@@ -69,6 +69,8 @@ def print_table(r, info: dict) -> None:
     """The plan as a rich table (``r``: cli/info_plan.py InfoPlan; ``info``: its JSON)."""
     from rich.console import Console
     from rich.table import Table
+
+    from .info_plan import describe_forward
 
     spec, plan, wb = r.spec, r.plan, r.plan.wire_bytes()
     table = Table(title=f"MegaMoE plan: {spec.name or spec.model_type or 'model'}", show_header=False)
@@ -88,6 +90,7 @@ def print_table(r, info: dict) -> None:
     shown = plan.backends if r.forecast is None else dataclasses.replace(plan.backends, transport=r.transport)
     table.add_row("selection", shown.describe())
     table.add_row("why", "\n".join(info["selection_reasons"]))
+    table.add_row("forward", describe_forward(r.forward))
     table.add_row("dispatch bytes / token / dest", f"{wb.dispatch_payload} + {wb.dispatch_scales} scales (+ {wb.dispatch_meta} routing meta)")
     table.add_row("combine bytes / (token, expert)", f"{wb.combine_payload} + {wb.combine_scales} scales")
     if r.forecast is not None:

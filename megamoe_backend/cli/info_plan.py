@@ -20,6 +20,7 @@ from ..experts.registry import describe_experts_gemm
 from ..knobs import Knobs
 from ..layer.memory import LayerMemory, gb, layer_memory
 from ..plan import ExpertPlacement, LayerPlan, build_plan, facts_for, initial_redundant_map
+from ..plan.forward_choice import ForwardChoice, ForwardFacts, choose_forward
 from ..plan.layer_plan import check_ep_position
 from ..platform import PackageInfo, PlatformFacts
 from ..platform.auto_forecast import AutoForecast, cuda_auto_forecast, local_topology
@@ -85,6 +86,26 @@ def forecast_reason(reason: str, forecast: AutoForecast) -> str:
     return reason
 
 
+def forward_for(plan: LayerPlan, device: str, transport: str | None = None) -> ForwardChoice:
+    """The forward oracle's answer for ``plan`` on ``device`` (the layer asks the same), or for the plan
+    over ``transport`` instead (what MEGA_DISPATCH=auto's forecast pick would run)."""
+    facts = ForwardFacts.of(plan, device)
+    return choose_forward(facts if transport is None else dataclasses.replace(facts, transport=transport))
+
+
+def forward_fields(choice: ForwardChoice) -> dict:
+    """The oracle's answer as ``megamoe info --json`` prints it."""
+    return {"forward": choice.forward, "moves_rows": choice.moves_rows, "capturable": choice.capturable,
+            "takes_token_bound": choice.takes_token_bound, "why": choice.why}
+
+
+def describe_forward(choice: ForwardChoice) -> str:
+    """The oracle's answer in one line of the info table."""
+    capture = {True: "capturable", False: "eager only", None: "capture judged once settled"}[choice.capturable]
+    bound = "takes" if choice.takes_token_bound else "takes no"
+    return f"{choice.forward} ({capture}; {bound} token bound): {choice.why}"
+
+
 def memory_warning(memory: LayerMemory) -> str | None:
     """LayerMemory's warning, except where the weights alone do not fit: then lowering
     MEGA_MAX_TOKENS_PER_RANK (which sizes the workspace only) cannot help, and the line says what can."""
@@ -114,6 +135,8 @@ class InfoPlan:
     forecast: AutoForecast | None
     memory: LayerMemory
     heap: dict | None
+    forward: ForwardChoice  # the oracle's answer for the plan (pending while auto waits for the EP group)
+    startup_forward: ForwardChoice  # the forward the startup line shows: the forecast's pick where pending
 
     @property
     def transport(self) -> str:
@@ -179,8 +202,10 @@ def resolve(args: argparse.Namespace) -> InfoPlan:
         from ..experts.aiter.heap import heap_report
 
         heap = heap_report(plan)
+    forward = forward_for(plan, device)
+    startup_forward = forward if transport is None else forward_for(plan, device, transport)
     return InfoPlan(declared, spec, release, release_note, reading, choice, knobs, layer_knobs, device, facts,
-                    assumed, plan, forecast, memory, heap)
+                    assumed, plan, forecast, memory, heap, forward, startup_forward)
 
 
 def info_dict(r: InfoPlan) -> dict:
@@ -214,10 +239,11 @@ def info_dict(r: InfoPlan) -> dict:
         },
         "combine_bytes_per_token_expert_pair": {"payload": wb.combine_payload, "scales": wb.combine_scales,
                                                 "row": wb.combine_row},
-        "startup_line": plan.startup_line(),
+        "forward": forward_fields(r.forward),
+        "startup_line": plan.startup_line(r.startup_forward.moves_rows),
     }
     forecast = r.forecast
-    if forecast is not None:  # not the pending placeholder: what auto picks, per the fact it depends on
+    if forecast is not None:  # beside the pending answer: what auto picks, per the fact it depends on
         info["transport"] = f"auto: {forecast.one_host} on one host with peer access, else {forecast.several_hosts}"
         info["selection_reasons"] = [forecast_reason(x, forecast) for x in plan.backends.reasons]
     info["transport_auto"] = None if forecast is None else {
@@ -229,4 +255,4 @@ def info_dict(r: InfoPlan) -> dict:
     return info
 
 
-__all__ = ["InfoPlan", "info_dict", "memory_warning", "planned_facts", "resolve"]
+__all__ = ["InfoPlan", "describe_forward", "forward_for", "info_dict", "memory_warning", "planned_facts", "resolve"]

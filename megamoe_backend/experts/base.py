@@ -22,10 +22,8 @@ import torch
 
 from ..formats import MXTensor
 from ..formats.wire import WireFormat
+from ..spec.moe_spec import A_OPERAND
 from .weights import ExpertWeights
-
-# quant scheme -> MX format of the A operand (None: bf16 activations)
-A_OPERAND = {"bf16": None, "fp8_block": None, "a8w4": "fp8", "a4w4": "fp4"}
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Why here: the plan is built before any process group exists (engines build it at weight loading,
 ``megamoe info`` without one), so selection (platform/select.py) leaves auto's EP transport open
-(``Selection.needs_ep_topology``). The layer has the group: it gathers every rank's place
+(``Selection.transport`` is PENDING_EP_GROUP: ``needs_ep_topology``). The layer has the group: it gathers every rank's place
 (platform/topology.py), asks the same pure rule (``cuda_auto_transport``) and, before trusting
 ipc / symm, runs the peer-arena handshake on a tiny arena (transport/handshake.py); a failed
 handshake means nccl, never a failed start. Every step is collective and its outcome the same on
@@ -46,7 +46,7 @@ def decide_ep_transport(plan: LayerPlan, group: Any, device: torch.device,
     start-up replace there (everything else they run is what a GPU host runs)."""
     gather = gather or gather_ep_topology
     probe = probe or probe_peer_arenas
-    transport, why, _ = cuda_auto_transport(plan.backends.provider, plan.ep_size, gather(group, device))
+    transport, why = cuda_auto_transport(plan.backends.provider, plan.ep_size, gather(group, device))
     failure = probe(transport, group, device, plan.knobs.p2p_timeout_s) if transport in ("ipc", "symm") else None
     if failure is not None:
         transport, why = "nccl", f"{why}; but the peer-arena handshake over {transport} failed, so nccl (eager): {failure}"
@@ -68,5 +68,5 @@ def resolve_ep_transport(plan: LayerPlan, group: Any, device: torch.device, deci
     choice = get_ep_transport(group, device, lambda: decide(plan, group, device))
     reasons = tuple(r for r in selection.reasons if not r.startswith("transport "))
     reasons += (f"transport {choice.transport} (MEGA_DISPATCH=auto): {choice.why}",)
-    backends = dataclasses.replace(selection, transport=choice.transport, needs_ep_topology=False, reasons=reasons)
+    backends = dataclasses.replace(selection, transport=choice.transport, reasons=reasons)
     return dataclasses.replace(plan, backends=backends)

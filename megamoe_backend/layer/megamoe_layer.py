@@ -7,11 +7,12 @@ Each (token, expert) contribution comes back as its own row and the source sums 
 a fixed order, in fp32. That makes the bf16-wire result independent of the EP size (bit-identical
 to the single-process layer), and a NaN token can only touch its own rows.
 
-The layer picks ONE forward object at construction (layer/forwards/): the device forward (CUDA,
-Triton experts, ep_size 1), the device P2P forward (ep_size > 1 over MEGA_DISPATCH=symm | ipc, or
-the one-process emulator's arenas), the torch forward over a Transport (CPU / gloo, NCCL, mori) or
-aiter's fused runtime (ROCm). They compute the same thing; the device ones are sync-free and
-captured in CUDA graphs, with data checks reported through a status word.
+The layer builds ONE forward object at construction (layer/forwards/), the one the forward oracle
+names (plan/forward_choice.py, ``self.forward_choice``): the device forward (CUDA, Triton experts,
+ep_size 1), the device P2P forward (ep_size > 1 over MEGA_DISPATCH=symm | ipc, or the one-process
+emulator's arenas), the mori device forward (ROCm), the torch forward over a Transport (CPU / gloo,
+NCCL, mori) or aiter's fused runtime (ROCm). They compute the same thing; all but the torch forward
+are sync-free and captured in CUDA graphs, with data checks reported through a status word.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 from ..experts import ExpertsProvider, ExpertWeights
 from ..experts.registry import make_provider
 from ..plan import LayerPlan
-from ..plan.capture import DEVICE_EP_TRANSPORTS, P2P_TRANSPORTS, CaptureFacts, EngineGraphs, runs_device_forward
+from ..plan.capture import EngineGraphs
+from ..plan.forward_choice import ForwardChoice
 from ..plan.placement import PlacementError
 from ..transport import Transport
 from . import startup
@@ -46,9 +48,12 @@ class MegaMoELayer:
 
     ``weights`` holds this rank's local experts (``plan.num_local_experts`` of them, in local-slot
     order). ``group`` is the EP process group (None only for ep_size 1; an ``EmulatedGroup`` for the
-    one-process emulator, transport/peer_arena.py). ``path`` is the forward object that runs it.
-    ``graphs``: the engine's CUDA-graph setting (plugins); with it the layer refuses, at construction
-    and on every rank alike, a forward the engine would capture but cannot be (layer/startup.py).
+    one-process emulator, transport/peer_arena.py). ``path`` is the forward object that runs it, the
+    one ``forward_choice`` names. ``graphs``: the engine's CUDA-graph setting (plugins); with it the
+    layer refuses, at construction and on every rank alike, a forward the engine would capture but
+    cannot be (layer/startup.py). ``device_path`` (tests, the emulator): True asks for a device forward,
+    False for the torch forward; ``transport``: a Transport for the torch forward (or mori's device
+    forward, with ``device_path=True``).
     """
 
     def __init__(
@@ -80,39 +85,27 @@ class MegaMoELayer:
         self.device = torch.device(device) if device is not None else weights.w1.device
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N", as tensors report it
             self.device = torch.device("cuda", torch.cuda.current_device())
+        provider_name = None if provider is None else getattr(provider, "name", "")
         if transport is None and device_path is not False:
             # MEGA_DISPATCH=auto on CUDA: ipc / symm / nccl, with the group; then the engine's capture rule
-            self.plan = plan = startup.settle_plan(plan, group, self.device, graphs)
+            self.plan = plan = startup.settle_plan(plan, group, self.device, graphs, provider=provider_name)
+        self.forward_choice: ForwardChoice = startup.forward_choice(
+            plan, self.device, provider=provider_name, engine_captures=None if graphs is None else graphs.captures,
+            device_forward=device_path, transport_given=transport is not None)
+        if self.forward_choice.pending:
+            raise ValueError(f"[megamoe] {self.name}: {self.forward_choice.why}; this layer cannot gather it (group "
+                             f"{'None' if group is None else 'given'}, device {self.device}): pass the EP process "
+                             "group on a CUDA device, or set MEGA_DISPATCH=symm | ipc | nccl")
         self.owner, self.slot = plan.placement.tables(self.device)
         self.provider: ExpertsProvider | None = None
-        if plan.backends.fused:
+        if self.forward_choice.forward == "fused":
             # aiter's fused runtime owns dispatch, both GEMMs and combine (ROCm; see docs/rocm.md)
             self.path: LayerForward = FusedForward(self, group, layer_id)
             return
         self.provider = provider or make_provider(plan.backends.provider, capacity=plan.mtpr * plan.topk * plan.ep_size,
                                                   knobs=plan.knobs)
         self.weights = self.provider.prepare_weights(weights, plan.math)
-        if device_path is None:
-            device_path = self._device_path_applies(transport)
-        if not device_path:
-            self.path = TorchForward(self, group, transport)
-        elif plan.ep_size == 1:
-            self.path = DeviceForward(self)
-        elif plan.backends.transport in P2P_TRANSPORTS:
-            self.path = P2PForward(self, group)
-        elif plan.backends.transport in DEVICE_EP_TRANSPORTS:  # mori (ROCm): layer/forwards/mori.py
-            self.path = MoriForward(self, group, transport)
-        else:
-            raise ValueError(f"the device forward runs at ep_size 1 or over MEGA_DISPATCH=symm | ipc (this plan: ep_size "
-                             f"{plan.ep_size}, transport {plan.backends.transport})")
-
-    def _device_path_applies(self, transport: Transport | None) -> bool:
-        """The sync-free forward runs on CUDA with the Triton experts, at ep_size 1 or over peer
-        arenas (MEGA_DISPATCH=symm | ipc), unless a transport was injected (the caller asked for
-        the torch forward's exchange)."""
-        plan = self.plan
-        facts = CaptureFacts(self.device.type, getattr(self.provider, "name", ""), plan.backends.transport, plan.ep_size)
-        return transport is None and runs_device_forward(facts)
+        self.path = build_forward(self.forward_choice.forward, self, group, transport)
 
     @property
     def transport_name(self) -> str:
@@ -134,9 +127,9 @@ class MegaMoELayer:
 
     @property
     def takes_token_bound(self) -> bool:
-        """Whether ``forward(max_tokens_across_ranks=)`` applies (the forwards that exchange rows:
-        device P2P and torch): engines pass their DP-padded batch bound only then."""
-        return self.path.takes_token_bound
+        """Whether ``forward(max_tokens_across_ranks=)`` applies: the oracle's answer (every forward but
+        the ep_size-1 device forward); engines pass their DP-padded batch bound only then."""
+        return self.forward_choice.takes_token_bound
 
     def raise_if_bad_input(self) -> None:
         """Raise what the device checks recorded in earlier forwards (finished on the GPU) and clear it.
@@ -182,3 +175,17 @@ class MegaMoELayer:
         return self.path(x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks)
 
     __call__ = forward
+
+
+def build_forward(kind: str, layer: MegaMoELayer, group: Any, transport: Transport | None) -> LayerForward:
+    """The forward object of the oracle's ``kind`` (ForwardChoice.forward; "fused" is built before the
+    experts provider, in MegaMoELayer)."""
+    if kind == "device":
+        return DeviceForward(layer)
+    if kind == "p2p":
+        return P2PForward(layer, group)
+    if kind == "mori":  # ROCm: layer/forwards/mori.py
+        return MoriForward(layer, group, transport)
+    if kind == "torch":
+        return TorchForward(layer, group, transport)
+    raise ValueError(f"no forward object for the oracle's answer {kind!r}")  # a new ForwardChoice.forward

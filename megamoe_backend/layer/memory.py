@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..formats import MX_BLOCK
 from ..plan import LayerPlan
-from ..plan.capture import P2P_TRANSPORTS
+from ..plan.forward_choice import P2P_TRANSPORTS
 
 # the share of one GPU's memory above which `megamoe info` warns that the workspace crowds out the KV cache
 WORKSPACE_SHARE_WARN = 0.05

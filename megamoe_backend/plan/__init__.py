@@ -2,7 +2,7 @@
 
 from .layer_plan import META_BYTES_PER_TOPK, LayerPlan, WireBytes, build_plan, check_wire_matches_quant
 from .placement import ExpertPlacement, PlacementError, initial_redundant_map
-from .selection import BackendChoice, facts_for, manual_choice, select_backends
+from .selection import BackendChoice, facts_for, manual_choice, select_for_device
 
 __all__ = [
     "META_BYTES_PER_TOPK",
@@ -16,5 +16,5 @@ __all__ = [
     "initial_redundant_map",
     "manual_choice",
     "check_wire_matches_quant",
-    "select_backends",
+    "select_for_device",
 ]

@@ -16,7 +16,7 @@ from ..knobs import KnobError, Knobs
 from ..platform import MoEShape, PlatformFacts
 from ..spec import MoESpec
 from .placement import ExpertPlacement
-from .selection import BackendChoice, manual_choice, select_backends
+from .selection import BackendChoice, manual_choice, select_for_device
 
 # Routing metadata sent with each dispatched row: int32 local slot + fp32 weight per top-k entry.
 META_BYTES_PER_TOPK = 8
@@ -186,7 +186,7 @@ def build_plan(
     if isinstance(backends, tuple):
         backends = manual_choice(*backends, knobs)
     shape = MoEShape(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok)
-    choice = backends or select_backends(
+    choice = backends or select_for_device(
         knobs, math, device_type, ep_size=ep_size, num_experts=placement.num_physical, shape=shape, ep_rank=ep_rank,
         facts=facts,
     )

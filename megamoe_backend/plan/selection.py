@@ -1,8 +1,9 @@
 """Which experts provider and which transport run, and why — the plan's view of the platform.
 
-The decision itself is pure and lives in :mod:`megamoe_backend.platform` (facts in, Selection
-out); this module only turns a device kind ("cpu" | "cuda" | "rocm") into platform facts, so the
-plan, `megamoe info --device X` and tests can ask "what would run there".
+The decision itself is pure and lives in :mod:`megamoe_backend.platform` (``select_backends``: facts
+in, Selection out); this module only turns a device kind ("cpu" | "cuda" | "rocm") into platform
+facts and calls it (``select_for_device``), so the plan, `megamoe info --device X` and tests can ask
+"what would run there".
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 from ..experts.base import ExpertMath
 from ..knobs import Knobs
 from ..platform import MoEShape, PlatformFacts, RocmAsk, Selection, detect_facts, probe_aiter_caps
-from ..platform import select_backends as select_for_facts
+from ..platform import select_backends
 from ..platform.topology import EpTopology
 
 # The plan's name for the selection result (provider, transport, reasons, mtpr, fused runtime).
@@ -46,7 +47,7 @@ def current_device_index(facts: PlatformFacts) -> int | None:
     return int(torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
-def select_backends(
+def select_for_device(
     knobs: Knobs,
     math: ExpertMath,
     device_type: str,
@@ -58,14 +59,15 @@ def select_backends(
     shape: MoEShape | None = None,
     ep_rank: int | None = None,
 ) -> Selection:
-    """``facts`` replaces this machine's; ``topology`` (the EP group's, platform/topology.py) completes
-    MEGA_DISPATCH=auto on CUDA, which without it waits for the layer's EP group. ``shape`` and
-    ``ep_rank``: what the ROCm branches ask aiter's plan builder and check MegaMoEV2's device by."""
+    """``platform.select_backends`` for a ``device_type``. ``facts`` replaces this machine's; ``topology``
+    (the EP group's, platform/topology.py) completes MEGA_DISPATCH=auto on CUDA, which without it waits
+    for the layer's EP group. ``shape`` and ``ep_rank``: what the ROCm branches ask aiter's plan builder
+    and check MegaMoEV2's device by."""
     facts = facts or facts_for(device_type)
     if topology is not None:
         facts = dataclasses.replace(facts, ep_topology=topology)
     rocm = RocmAsk(shape=shape, ep_rank=ep_rank, device_index=current_device_index(facts))
-    return select_for_facts(facts, knobs, math, ep_size=ep_size, num_experts=num_experts, rocm=rocm)
+    return select_backends(facts, knobs, math, ep_size=ep_size, num_experts=num_experts, rocm=rocm)
 
 
 def manual_choice(provider: str, transport: str, knobs: Knobs, reason: str = "chosen by the caller") -> Selection:

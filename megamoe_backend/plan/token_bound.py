@@ -11,31 +11,25 @@ MEGA_MAX_TOKENS_PER_RANK, and the SAME on every EP rank. The bound is rounded up
 so a handful of values (and tile configs) serve every step, as vLLM's DeepEP path does under CUDA
 graphs; it is computed from per-DP-rank counts every rank holds, never from this rank's own batch.
 
-Every EP forward takes the bound (``takes_token_bound``): the device P2P forward sizes its receive
+Every EP forward takes the bound (the forward oracle's ``takes_token_bound``, plan/forward_choice.py): the device P2P forward sizes its receive
 regions and tile config by it and its barrier compares every rank's number; the torch forward
 (gloo / NCCL / mori transports) sizes nothing by it but checks both rules, the second
 through its dispatch header, which carries every rank's bound next to its status
-(``bound_disagreement``). So the engines pass the bound on every EP deployment, CPU included, and a
+(transport/bound_header.py). So the engines pass the bound on every EP deployment, CPU included, and a
 CPU engine run shows the number the GPU forward would get, checked by a forward that uses it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
-
-NO_BOUND = 0  # what a header carries for a forward called without max_tokens_across_ranks (a bound is >= 1)
-
+from typing import Any, Callable, Iterable
 
 def takes_token_bound(layer: Any) -> bool:
-    """Whether ``layer.forward`` takes ``max_tokens_across_ranks``: the forwards that exchange rows
-    (device P2P, torch, the mori device forward: its tile config) and aiter's fused runtime (it
-    picks its runtime and config bucket by it, docs/rocm.md); not the ep_size-1 device forward (no
-    peers, nothing sized by it). The one place the plugins ask this; a MegaMoELayer answers through
-    its forward path (``layer.takes_token_bound``)."""
-    declared = getattr(layer, "takes_token_bound", None)  # MegaMoELayer: its forward path says
-    if isinstance(declared, bool):
-        return declared
-    return getattr(layer, "workspace", None) is not None and layer.plan.ep_size > 1
+    """Whether ``layer.forward`` takes ``max_tokens_across_ranks``, as the forward oracle answered it
+    for that layer (``layer.forward_choice``, plan/forward_choice.py): every forward that exchanges
+    rows and aiter's fused runtime, not the ep_size-1 device forward. The one place the plugins ask
+    this; an object with no forward choice (an engine test's stand-in runtime) takes none."""
+    choice = getattr(layer, "forward_choice", None)
+    return choice is not None and choice.takes_token_bound
 
 
 def tokens_per_ep_rank(tokens_per_dp_rank: Iterable[int], split: int) -> int:
@@ -75,16 +69,3 @@ def bound_problem(tokens: int, bound: int | None, capacity: int) -> str:
         return ""
     return (f"max_tokens_across_ranks={bound} must lie in [tokens on this rank ({tokens}), MEGA_MAX_TOKENS_PER_RANK="
             f"{capacity}] and be >= 1; no token was dropped")
-
-
-def bound_disagreement(bounds: Sequence[int], labels: Sequence[str] | None = None) -> str:
-    """"" when every EP rank passed the same bound to this forward (``bounds[r]``: rank r's, as its
-    dispatch header carries it, NO_BOUND for none), else the error every rank raises: each rank
-    reads the same header values, so all of them refuse the step the same way (no rank waits).
-    ``labels`` names the values where they are not per rank (mori's reduction: lowest, highest)."""
-    if len(set(int(b) for b in bounds)) <= 1:
-        return ""
-    labels = labels or [f"ep_rank {r}" for r in range(len(bounds))]
-    seen = ", ".join(f"{label}: {'none' if int(b) == NO_BOUND else int(b)}" for label, b in zip(labels, bounds))
-    return (f"the EP ranks passed different max_tokens_across_ranks to the same forward ({seen}); every rank must pass "
-            "the same number (the engine's DP-padded bound), or none on every rank; no token was dropped")

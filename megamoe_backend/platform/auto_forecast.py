@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .select import cuda_auto_transport
+from .select import PENDING_EP_GROUP, cuda_auto_transport
 from .topology import EpTopology, RankPlace
 
 
@@ -52,17 +52,17 @@ def cuda_auto_forecast(provider: str, ep_size: int, symm_offered: bool,
     EP group (ep_size 1, no Triton: its answer is already final). ``symm_offered``: this torch has
     symmetric memory (``topology.symm_mem_offered``); ``this_host``: the topology of ``ep_size`` ranks on
     this machine's GPUs (``local_topology``), when it has that many."""
-    if cuda_auto_transport(provider, ep_size, None)[2] is False:
+    if cuda_auto_transport(provider, ep_size, None)[0] != PENDING_EP_GROUP:
         return None
-    one, _, _ = cuda_auto_transport(provider, ep_size, _one_host(ep_size, symm_offered))
-    shared, _, _ = cuda_auto_transport(provider, ep_size, _one_host(ep_size, symm_offered, shared=True))
-    several, _, _ = cuda_auto_transport(provider, ep_size, _two_hosts(ep_size, symm_offered))
+    one, _ = cuda_auto_transport(provider, ep_size, _one_host(ep_size, symm_offered))
+    shared, _ = cuda_auto_transport(provider, ep_size, _one_host(ep_size, symm_offered, shared=True))
+    several, _ = cuda_auto_transport(provider, ep_size, _two_hosts(ep_size, symm_offered))
     symm_note = "torch here offers symmetric memory" if symm_offered else "torch here has no symmetric memory"
     depends = (f"decided at start-up over the EP group: whether every EP rank can write every other rank's GPU "
                f"(one host, CUDA peer access; {symm_note})")
     here = here_why = None
     if this_host is not None:
-        here, here_why, _ = cuda_auto_transport(provider, ep_size, this_host)
+        here, here_why = cuda_auto_transport(provider, ep_size, this_host)
     return AutoForecast(one, shared, several, depends, here, here_why)
 
 

@@ -39,12 +39,15 @@ from .rocm_rules import (
 )
 
 MXFP4_SCHEMES = ("a8w4", "a4w4")
+# Selection.transport while MEGA_DISPATCH=auto on CUDA waits for the EP group's topology (layer/ep_transport.py
+# settles it): an answer of its own, never a transport that runs (plan/forward_choice.py answers "pending" for it)
+PENDING_EP_GROUP = "pending"
 
 
 @dataclass(frozen=True)
 class Selection:
     provider: str  # "torch" | "triton" | "aiter"
-    transport: str  # "gloo" | "nccl" | "symm" | "ipc" | "mori"
+    transport: str  # "gloo" | "nccl" | "symm" | "ipc" | "mori" | PENDING_EP_GROUP
     dispatch_wire: str
     combine_wire: str
     mtpr: int
@@ -56,13 +59,16 @@ class Selection:
     # MegaMoEV2: the runtimes every layer shares, ascending capacity (aiter's plan, rocm_probes.py); each
     # step runs the smallest that holds the engine's token bound. ``mtpr`` / ``combine_wire``: the largest.
     runtimes: tuple[V2Runtime, ...] = ()
-    # MEGA_DISPATCH=auto on CUDA chose without the EP group's topology: the layer completes the choice
-    needs_ep_topology: bool = False
     reasons: tuple[str, ...] = field(default=())
 
     @property
     def fused(self) -> bool:
         return self.runtime is not None
+
+    @property
+    def needs_ep_topology(self) -> bool:
+        """MEGA_DISPATCH=auto on CUDA chose without the EP group's topology: the layer completes the choice."""
+        return self.transport == PENDING_EP_GROUP
 
     def describe(self) -> str:
         """One line for the startup log and ``megamoe info``."""
@@ -131,9 +137,9 @@ def select_backends(facts: PlatformFacts, knobs, math, *, ep_size: int | None = 
     if facts.device == "cuda":
         provider = _local_provider(facts)
         if knobs.transport == "auto":
-            transport, why, pending = cuda_auto_transport(provider, ep_size, facts.ep_topology)
+            transport, why = cuda_auto_transport(provider, ep_size, facts.ep_topology)
             reasons = (f"cuda: {provider} experts", f"transport {transport} (MEGA_DISPATCH=auto): {why}")
-            return Selection(provider, transport, needs_ep_topology=pending, reasons=reasons, **base)
+            return Selection(provider, transport, reasons=reasons, **base)
         # symm / ipc: the device P2P forward (peer arenas, capturable); nccl: the eager torch forward
         if knobs.transport in ("symm", "ipc") and provider != "triton":
             raise PlatformError(f"MEGA_DISPATCH={knobs.transport} is the device P2P forward, which runs the Triton "
@@ -144,35 +150,35 @@ def select_backends(facts: PlatformFacts, knobs, math, *, ep_size: int | None = 
     return _select_rocm(facts, knobs, math, ep_size, experts_per_rank, rocm or RocmAsk())
 
 
-def cuda_auto_transport(provider: str, ep_size: int | None, topology: EpTopology | None) -> tuple[str, str, bool]:
-    """(transport, why, still needs the EP topology) for MEGA_DISPATCH=auto on CUDA.
+def cuda_auto_transport(provider: str, ep_size: int | None, topology: EpTopology | None) -> tuple[str, str]:
+    """(transport, why) for MEGA_DISPATCH=auto on CUDA; PENDING_EP_GROUP while it needs the EP topology.
 
     The capturable device P2P forward (ipc / symm) when it can serve: the Triton experts and every
     EP rank able to write every other rank's arena (one host, CUDA peer access); symm where torch
     offers symmetric memory and no two ranks share a GPU, else ipc. Otherwise nccl (eager). Without
-    the gathered topology the answer is nccl for now and the layer completes it with its EP group
+    the gathered topology the answer is pending and the layer completes it with its EP group
     (layer/ep_transport.py), which also runs the peer-arena handshake before trusting ipc / symm.
     """
     if ep_size == 1:
-        return "nccl", "ep_size 1: nothing is exchanged (the device forward runs on this GPU alone)", False
+        return "nccl", "ep_size 1: nothing is exchanged (the device forward runs on this GPU alone)"
     if provider != "triton":
-        return "nccl", "the device P2P forward needs the Triton experts (triton is not importable here)", False
+        return "nccl", "the device P2P forward needs the Triton experts (triton is not importable here)"
     if topology is None:
-        return "nccl", ("decided at start-up over the EP group: ipc / symm when every EP rank is on one host with "
-                        "CUDA peer access, else nccl"), True
+        return PENDING_EP_GROUP, ("decided at start-up over the EP group: ipc / symm when every EP rank is on one "
+                                  "host with CUDA peer access, else nccl")
     if not topology.one_host:
         hosts = ", ".join(h.split("/")[0] for h in topology.hosts)
         return "nccl", (f"{topology.describe()} ({hosts}): the device P2P path needs every EP rank on one host; "
-                        "NCCL all_to_all, eager"), False
+                        "NCCL all_to_all, eager")
     missing = topology.missing_peer_access()
     if missing:
         a, b = missing[0]
         return "nccl", (f"ep_rank {a} cannot write ep_rank {b}'s GPU (no CUDA peer access, or CUDA_VISIBLE_DEVICES hides "
-                        f"it; {len(missing)} such pair(s)): NCCL all_to_all, eager"), False
+                        f"it; {len(missing)} such pair(s)): NCCL all_to_all, eager")
     if topology.symm_offered and not topology.shares_gpu:
-        return "symm", f"{topology.describe()}, every rank its own GPU, peer access: torch symmetric memory", False
+        return "symm", f"{topology.describe()}, every rank its own GPU, peer access: torch symmetric memory"
     why_not_symm = "ranks share a GPU" if topology.shares_gpu else "this torch has no symmetric memory"
-    return "ipc", f"{topology.describe()}, peer access: CUDA IPC arenas ({why_not_symm})", False
+    return "ipc", f"{topology.describe()}, peer access: CUDA IPC arenas ({why_not_symm})"
 
 
 def _select_rocm(facts, knobs, math, ep_size, experts_per_rank, rocm: RocmAsk) -> Selection:

@@ -23,10 +23,9 @@ import logging
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from ..experts.base import A_OPERAND
 from ..knobs import Knobs
 from .engine_reading import EngineReading
-from .moe_spec import QUANT_SCHEMES
+from .moe_spec import A_OPERAND, QUANT_SCHEMES
 
 # What the experts' weights are stored as, per scheme that runs (ExpertWeights.fmt).
 WEIGHTS_OF_SCHEME = {"bf16": "bf16", "a8w4": "mxfp4", "a4w4": "mxfp4"}

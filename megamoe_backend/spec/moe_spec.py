@@ -14,6 +14,9 @@ from typing import Any, Mapping
 
 SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 QUANT_SCHEMES = ("bf16", "fp8_block", "a8w4", "a4w4")
+# quant scheme -> MX format of the A operand (None: bf16 activations). Here, beside the schemes, so the
+# spec (which reads schemes) and the experts (which compute them) both read it without importing each other.
+A_OPERAND = {"bf16": None, "fp8_block": None, "a8w4": "fp8", "a4w4": "fp4"}
 
 # Keys without which the MoE layer cannot be built. Everything else has a documented default.
 REQUIRED_KEYS = ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")

@@ -55,7 +55,7 @@ class Transport(ABC):
 
         ``status`` != 0 reports bad input on this rank; every rank then raises PeerInputError.
         ``bound``: the forward's max_tokens_across_ranks (0: none), carried with the status; ranks
-        that passed different bounds all raise PeerInputError (plan/token_bound.bound_disagreement).
+        that passed different bounds all raise PeerInputError (transport/bound_header.py).
         """
 
     @abstractmethod

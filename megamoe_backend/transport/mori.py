@@ -33,8 +33,8 @@ from ..formats import MX_BLOCK
 from ..knobs import KnobError
 from ..platform.rocm_rules import check_mori_combine_kernel
 from ..platform.topology import EpTopology, gather_ep_topology
-from ..plan.token_bound import bound_disagreement
 from .base import DispatchHandle, DispatchResult, PeerInputError, Transport, TransportError
+from .bound_header import bound_disagreement
 from .layout import DispatchLayout
 
 logger = logging.getLogger("megamoe")

@@ -1,5 +1,8 @@
 """Transports of the torch forward by name, imported lazily (mori needs ROCm). MEGA_DISPATCH=symm | ipc
-are the device P2P forward (layer/device/p2p.py over transport/peer_arena.py), not transports here."""
+are the device P2P forward (layer/device/p2p.py over transport/peer_arena.py), not transports here: the
+forward oracle (plan/forward_choice.py) refuses the torch forward over them before this is asked.
+
+``plan`` is a LayerPlan, read by its fields only: the transports sit below the plan and do not import it."""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ from typing import Any
 
 import torch
 
-from ..plan import LayerPlan
 from .base import Transport
 from .torch_dist import LocalTransport, TorchDistTransport
 
@@ -17,7 +19,7 @@ TRANSPORTS = {
 }
 
 
-def make_transport(plan: LayerPlan, group: Any, device: torch.device) -> Transport:
+def make_transport(plan: Any, group: Any, device: torch.device) -> Transport:
     name = plan.backends.transport
     if group is None:
         if plan.ep_size != 1:
@@ -25,10 +27,6 @@ def make_transport(plan: LayerPlan, group: Any, device: torch.device) -> Transpo
         return LocalTransport()
     if name in ("gloo", "nccl"):
         return TorchDistTransport(group, device)
-    if name in ("ipc", "symm"):
-        raise ValueError(
-            f"MEGA_DISPATCH={name} is the device P2P forward: it needs CUDA and the triton experts (this layer: device "
-            f"{device}, experts {plan.backends.provider}); use MEGA_DISPATCH=nccl (or gloo on CPU) otherwise")
     try:
         target = TRANSPORTS[name]
     except KeyError:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..plan.token_bound import bound_disagreement
 from .base import DispatchHandle, DispatchResult, PeerInputError, Transport, TransportError
+from .bound_header import bound_disagreement
 from .layout import DispatchLayout, pack_dispatch_rows, unpack_dispatch_rows
 
 STATUS_MEANING = {

@@ -18,8 +18,9 @@ import torch
 from megamoe_backend.experts.base import ExpertMath
 from megamoe_backend.knobs import Knobs
 from megamoe_backend.layer.ep_transport import EpTransportChoice, decide_ep_transport, resolve_ep_transport
-from megamoe_backend.plan import build_plan, select_backends
+from megamoe_backend.plan import build_plan, select_for_device
 from megamoe_backend.platform import select_backends as select_for_facts
+from megamoe_backend.platform.select import PENDING_EP_GROUP
 from megamoe_backend.platform.facts import PackageInfo, PlatformFacts
 from megamoe_backend.platform.topology import EpTopology, RankPlace, local_place
 from megamoe_backend.spec import preset
@@ -64,14 +65,14 @@ def test_auto_on_cuda_picks_what_serves(topology, ep, triton, transport, why):
 
 def test_without_the_topology_auto_waits_for_the_group_and_explicit_choices_do_not():
     sel = auto(None, ep=8)
-    assert (sel.transport, sel.needs_ep_topology) == ("nccl", True)
+    assert (sel.transport, sel.needs_ep_topology) == (PENDING_EP_GROUP, True)
     assert any("decided at start-up over the EP group" in r for r in sel.reasons)
     shared = ranks(["g0", "g0"])
     for knob in ("ipc", "symm", "nccl"):  # the operator's choice is never second-guessed
         explicit = select_for_facts(facts(topology=shared), Knobs(transport=knob), A8W4, ep_size=2, num_experts=8)
         assert (explicit.transport, explicit.needs_ep_topology) == (knob, False)
     # the plan's selection takes the topology too (plan/selection.py), over this machine's facts
-    assert select_backends(Knobs(), A8W4, "cuda", ep_size=2, facts=facts(), topology=shared).transport == "ipc"
+    assert select_for_device(Knobs(), A8W4, "cuda", ep_size=2, facts=facts(), topology=shared).transport == "ipc"
 
 
 def test_missing_peer_access_and_hidden_gpus_name_the_ranks():
@@ -122,7 +123,7 @@ def fresh():
 def pending_plan(rank=0, knobs=None):
     """A plan as build_plan makes it on a CUDA machine with triton (the facts injected: this one may lack both)."""
     knobs = knobs or Knobs()
-    selection = select_backends(knobs, A8W4, "cuda", ep_size=2, num_experts=8, facts=facts())
+    selection = select_for_device(knobs, A8W4, "cuda", ep_size=2, num_experts=8, facts=facts())
     return build_plan(SPEC, knobs, rank, 2, quant="a8w4", backends=selection)
 
 
@@ -140,7 +141,7 @@ def test_the_layer_completes_auto_once_per_group_after_a_handshake(fresh, caplog
     group, device = object(), torch.device("cuda", 0)
     decide = lambda plan, g, d: decide_ep_transport(plan, g, d, gather=gather, probe=probe)  # noqa: E731
     plan = pending_plan()
-    assert plan.backends.needs_ep_topology and plan.backends.transport == "nccl"
+    assert plan.backends.needs_ep_topology and plan.backends.transport == PENDING_EP_GROUP
     with caplog.at_level(logging.INFO, logger="megamoe"):
         logging.getLogger("megamoe").addHandler(caplog.handler)
         try:

@@ -8,7 +8,7 @@ import pytest
 
 from megamoe_backend.knobs import KnobError, Knobs
 from megamoe_backend.plan import (ExpertPlacement, PlacementError, build_plan, facts_for, initial_redundant_map,
-                                  select_backends)
+                                  select_for_device)
 from megamoe_backend.platform import PackageInfo
 from megamoe_backend.experts import ExpertMath
 from megamoe_backend.spec import preset
@@ -104,15 +104,15 @@ def test_layout_key_changes_with_wire() -> None:
 
 def test_selection_cpu_and_cuda() -> None:
     math = ExpertMath("a4w4")
-    cpu = select_backends(Knobs(), math, "cpu")
+    cpu = select_for_device(Knobs(), math, "cpu")
     assert (cpu.provider, cpu.transport) == ("torch", "gloo")
     # a CUDA host with triton (the device P2P forward runs the Triton experts; without them symm is refused)
     cuda = dataclasses.replace(facts_for("cuda"), packages={**facts_for("cuda").packages,
                                                            "triton": PackageInfo("triton", True)})
-    assert select_backends(Knobs(transport="symm"), math, "cuda", facts=cuda).transport == "symm"
-    assert select_backends(Knobs(), math, "cuda", facts=cuda).transport == "nccl"  # pending: the EP group decides
+    assert select_for_device(Knobs(transport="symm"), math, "cuda", facts=cuda).transport == "symm"
+    assert select_for_device(Knobs(), math, "cuda", facts=cuda).transport == "pending"  # the EP group decides
     for bad in ("symm", "mori"):
         with pytest.raises(KnobError, match=f"MEGA_DISPATCH={bad}"):
-            select_backends(Knobs(transport=bad), math, "cpu")
+            select_for_device(Knobs(transport=bad), math, "cpu")
     with pytest.raises(KnobError, match="MEGA_DISPATCH=mori"):
-        select_backends(Knobs(transport="mori"), math, "cuda")
+        select_for_device(Knobs(transport="mori"), math, "cuda")

@@ -9,8 +9,9 @@ GPU host runs. Expected outcomes are written out by hand per case, not recompute
 
 Mutation run once (2026-12-04): putting the capture check back before ``resolve_ep_transport`` (on
 the placeholder transport) fails every ``auto`` case that should start with graphs on
-(``ValueError: MEGA_DISPATCH=auto is still waiting...`` from CaptureFacts.of; with that guard
-removed too, the GraphCaptureError of the issue: "EP over MEGA_DISPATCH=nccl (ep_size 8)").
+(``ValueError: MEGA_DISPATCH=auto is still waiting...``, now from plan/capture.py on the oracle's
+pending answer; with that guard removed too, the GraphCaptureError of the issue: "EP over
+MEGA_DISPATCH=nccl (ep_size 8)", back when pending was a placeholder nccl).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import torch
 from megamoe_backend.experts.base import ExpertMath
 from megamoe_backend.knobs import Knobs
 from megamoe_backend.layer import ep_transport, startup
-from megamoe_backend.plan import build_plan, select_backends
-from megamoe_backend.plan.capture import CaptureFacts, EngineGraphs, GraphCaptureError
+from megamoe_backend.plan import build_plan, select_for_device
+from megamoe_backend.plan.capture import EngineGraphs, GraphCaptureError, require_capturable
+from megamoe_backend.plan.forward_choice import ForwardFacts, choose_forward
+from megamoe_backend.platform.select import PENDING_EP_GROUP
 from megamoe_backend.platform import facts as platform_facts
 from megamoe_backend.platform.facts import PackageInfo, PlatformFacts
 from megamoe_backend.platform.topology import EpTopology, RankPlace
@@ -63,7 +66,7 @@ def cuda_host(monkeypatch):
 def settle(seen, ep, knob="auto", graphs=VLLM, topo=None, rank=0):
     seen["topology"] = topo or topology(ep)
     knobs = Knobs(transport=knob)
-    selection = select_backends(knobs, ExpertMath("a8w4"), "cuda", ep_size=ep, num_experts=16, facts=CUDA_TRITON)
+    selection = select_for_device(knobs, ExpertMath("a8w4"), "cuda", ep_size=ep, num_experts=16, facts=CUDA_TRITON)
     plan = build_plan(SPEC, knobs, rank, ep, quant="a8w4", backends=selection)
     group = object() if ep > 1 else None
     return startup.settle_plan(plan, group, torch.device("cpu"), graphs)
@@ -116,12 +119,14 @@ def test_a_failed_probe_falls_back_to_nccl_eager_and_refuses_a_capturing_engine(
         settle(cuda_host, 8)
 
 
-def test_the_placeholder_transport_is_never_judged():
-    selection = select_backends(Knobs(), ExpertMath("a8w4"), "cuda", ep_size=8, num_experts=16, facts=CUDA_TRITON)
+def test_the_pending_answer_is_never_judged():
+    selection = select_for_device(Knobs(), ExpertMath("a8w4"), "cuda", ep_size=8, num_experts=16, facts=CUDA_TRITON)
     plan = build_plan(SPEC, Knobs(), 0, 8, quant="a8w4", backends=selection)
-    assert plan.backends.needs_ep_topology and plan.backends.transport == "nccl"  # the placeholder
+    assert plan.backends.needs_ep_topology and plan.backends.transport == PENDING_EP_GROUP  # an answer, not nccl
+    choice = choose_forward(ForwardFacts.of(plan, "cuda", engine_captures=True))
+    assert choice.pending and choice.capturable is None and choice.takes_token_bound
     with pytest.raises(ValueError, match="settled plan"):
-        CaptureFacts.of(plan, "cuda")
+        require_capturable(choice, "--enforce-eager")
 
 
 @pytest.mark.parametrize("graphs, said", [(VLLM, "graphs=captured"), (EngineGraphs(False, "--enforce-eager"), "graphs=eager"),

@@ -29,7 +29,7 @@ from megamoe_backend.experts.base import ExpertMath
 from megamoe_backend.knobs import KnobError
 from megamoe_backend.layer.reference import rel_l2
 from megamoe_backend.platform import select_backends
-from megamoe_backend.plan.capture import CaptureFacts, uncapturable_reason
+from megamoe_backend.plan.forward_choice import ForwardFacts, choose_forward
 from megamoe_backend.transport import TransportError
 from megamoe_backend.transport.mori import init_mori_shmem, pick_kernel
 
@@ -272,11 +272,11 @@ def test_the_fused_forward_makes_no_host_sync_and_can_be_captured(fakes, tmp_pat
         ids[0, 0] = -1
         with no_host_sync():
             out = layer(x, ids, tw, max_tokens_across_ranks=8)
-        assert out.shape == (5, H) and layer.takes_token_bound
+        assert out.shape == (5, H) and layer.takes_token_bound and layer.forward_choice.forward == "fused"
     finally:
         dist.destroy_process_group()
-    assert uncapturable_reason(CaptureFacts("rocm", "aiter", "mori", 8, True)) is None
-    assert uncapturable_reason(CaptureFacts("rocm", "triton", "mori", 8, False)) is None
+    assert choose_forward(ForwardFacts("rocm", "aiter", "mori", 8, True)).capturable
+    assert choose_forward(ForwardFacts("rocm", "triton", "mori", 8, False)).capturable
 
 
 def test_rank_major_ids_make_no_host_sync():

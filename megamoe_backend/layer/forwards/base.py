@@ -28,13 +28,6 @@ class LayerForward(ABC):
     def raise_if_bad_input(self) -> None:
         """Raise what the device checks recorded (paths with a status word); else nothing to do."""
 
-    @property
-    def takes_token_bound(self) -> bool:
-        """Whether forward(max_tokens_across_ranks=) applies here: the forwards that exchange rows
-        (P2P: sized by it; torch: checked and agreed on by it). The ep_size-1 device forward and the
-        fused runtime say no, so engines pass nothing there (plan/token_bound.py)."""
-        return False
-
     def shape_status(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, str]:
         """(status, message) from shapes alone (no device data is read); status != 0: bad input."""
         plan = self.plan

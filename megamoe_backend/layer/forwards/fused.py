@@ -32,10 +32,6 @@ class FusedForward(WorkspaceForward):
         self.fused_weights = self.fused.prepare_weights(layer.weights)
         self.fused.build(self.fused_weights)  # every shared runtime exists before the engine's warm-up / capture
 
-    @property
-    def takes_token_bound(self) -> bool:
-        return True  # it picks the runtime and aiter's config bucket (docs/rocm.md)
-
     def _idle_step(self, message: str, bound: int | None) -> None:
         """Take part in the collective with no tokens, so peers in aiter's kernel finish, then raise."""
         plan = self.plan

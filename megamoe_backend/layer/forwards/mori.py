@@ -56,10 +56,6 @@ class MoriForward(WorkspaceForward):
             self.workspace.logged_why = True
             logger.warning("[megamoe] %s; running the mori device forward with the %s experts", why, plan.backends.provider)
 
-    @property
-    def takes_token_bound(self) -> bool:
-        return True  # the experts' tile config (module docstring)
-
     def __call__(self, x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks):
         """mori's collective has no timeout, so this rank always takes part before it raises: a shape
         or bound problem (known on the host) sends no tokens, and what earlier steps recorded in the

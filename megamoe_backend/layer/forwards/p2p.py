@@ -43,10 +43,6 @@ class P2PForward(WorkspaceForward):
         kind = ws.arena.name if ws is not None else self.plan.backends.transport
         return f"device p2p over {kind}"
 
-    @property
-    def takes_token_bound(self) -> bool:
-        return True
-
     def __call__(self, x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks):
         return run_steps(self.steps(x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks))
 

@@ -17,9 +17,10 @@ import logging
 import torch
 
 from ...experts import ExpertPairs
-from ...plan.token_bound import NO_BOUND, bound_problem
+from ...plan.token_bound import bound_problem
 from ...transport import PeerInputError, Transport, get_transport, received_pairs
 from ...transport.cache import cached_transport_keys, transport_key
+from ...transport.bound_header import NO_BOUND
 from ...transport.layout import DispatchLayout
 from ...transport.registry import make_transport
 from .base import LayerForward, refuse_capture
@@ -64,10 +65,6 @@ class TorchForward(LayerForward):
     @property
     def name(self) -> str:
         return self.transport.name
-
-    @property
-    def takes_token_bound(self) -> bool:
-        return True  # checked, and agreed through the dispatch header (module docstring)
 
     def __call__(self, x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks):
         plan = self.plan
