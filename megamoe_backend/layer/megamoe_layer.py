@@ -48,7 +48,7 @@ class MegaMoELayer:
 
     ``weights`` holds this rank's local experts (``plan.num_local_experts`` of them, in local-slot
     order). ``group`` is the EP process group (None only for ep_size 1; an ``EmulatedGroup`` for the
-    one-process emulator, transport/peer_arena.py). ``path`` is the forward object that runs it, the
+    one-process emulator, benchmarks/emulated_ep.py). ``path`` is the forward object that runs it, the
     one ``forward_choice`` names. ``graphs``: the engine's CUDA-graph setting (plugins); with it the
     layer refuses, at construction and on every rank alike, a forward the engine would capture but
     cannot be (layer/startup.py). ``device_path`` (tests, the emulator): True asks for a device forward,
