@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..knobs import KnobError
     from ..spec import ConfigError
-    from .info_plan import info_dict, memory_warning, resolve
+    from .info_plan import info_dict, resolve
 
     try:
         r = resolve(args)
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     print_table(r, info)
-    for line in (*r.assumed, r.release_note, r.choice.override_line(), memory_warning(r.memory)):
+    for line in (*r.assumed, r.release_note, r.choice.override_line(), r.memory.warning()):
         if line:
             print(line)
     forecast, plan = r.forecast, r.plan

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from ..experts.base import A_OPERAND
 from ..experts.registry import describe_experts_gemm
 from ..knobs import Knobs
-from ..layer.memory import LayerMemory, gb, layer_memory
+from ..layer.memory import LayerMemory, layer_memory
 from ..plan import ExpertPlacement, LayerPlan, build_plan, facts_for, initial_redundant_map
 from ..plan.forward_choice import ForwardChoice, ForwardFacts, choose_forward
 from ..plan.layer_plan import check_ep_position
@@ -104,16 +104,6 @@ def describe_forward(choice: ForwardChoice) -> str:
     capture = {True: "capturable", False: "eager only", None: "capture judged once settled"}[choice.capturable]
     bound = "takes" if choice.takes_token_bound else "takes no"
     return f"{choice.forward} ({capture}; {bound} token bound): {choice.why}"
-
-
-def memory_warning(memory: LayerMemory) -> str | None:
-    """LayerMemory's warning, except where the weights alone do not fit: then lowering
-    MEGA_MAX_TOKENS_PER_RANK (which sizes the workspace only) cannot help, and the line says what can."""
-    if memory.weights <= memory.gpu_bytes:
-        return memory.warning()
-    return (f"[megamoe] warning: the expert weights alone need {gb(memory.weights)} per GPU, more than the "
-            f"{memory.gpu_name} has ({gb(memory.gpu_bytes)}): spread the experts over more GPUs (a larger --ep-size; "
-            "past one host that is MEGA_DISPATCH=nccl, eager) or use GPUs with more memory")
 
 
 @dataclass
@@ -249,10 +239,10 @@ def info_dict(r: InfoPlan) -> dict:
     info["transport_auto"] = None if forecast is None else {
         "one_host": forecast.one_host, "shared_gpu": forecast.shared_gpu, "several_hosts": forecast.several_hosts,
         "depends_on": forecast.depends_on, "here": forecast.here, "line": forecast.describe()}
-    info["memory_per_gpu"] = {**r.memory.to_dict(), "warning": memory_warning(r.memory)}
+    info["memory_per_gpu"] = r.memory.to_dict()
     if r.heap is not None:
         info["rocm_heap"] = r.heap
     return info
 
 
-__all__ = ["InfoPlan", "describe_forward", "forward_for", "info_dict", "memory_warning", "planned_facts", "resolve"]
+__all__ = ["InfoPlan", "describe_forward", "forward_for", "info_dict", "planned_facts", "resolve"]

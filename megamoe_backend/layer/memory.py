@@ -67,7 +67,12 @@ class LayerMemory:
 
     def warning(self) -> str | None:
         """The warning when the workspace takes more than ``share_warn`` of the GPU (naming the knob), or
-        when weights and workspace do not fit in it at all."""
+        when weights and workspace do not fit in it at all. Where the weights alone do not fit, lowering
+        MEGA_MAX_TOKENS_PER_RANK (which sizes the workspace only) cannot help: the line says what can."""
+        if self.weights > self.gpu_bytes:
+            return (f"[megamoe] warning: the expert weights alone need {gb(self.weights)} per GPU, more than the "
+                    f"{self.gpu_name} has ({gb(self.gpu_bytes)}): spread the experts over more GPUs (a larger --ep-size; "
+                    "past one host that is MEGA_DISPATCH=nccl, eager) or use GPUs with more memory")
         if self.total > self.gpu_bytes:
             return (f"[megamoe] warning: weights ({gb(self.weights)}) + workspace ({gb(self.workspace or 0)}) need "
                     f"{gb(self.total)} per GPU, more than the {self.gpu_name} has ({gb(self.gpu_bytes)}): spread the "
