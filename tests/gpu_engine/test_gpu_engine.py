@@ -74,7 +74,6 @@ def test_matrix_on_this_gpu(tmp_path, model_dirs):
     _assert_all(verdicts(record, model_dirs))
 
 
-@pytest.mark.skipif(not RECORD.exists(), reason=f"no recorded GPU run at {RECORD}")
 def test_recorded_gpu_run(model_dirs):
     record = json.loads(RECORD.read_text())
     for name, why in pending_of(record).items():
@@ -90,7 +89,6 @@ def _planted(record: dict, run: str, edit) -> dict:
     return planted
 
 
-@pytest.mark.skipif(not RECORD.exists(), reason=f"no recorded GPU run at {RECORD}")
 @pytest.mark.parametrize("mutation", ["logprobs-shifted", "greedy-third-token", "startup-eager", "never-captured",
                                       "no-layer-calls"])
 def test_checks_fail_on_planted_mutations(model_dirs, mutation):
@@ -118,12 +116,10 @@ def test_checks_fail_on_planted_mutations(model_dirs, mutation):
     assert not all(ok for _, ok, _ in results), f"the planted {mutation} passed every check"
 
 
-@pytest.mark.skipif(not DP_RECORD.exists(), reason=f"no recorded GPU run at {DP_RECORD}")
 def test_recorded_dp_ranks_equal_ep1():
     _assert_all(dp_matches_ep1(json.loads(DP_RECORD.read_text())))
 
 
-@pytest.mark.skipif(not DP_RECORD.exists(), reason=f"no recorded GPU run at {DP_RECORD}")
 @pytest.mark.parametrize("mutation", ["one-ulp", "token", "nccl", "no-idle"])
 def test_dp_checks_fail_on_planted_mutations(mutation):
     record = json.loads(DP_RECORD.read_text())
