@@ -244,3 +244,32 @@ def dp_matches_ep1(record: dict) -> list[tuple[str, bool, str]]:
         out.append((f"dp {mode} startup", ok, "; ".join(created) or "no startup line"))
         out.append((f"dp {mode} idle rank", len(set(lengths)) > 1, f"tokens generated per rank {lengths}"))
     return out
+
+
+PEER_EXIT_NEEDLE = "exit status 70"  # layer/device/process_end.py: what a peer timeout logs as it ends the process
+# what the engine's own host collectives (vLLM's per-step DP all-reduce over gloo) raise once a peer process is gone
+ENGINE_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def peer_kill_ended(record: dict) -> list[tuple[str, bool, str]]:
+    """(label, ok, line) for serve_dp's fault test (``KILL`` record): a DP rank SIGKILLed while every
+    rank replays FULL decode graphs; each survivor must end by itself within the record's bound,
+    with a failing exit status and a log that says why: the plugin's peer timeout
+    (PEER_EXIT_NEEDLE, docs/ep-device.md) or the engine's own collective failing on the lost rank
+    (ENGINE_LOST_PEER). A survivor
+    still serving (SURVIVED_LOOP, or killed by the launcher at the bound) missed the dead peer."""
+    out = [("kill: every rank served before the kill", bool(record.get("ready_before_kill")),
+            f"killed rank {record.get('killed_rank')} after {record.get('kill_after_s')} s of serving")]
+    survivors = record.get("survivors") or {}
+    if not survivors:
+        return out + [("kill: survivors", False, "no survivor recorded")]
+    for rank, s in survivors.items():
+        lines = s.get("cause_lines", [])
+        ended, rc = s.get("ended_after_s"), s.get("rc")
+        in_time = ended is not None and ended <= record["bound_s"]
+        said = [x for x in lines if PEER_EXIT_NEEDLE in x or any(k in x for k in ENGINE_LOST_PEER)]
+        ok = in_time and rc not in (0, None) and bool(said) and not any("SURVIVED_LOOP" in x for x in lines)
+        out.append((f"kill: rank {rank} ended by itself", ok,
+                    f"rc {rc} after {ended} s (bound {record['bound_s']} s, MEGA_P2P_TIMEOUT_S "
+                    f"{record.get('p2p_timeout_s')}); {said[-1][-300:] if said else 'no line says why'}"))
+    return out

@@ -27,10 +27,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from gpu_engine_checks import MATRIX, dp_matches_ep1, pending_of, verdicts  # noqa: E402
+from gpu_engine_checks import MATRIX, dp_matches_ep1, peer_kill_ended, pending_of, verdicts  # noqa: E402
 
 RECORD = ROOT / "benchmarks" / "results" / "gpu_engine_h100.json"
 DP_RECORD = ROOT / "benchmarks" / "results" / "gpu_engine_dp_h100.json"
+KILL_RECORD = ROOT / "benchmarks" / "results" / "gpu_engine_kill_h100.json"
 
 
 def _gpu_engine_skip_reason() -> str | None:
@@ -134,3 +135,25 @@ def test_dp_checks_fail_on_planted_mutations(mutation):
     else:
         rank1["tokens"] = [t + [0] * 9 for t in rank1["tokens"]]
     assert not all(ok for _, ok, _ in dp_matches_ep1(record)), f"the planted {mutation} passed every check"
+
+
+def test_recorded_peer_kill_ends_the_survivor():
+    _assert_all(peer_kill_ended(json.loads(KILL_RECORD.read_text())))
+
+
+@pytest.mark.parametrize("mutation", ["kept-serving", "clean-exit", "silent", "too-late", "not-ready"])
+def test_kill_checks_fail_on_planted_mutations(mutation):
+    record = json.loads(KILL_RECORD.read_text())
+    survivor = record["survivors"]["0"]
+    if mutation == "kept-serving":  # the launcher had to kill it at the bound
+        survivor["ended_after_s"] = None
+        survivor["cause_lines"].append('SURVIVED_LOOP {"rank": 0, "rounds": 40}')
+    elif mutation == "clean-exit":
+        survivor["rc"] = 0
+    elif mutation == "silent":  # ended, but nothing says the peer was lost
+        survivor["cause_lines"] = [x for x in survivor["cause_lines"] if "peer" not in x and "exit status" not in x]
+    elif mutation == "too-late":
+        survivor["ended_after_s"] = record["bound_s"] + 1
+    else:
+        record["ready_before_kill"] = False
+    assert not all(ok for _, ok, _ in peer_kill_ended(record)), f"the planted {mutation} passed every check"
