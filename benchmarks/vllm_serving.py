@@ -8,13 +8,16 @@ kernels, which the device bundle lacks: docs/vllm.md), with few layers and rando
 of Marlin on sm_90: ``quantization/utils/humming/priority.py``); the run records which backend
 vLLM logged.
 
-Each backend runs in its own process (``--backend``), the same workloads in the same order, FULL
-decode graphs: ``decode``: 64 requests of 128 prompt tokens generating 256 each (output tokens/s);
-``latency``: one request, 128 in / 128 out (ms per output token); ``prefill``: 16 requests of 2048
-prompt tokens, 1 output token each (prompt tokens/s). ``--compare`` runs both backends in turn
-and writes JSON (+ PNG with ``--plot``).
+Each backend runs in its own process (``--backend``) with an empty Triton cache of its own (kernels
+another library caches elsewhere, such as humming-kernels' NVRTC builds, stay as they are), the same
+workloads in the same order, each PASSES times (the last pass is the figure, the first shows what
+compiling on first use costs), FULL decode graphs: ``decode``: 64 requests of 128 prompt tokens
+generating 256 each (output tokens/s); ``latency``: one request, 128 in / 128 out (ms per output
+token); ``prefill``: 16 requests of 2048 prompt tokens, 1 output token each (prompt tokens/s).
+``--compare`` runs both backends in turn and writes JSON (+ PNG with ``--plot``); ``--profile`` adds
+each backend's decode-step kernels (profile_decode) and hand-stepped decode runs (step_profile).
 
-Usage: python benchmarks/vllm_serving.py --compare --out results.json [--plot results.png] [--model-dir DIR]
+Usage: python benchmarks/vllm_serving.py --compare --out results.json [--plot results.png] [--model-dir DIR] [--profile]
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ HIDDEN, INTER, EXPERTS, TOPK = 7168, 3072, 384, 6
 WORKLOADS = {"decode": dict(requests=64, prompt=128, output=256), "latency": dict(requests=1, prompt=128, output=128),
              "prefill": dict(requests=16, prompt=2048, output=1)}
 VOCAB = 512
+# Each workload runs PASSES times in its engine, the figures are the last pass's: the first pays for the
+# Triton kernels (vLLM's and the MoE backend's) that start-up did not compile. Each backend's process gets
+# an empty Triton cache of its own (compare), so neither inherits the other's compiled kernels.
+PASSES = 2
 
 
 def build_checkpoint(out_dir: Path, layers: int = 2) -> Path:
@@ -95,8 +102,113 @@ def floor_record(sheet_tb_s: float) -> dict:
             "not_measured": "naive torch and the measured copy ceiling (the layer benches measure both)"}
 
 
-def run_backend(model: str, backend: str) -> dict:
-    """Every workload in one engine (this process), FULL decode graphs; figures per workload."""
+def profile_decode(llm, rng, requests: int = 64, steps: int = 16, top: int = 25) -> dict:
+    """The GPU kernels of ``steps`` decode steps of ``requests`` requests (4-token prompts, so their one
+    prefill step is small beside the decode steps), from torch.profiler (CUPTI sees the kernels a CUDA
+    graph replays): per kernel name, calls and device microseconds per decode step, largest first."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(4, VOCAB) for _ in range(4)]) for _ in range(requests)]
+    sp = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    llm.generate(prompts, sp, use_tqdm=False)  # warm: the same shapes once
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(ev.name[:160], [0, 0.0])
+            k[0] += 1
+            k[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    device_us = sum(v[1] for v in kernels.values())
+    return {"requests": requests, "steps": steps, "wall_ms_per_step": round(1e3 * wall / steps, 3),
+            "device_us_per_step": round(device_us / steps, 1),
+            "kernels": [{"name": n, "calls_per_step": round(c / steps, 2), "us_per_step": round(t / steps, 1)}
+                        for n, (c, t) in rows[:top]]}
+
+
+class JitWatch:
+    """Triton kernels this process compiles (or loads from Triton's disk cache) while it is on: name and
+    seconds each, through Triton's jit_cache / jit_post_compile hooks (the hooks it had are put back)."""
+
+    def __init__(self) -> None:
+        self.compiles: list[dict] = []
+        self._start: dict[str, float] = {}
+
+    def __enter__(self) -> "JitWatch":
+        import triton
+
+        rt = triton.knobs.runtime
+        self._saved = (rt.jit_cache_hook, rt.jit_post_compile_hook)
+
+        def before(**kwargs):
+            self._start[str(kwargs["key"])] = time.perf_counter()
+            return False  # compile as usual
+
+        def after(**kwargs):
+            name = getattr(kwargs.get("fn"), "name", "?")
+            t0 = self._start.pop(str(kwargs["key"]), None)
+            self.compiles.append({"kernel": name, "s": round(time.perf_counter() - t0, 3) if t0 else None})
+
+        rt.jit_cache_hook, rt.jit_post_compile_hook = before, after
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import triton
+
+        triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = self._saved
+
+
+def step_profile(llm, rng, requests: int = 64, prompt: int = 128, output: int = 64) -> dict:
+    """The decode workload stepped by hand (LLMEngine.step): each step's wall time, and the Triton
+    kernels compiled meanwhile (JitWatch). A step that stalls on a first-time compile stands out
+    from the steady steps, which an average over the whole run hides."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
+    for i in range(requests):
+        engine.add_request(f"step-{i}", {"prompt_token_ids": [rng.randrange(4, VOCAB) for _ in range(prompt)]}, sp)
+    steps, calls = [], {"eager": 0, "captured": 0}
+    method = None
+    try:
+        import torch
+        from megamoe_vllm.method import MegaMoEMethod as method
+
+        inner = method.forward_tokens
+
+        def counted(self, *a, **k):  # the plugin's op body runs in Python only when not replayed from a graph
+            calls["captured" if torch.cuda.is_current_stream_capturing() else "eager"] += 1
+            return inner(self, *a, **k)
+
+        method.forward_tokens = counted
+    except ImportError:
+        calls = None
+    try:
+        with JitWatch() as jit:
+            while engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                engine.step()
+                steps.append(round(1e3 * (time.perf_counter() - t0), 3))
+    finally:
+        if method is not None:
+            method.forward_tokens = inner
+    ordered = sorted(steps)
+    slow = sorted(range(len(steps)), key=lambda i: -steps[i])[:6]
+    return {"requests": requests, "prompt": prompt, "output": output, "steps": len(steps),
+            "median_ms": ordered[len(ordered) // 2] if steps else None, "total_ms": round(sum(steps), 1),
+            "slowest": [{"step": i, "ms": steps[i]} for i in slow], "jit_compiles": jit.compiles[:40],
+            "jit_compiles_total": len(jit.compiles), "plugin_op_calls": calls}
+
+
+def run_backend(model: str, backend: str, profile: bool = False) -> dict:
+    """Every workload in one engine (this process), FULL decode graphs; figures per workload (and, with
+    ``profile``, the decode step's kernels: profile_decode)."""
     import random
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu_engine"))
@@ -121,26 +233,38 @@ def run_backend(model: str, backend: str) -> dict:
                    for _ in range(w["requests"])]
         sp = SamplingParams(temperature=0.0, max_tokens=w["output"], ignore_eos=True)
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm
-        start = time.perf_counter()
-        llm.generate(prompts, sp, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        fig = {"seconds": round(seconds, 3), **w}
+        passes = []
+        for _ in range(PASSES):  # the first pass compiles what start-up did not (JitWatch counts it)
+            with JitWatch() as jit:
+                start = time.perf_counter()
+                llm.generate(prompts, sp, use_tqdm=False)
+                passes.append((round(time.perf_counter() - start, 3), len(jit.compiles)))
+        seconds = passes[-1][0]
+        fig = {"seconds": seconds, **w, "passes_s": [x for x, _ in passes], "jit_compiles_per_pass": [n for _, n in passes]}
         fig["output_tok_s"] = round(w["requests"] * w["output"] / seconds, 1)
         fig["prompt_tok_s"] = round(w["requests"] * w["prompt"] / seconds, 1)
         fig["ms_per_output_token"] = round(1000 * seconds / w["output"], 3) if w["requests"] == 1 else None
         out["workloads"][name] = fig
         print(f"{backend} {name}: {fig}", flush=True)
+    if profile:
+        out["steps_fresh_shapes"] = step_profile(llm, rng, prompt=96)  # a prefill size no workload ran before
+        out["steps_repeat"] = step_profile(llm, rng, prompt=96)
+        out["decode_profile"] = profile_decode(llm, rng)
+        print(f"{backend} decode profile: {json.dumps(out['decode_profile'])}", flush=True)
     return out
 
 
-def compare(model: str, timeout_s: float) -> dict:
+def compare(model: str, timeout_s: float, profile: bool = False, backends: tuple[str, ...] = ("megamoe_ep", "default")) -> dict:
     """Both backends in turn, each in its own process; the log lines naming vLLM's MoE backend kept."""
     result = {"model": {"hidden": HIDDEN, "inter": INTER, "experts": EXPERTS, "topk": TOPK, "quant": "a8w4 (Quark MXFP4)"},
               "runs": {}}
-    for backend in ("megamoe_ep", "default"):
-        env = dict(os.environ, MEGA_DISPATCH_WIRE="fp8")
+    import tempfile
+
+    for backend in backends:
+        env = dict(os.environ, MEGA_DISPATCH_WIRE="fp8", TRITON_CACHE_DIR=tempfile.mkdtemp(prefix=f"triton-{backend}-"))
         t0 = time.time()
-        proc = subprocess.run([sys.executable, __file__, "--backend", backend, "--model-dir", model],
+        proc = subprocess.run([sys.executable, __file__, "--backend", backend, "--model-dir", model]
+                              + (["--profile"] if profile else []),
                               capture_output=True, text=True, env=env, timeout=timeout_s)
         log = proc.stdout + proc.stderr
         line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT ")), None)
@@ -148,6 +272,8 @@ def compare(model: str, timeout_s: float) -> dict:
         run["wall_s"] = round(time.time() - t0, 1)
         run["moe_log"] = [x for x in log.splitlines() if "MoE backend" in x or "Created MegaMoE" in x
                           or "umming" in x][:8]
+        run["kv_log"] = [x[-300:] for x in log.splitlines() if "KV cache" in x or "oncurrency" in x
+                         or "reempt" in x or "Available" in x][:12]
         result["runs"][backend] = run
         print(json.dumps({backend: run.get("workloads") or run.get("error", "")[-2000:]}), flush=True)
     return result
@@ -192,13 +318,15 @@ def main() -> None:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--replot", default=None, help="draw --plot from this JSON (no GPU)")
     ap.add_argument("--timeout-s", type=float, default=400)
+    ap.add_argument("--backends", nargs="+", default=["megamoe_ep", "default"], help="with --compare: which to run")
+    ap.add_argument("--profile", action="store_true", help="also record each backend's decode-step kernels (profile_decode)")
     args = ap.parse_args()
     if args.replot:
         result = json.loads(Path(args.replot).read_text())
         plot(result, args.plot, result.get("card", "GPU"))
         return
     if args.backend:
-        print("RESULT " + json.dumps(run_backend(args.model_dir, args.backend)), flush=True)
+        print("RESULT " + json.dumps(run_backend(args.model_dir, args.backend, args.profile)), flush=True)
         os._exit(0)
     if args.compare:
         t0 = time.time()
@@ -206,7 +334,7 @@ def main() -> None:
         import torch
 
         built_s = round(time.time() - t0, 1)
-        result = compare(args.model_dir, args.timeout_s)
+        result = compare(args.model_dir, args.timeout_s, args.profile, tuple(args.backends))
         result.update(card=torch.cuda.get_device_name(0), checkpoint_build_s=built_s,
                       date=time.strftime("%Y-%m-%d"), floor=floor_record(3.35))
         Path(args.out).write_text(json.dumps(result, indent=1))
