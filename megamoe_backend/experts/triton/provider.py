@@ -63,10 +63,11 @@ class TritonExperts(ExpertsProvider):
         prepare_weights could re-lay the weights for: frag8, else frag, else split).
         Under TRITON_INTERPRET=1 frag and split run their portable decode; dot_scaled is unavailable.
     config: fixed TileConfig, else chosen per bucket by config.default_config.
-    gemm: who runs the frag8 GEMMs, MEGA_EXPERTS_GEMM as the Knobs hold it (registry.make_provider
-        passes ``knobs.experts_gemm``; nothing here reads the environment): "auto" | "triton", both
-        the Triton kernels today (the sm_90a CUDA GEMMs, measured slower in every bucket, moved to
-        benchmarks/research/cuda_gemms; "cuda" is refused naming the knob).
+    gemm: MEGA_EXPERTS_GEMM as the Knobs hold it (registry.make_provider passes ``knobs.experts_gemm``;
+        nothing here reads the environment): "auto" | "triton", both the Triton kernels here ("humming"
+        is served by experts/humming/, which registry.make_provider builds where gemm_choice picks it; the
+        sm_90a CUDA GEMMs, measured slower in every bucket, moved to benchmarks/research/cuda_gemms:
+        "cuda" is refused naming the knob).
     """
 
     name = "triton"
@@ -78,6 +79,9 @@ class TritonExperts(ExpertsProvider):
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity={capacity} must be >= 0")
         self.gemm = check_experts_gemm(gemm)
+        if self.gemm == "humming":
+            raise ValueError("gemm='humming': humming-kernels' GEMMs run in HummingExperts (experts/humming/); "
+                             "registry.make_provider builds it where experts/gemm_choice.py picks it")
         self.capacity = capacity
         self.decoder = decoder
         self.config = config
