@@ -26,6 +26,7 @@ if torch.cuda.get_device_capability() != (9, 0):
 pytest.importorskip("triton")
 pytest.importorskip("humming", reason="humming-kernels not installed (pip install 'megamoe-backend[humming]')")
 
+from benchmarks.timing import capture_graph  # noqa: E402
 from emulation import EmulatedSublayer  # noqa: E402
 from twin import TWIN_TOL, twin_forward  # noqa: E402
 
@@ -114,14 +115,7 @@ def test_a_captured_forward_replays_bit_equal_to_eager(wire_name):
     eager = out.clone()
     assert torch.equal(eager, wire.encode(provider.forward(rows, pairs, prepared, math)))
     allocated = scratch.allocations
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture_graph(call)  # a warm-up call on a side stream, then the capture
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()

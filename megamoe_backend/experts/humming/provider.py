@@ -40,7 +40,7 @@ from ..base import Activations, ExpertMath, ExpertPairs, ExpertsProvider
 from ..live import LiveRows, SegmentDest
 from ..scratch import ExpertsScratch, scratch_empty
 from ..weights import ExpertWeights
-from ..triton.checks import check_capacity, check_dest, check_live, check_pairs, received_rows, result_buffer
+from ..triton.checks import check_capacity, check_live, check_pairs, received_rows, result_buffer, wire_target
 from ..triton.config import interpreting
 from ..triton.forward_buffers import ForwardBuffers
 from ..triton.launch_plan import persistent_grid
@@ -114,17 +114,9 @@ class HummingExperts(ExpertsProvider):
         scratch: ExpertsScratch | None = None,
     ) -> torch.Tensor:
         """See ExpertsProvider.forward_wire; ``out`` / ``dest`` / ``live`` / ``scratch`` as TritonExperts.forward_wire."""
-        if wire.mx not in (None, "fp8"):
-            raise ValueError(f"combine wire {wire.name!r}: the humming experts write bf16 or fp8_blockwise_1x32 rows")
-        if dest is None:
-            out = result_buffer(out, len(pairs), wire.row_bytes(weights.hidden), torch.uint8, pairs.weight.device,
-                                f"{wire.name} combine wire rows at hidden={weights.hidden}")
-        else:
-            check_dest(dest, out, len(pairs), pairs.weight.device)
-        if wire.mx is None:
-            self._run(a, pairs, weights, math, out.view(torch.bfloat16), "bf16", dest, live, scratch)
-        else:
-            self._run(a, pairs, weights, math, out, "fp8", dest, live, scratch)
+        out, target, out_fmt = wire_target(out, dest, len(pairs), wire, weights.hidden, pairs.weight.device,
+                                           "the humming experts' GEMM2 / finalize")
+        self._run(a, pairs, weights, math, target, out_fmt, dest, live, scratch)
         return out
 
     def _run(self, a, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath, out: torch.Tensor, out_fmt: str,

@@ -31,8 +31,8 @@ from ..scratch import ExpertsScratch
 from ..weights import FRAGMENT_STORAGE, ExpertWeights
 from . import triton_available
 from .checks import (
-    check_capacity, check_candidates, check_dest, check_live, check_pairs, check_row_indices, check_weights,
-    has_mx_activations, received_rows, require_mx_activations, result_buffer,
+    check_capacity, check_candidates, check_live, check_pairs, check_row_indices, check_weights,
+    has_mx_activations, received_rows, require_mx_activations, result_buffer, wire_target,
 )
 from .config import TileConfig, interpreting
 from .forward_buffers import ForwardBuffers
@@ -179,17 +179,9 @@ class TritonExperts(ExpertsProvider):
 
         ``scratch`` (experts/scratch.py): the intermediates live there, reserved for ``capacity`` pairs,
         so a forward allocates nothing once one has run (the layer's forwards pass their workspace's)."""
-        if wire.mx not in (None, "fp8"):
-            raise ValueError(f"combine wire {wire.name!r}: the Triton GEMM2 epilogue writes bf16 or fp8_blockwise_1x32 rows")
-        if dest is None:
-            out = result_buffer(out, len(pairs), wire.row_bytes(weights.hidden), torch.uint8, pairs.weight.device,
-                                 f"{wire.name} combine wire rows at hidden={weights.hidden}")
-        else:
-            check_dest(dest, out, len(pairs), pairs.weight.device)
-        if wire.mx is None:
-            self._run(a, pairs, weights, math, out.view(torch.bfloat16), "bf16", dest, live, scratch)
-        else:
-            self._run(a, pairs, weights, math, out, "fp8", dest, live, scratch)
+        out, target, out_fmt = wire_target(out, dest, len(pairs), wire, weights.hidden, pairs.weight.device,
+                                           "the Triton GEMM2 epilogue")
+        self._run(a, pairs, weights, math, target, out_fmt, dest, live, scratch)
         return out
 
     def _run(
