@@ -157,3 +157,35 @@ def test_weights_from_elsewhere_are_refused():
         HummingExperts(library=EmulatedLibrary()).forward(rows, pairs, prepared, math)
     with pytest.raises(ValueError, match="run A8W4"):
         provider.prepare_weights(weights, ExpertMath("a4w4"))
+
+
+@pytest.mark.parametrize("wire, combine", [("fp8", "bf16"), ("fp8", "fp8_blockwise_1x32"), ("bf16", "bf16")])
+def test_the_layers_device_forward_equals_its_torch_forward(wire, combine):
+    """MegaMoELayer with the humming provider injected: the device forward (row-major pairs, GEMM1 deriving the
+    rows, GEMM2 writing the combine rows or the finalize kernel) bit for bit the torch forward (its pairs gathered
+    per pair), both within the A8W4 gate of the fp32 reference."""
+    from megamoe_backend.knobs import Knobs
+    from megamoe_backend.layer import MegaMoELayer, fp32_reference_moe
+    from megamoe_backend.plan import build_plan
+    from megamoe_backend.spec import preset
+    from megamoe_backend.transport import clear_transport_cache
+    from megamoe_backend.workload import ProblemConfig, make_problem
+
+    spec = preset("dsv4-pro").scaled(hidden_size=128, moe_intermediate_size=128, n_routed_experts=8)
+    k = spec.num_experts_per_tok
+    p = make_problem(ProblemConfig(spec, 5, 1, seed=3, masked_fraction=0.2))
+    plan = build_plan(spec, Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=64), quant="a8w4")
+    weights = p.expert_weights("a8w4")
+    clear_transport_cache()
+    try:
+        outs = []
+        for device_path in (True, False):
+            provider = HummingExperts(capacity=64 * k, library=EmulatedLibrary())
+            layer = MegaMoELayer(plan, weights, provider=provider, device_path=device_path)
+            assert (layer.workspace is not None) == device_path and layer.weights.storage == "humming"
+            outs.append(layer(p.x, p.topk_ids, p.topk_weights))
+    finally:
+        clear_transport_cache()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    ref = fp32_reference_moe(p.x, p.topk_ids, p.topk_weights, *weights.dequantized(), "interleaved", spec.swiglu_limit)
+    assert float(rel_l2(outs[0].float(), ref)) < 0.10
