@@ -6,11 +6,12 @@ facts are plain values, gathered apart (``gemm_facts``), so CPU tests inject eve
 
 humming-kernels is what vLLM 0.33 / 0.34 run for MXFP4 MoE experts on Hopper. Its GEMMs on FP8 rows at one
 fp32 scale per row compute the project's A8W4 (frag8) numerics and were measured faster than the Triton
-experts at prefill (issue 58: 1.41x at 48 experts x 8192 tokens on an H100, about equal at 8 tokens), so
-``auto`` picks it where it can serve: an sm_90 GPU, the A8W4 scheme, humming-kernels 0.1.19 .. 0.1.x
-importable with the CUDA headers its NVRTC JIT compiles against. Elsewhere (other GPUs, ROCm, the CPU
-interpreter, bf16 / A4W4 experts) the Triton experts run. ``MEGA_EXPERTS_GEMM=humming`` where humming
-cannot serve is a start-up KnobError naming what is missing and the fix; never a silent fallback.
+experts at prefill (issue 58: 1.41x at 48 experts x 8192 tokens on an H100, about equal at 8 tokens). It can
+serve on an sm_90 GPU, for the A8W4 scheme, with humming-kernels 0.1.19 .. 0.1.x importable with the CUDA
+headers its NVRTC JIT compiles against; elsewhere (other GPUs, ROCm, the CPU interpreter, bf16 / A4W4
+experts) the Triton experts run. ``auto`` picks humming where it can serve once AUTO_PICKS_HUMMING says the
+provider was measured faster (below). ``MEGA_EXPERTS_GEMM=humming`` where humming cannot serve is a start-up
+KnobError naming what is missing and the fix; never a silent fallback.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ HUMMING_BELOW = (0, 2)  # the 0.1 series: a 0.2 may change the API this adapter 
 HUMMING_SM = (9, 0)  # Hopper: humming's wgmma W4A8 path; on other GPUs its A8W4 numerics differ (block-scaled MMA)
 HUMMING_SCHEMES = ("a8w4",)  # FP8 activations on MXFP4 weights; A4W4 needs fp4 MMA (sm_120), bf16 is W4A16
 INSTALL_FIX = "pip install 'megamoe-backend[humming]' (humming-kernels[cu13] >= 0.1.19, < 0.2)"
+# Whether auto runs humming where it can serve. Its GEMMs were measured faster than the Triton experts at prefill
+# (issue 58, H100) and the provider matched the Triton one on an H100 (tests/experts_humming/test_gpu_humming.py,
+# 2026-12-07), but the provider's whole forward (its SwiGLU pass over bf16 gate/up rows, its first-use compile of
+# 131 kernels, ~21 s) was not yet timed beside Triton: auto keeps Triton until `megamoe bench experts --humming`
+# shows the provider faster on the card; then this flips, and every answer below follows.
+AUTO_PICKS_HUMMING = False
 GEMMS = ("triton", "humming", "pending")
 
 
@@ -69,6 +76,16 @@ def choose_experts_gemm(f: GemmFacts) -> GemmChoice:
     if f.knob == "triton":
         return GemmChoice("triton", "MEGA_EXPERTS_GEMM=triton: the project's Triton GEMMs")
     missing = _humming_missing(f)
+    if f.knob == "auto" and not AUTO_PICKS_HUMMING:
+        if missing is not None:
+            could = f"could not serve here anyway: {missing[0]}"
+        elif f.capability is None:
+            could = "would serve on an sm_90 GPU where installed"
+        else:
+            could = f"{f.humming_version} could serve here"
+        return GemmChoice("triton", "the project's Triton GEMMs (MEGA_EXPERTS_GEMM=auto keeps them until the humming "
+                          f"provider is measured faster: bench experts --humming; humming-kernels {could}; "
+                          "MEGA_EXPERTS_GEMM=humming runs it)")
     if missing is None and f.capability is None:  # no such GPU in this process: what is installed here says nothing
         return GemmChoice("pending", "decided on the GPU host: humming-kernels on an sm_90 GPU where it is installed "
                           f"({HUMMING_DIST} {_range()}), else "
@@ -115,7 +132,8 @@ def _range() -> str:
 def gemm_facts(knob: str, device, quant: str, probe=None) -> GemmFacts:
     """This process's facts for a layer on ``device`` (a torch device, or a kind "cuda" | "rocm" | "cpu" to
     plan for). humming-kernels is imported (``probe``: experts/humming/library.probe) only where it could
-    serve: knob not triton, an sm_90 CUDA GPU here, A8W4; elsewhere its installed version alone is read."""
+    serve and may be picked: an sm_90 CUDA GPU here, A8W4, MEGA_EXPERTS_GEMM=humming (or auto where it picks
+    humming); elsewhere its installed version alone is read."""
     import importlib.metadata
     import os
 
@@ -133,11 +151,12 @@ def gemm_facts(knob: str, device, quant: str, probe=None) -> GemmFacts:
         version = None
     facts = GemmFacts(check_experts_gemm(knob), kind, quant, capability, os.environ.get("TRITON_INTERPRET") == "1",
                       version)
-    if knob != "triton" and capability == HUMMING_SM and quant in HUMMING_SCHEMES and humming_version_accepted(version):
+    asked = knob == "humming" or (knob == "auto" and AUTO_PICKS_HUMMING)
+    if asked and capability == HUMMING_SM and quant in HUMMING_SCHEMES and humming_version_accepted(version):
         if probe is None:
             from .humming.library import probe
         facts = GemmFacts(facts.knob, kind, quant, capability, facts.interpreting, version, probe(device))
     return facts
 
 
-__all__ = ["GEMMS", "GemmChoice", "GemmFacts", "choose_experts_gemm", "gemm_facts", "humming_version_accepted"]
+__all__ = ["AUTO_PICKS_HUMMING", "GEMMS", "GemmChoice", "GemmFacts", "choose_experts_gemm", "gemm_facts", "humming_version_accepted"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megamoe_backend.experts import gemm_choice
 from megamoe_backend.experts.gemm_choice import GemmFacts, choose_experts_gemm, gemm_facts, humming_version_accepted
 from megamoe_backend.experts.humming.weights import HUMMING_WINDOW, check_shape, rounded_block
 from megamoe_backend.experts.registry import describe_experts_gemm, experts_gemm_choice
@@ -23,8 +24,23 @@ def facts(**over) -> GemmFacts:
     return GemmFacts(**{"knob": "auto", **HOPPER, **over})
 
 
+@pytest.fixture(params=[False, True], ids=["auto-keeps-triton", "auto-picks-humming"])
+def auto_policy(request, monkeypatch):
+    """Both answers of AUTO_PICKS_HUMMING (gemm_choice's one policy switch): each test runs under both."""
+    monkeypatch.setattr(gemm_choice, "AUTO_PICKS_HUMMING", request.param)
+    return request.param
+
+
+def test_auto_keeps_triton_until_the_switch_says_humming_is_faster(auto_policy):
+    choice = choose_experts_gemm(facts())
+    assert choice.gemm == ("humming" if auto_policy else "triton")
+    if not auto_policy:
+        assert "humming-kernels 0.1.20 could serve here; MEGA_EXPERTS_GEMM=humming runs it" in choice.why
+        assert choose_experts_gemm(facts(capability=None)).gemm == "triton"  # auto's answer needs no GPU facts then
+
+
 @pytest.mark.parametrize("over, gemm, says", [
-    ({}, "humming", "humming-kernels 0.1.20 on sm_90, A8W4"),
+    ({"knob": "humming"}, "humming", "humming-kernels 0.1.20 on sm_90, A8W4"),
     ({"knob": "humming"}, "humming", "MEGA_EXPERTS_GEMM=humming"),
     ({"knob": "triton"}, "triton", "MEGA_EXPERTS_GEMM=triton"),
     ({"capability": (10, 0)}, "triton", "this GPU is sm_100"),
@@ -41,9 +57,14 @@ def facts(**over) -> GemmFacts:
     ({"capability": None}, "pending", "decided on the GPU host"),
     ({"capability": None, "humming_version": None, "knob": "humming"}, "pending", "else refused"),
 ])
-def test_the_oracle_answers_each_platform(over, gemm, says):
+def test_the_oracle_answers_each_platform(over, gemm, says, monkeypatch):
+    """Where auto picks humming (AUTO_PICKS_HUMMING); with the switch off auto answers triton everywhere."""
+    monkeypatch.setattr(gemm_choice, "AUTO_PICKS_HUMMING", True)
     choice = choose_experts_gemm(facts(**over))
     assert choice.gemm == gemm and says in choice.why, choice
+    monkeypatch.setattr(gemm_choice, "AUTO_PICKS_HUMMING", False)
+    if facts(**over).knob == "auto":
+        assert choose_experts_gemm(facts(**over)).gemm == "triton"
 
 
 @pytest.mark.parametrize("over, missing, fix", [
@@ -79,14 +100,15 @@ def test_the_knob_takes_humming_and_names_every_value():
         choose_experts_gemm(facts(knob="flashinfer"))
 
 
-def test_facts_import_humming_only_where_it_could_serve():
+def test_facts_import_humming_only_where_it_could_serve(auto_policy):
     """On this CPU machine: no GPU, so humming is never imported (the probe is not called); the facts say so."""
     called = []
     f = gemm_facts("humming", "cpu", "a8w4", probe=lambda d: called.append(d))
     assert (f.device, f.capability, f.humming_error) == ("cpu", None, None) and not called
     f = gemm_facts("auto", "cuda", "a8w4", probe=lambda d: called.append(d))
-    assert f.device == "cuda" and not called  # planning for a GPU this machine lacks: pending, nothing probed
-    assert choose_experts_gemm(f).gemm == ("pending" if not torch.cuda.is_available() else choose_experts_gemm(f).gemm)
+    assert f.device == "cuda" and not called  # planning for a GPU this machine lacks: nothing probed
+    if not torch.cuda.is_available():
+        assert choose_experts_gemm(f).gemm == ("pending" if auto_policy else "triton")
 
 
 def test_info_and_the_registry_follow_the_oracle():

@@ -10,6 +10,11 @@ layer at ep_size 1 with MEGA_EXPERTS_GEMM=humming (its startup line names hummin
 Timing is the bench's: ``python -m benchmarks.bench_experts --experts 48 --tokens 8 128 1024 8192 --schemes a8w4
 --humming`` times the humming provider beside the Triton experts in one run (the bench hook).
 Skips without CUDA, without sm_90, or without humming-kernels (pip install 'megamoe-backend[humming]').
+
+Run once on an H100 80GB HBM3 (2026-12-07, tree 2b99020, humming-kernels 0.1.20, torch 2.11 cu130, Triton 3.6;
+the layer test deselected for the call's budget): 6 passed; test_live_rows_reach_their_segments failed on its own
+bug (segment 1's rows started inside segment 0's 64: the live pairs checked before the overlap matched the twin),
+fixed since and not rerun.
 """
 
 from __future__ import annotations
@@ -126,8 +131,8 @@ def test_live_rows_reach_their_segments():
     prepared, provider, weights, rows, pairs, math = problem(tokens=32, seed=5)
     wire = combine_wire("bf16")
     rb, seg_rows, counts = wire.row_bytes(H), 16, torch.tensor([5, 2], device=DEV)
-    base = torch.tensor([0, 40 * rb], device=DEV)
-    out = torch.full((80 * rb,), 0x7F, dtype=torch.uint8, device=DEV)
+    base = torch.tensor([0, 80 * rb], device=DEV)  # segment 0 holds seg_rows x K = 64 pairs' rows
+    out = torch.full((160 * rb,), 0x7F, dtype=torch.uint8, device=DEV)
     provider.forward_wire(rows, pairs, prepared, math, wire, out=out, dest=SegmentDest(base, seg_rows * K, rb, align=16),
                           live=LiveRows(counts, seg_rows, config_pairs=seg_rows * K))
     crows, cpairs = to_cpu(rows, pairs)

@@ -8,11 +8,11 @@ segment over live rows, where only the live pairs are computed and humming is as
 tiles; the eager forward's pairs (not row-major: gathered); the bf16 wire (quantised on the receiver); a
 scratch that a second forward does not grow; pairs that run elsewhere (slot -1) left untouched.
 
-Planted mutations, each run once on this module (tree of branch issue58, 2026-12-07), each failing here:
-gate and up swapped in swiglu_a2_kernel (test_rows_match_the_twin_and_the_reference: worst row relL2 1.3);
-the route weight left out of GEMM2's row scale (same test, 0.79); the A operand in frag8's K order
-(FRAG8_ORDER=True in the provider, same test, 1.4); humming told one tile fewer than the layout's live tiles
-(padded rows - BM: test_live_rows_walk_only_the_live_tiles, rows never written).
+Planted mutations, each run once on this module (branch issue58, 2026-12-07), each failing here: gate and up
+swapped in swiglu_a2_kernel (test_rows_match_the_twin_and_the_reference: worst pair row relL2 1.19 vs the
+twin); the route weight left out of GEMM2's row scale (same test, 35.6); the A operand in frag8's K order
+(FRAG8_ORDER=True in the provider, same test, 1.69); humming told one tile fewer than the layout's live tiles
+(live_tiles - 1 in _padded_rows: test_live_rows_walk_only_the_live_tiles, a live pair's row never written).
 """
 
 from __future__ import annotations
