@@ -100,8 +100,9 @@ def test_the_knob_takes_humming_and_names_every_value():
         choose_experts_gemm(facts(knob="flashinfer"))
 
 
-def test_facts_import_humming_only_where_it_could_serve(auto_policy):
+def test_facts_import_humming_only_where_it_could_serve(auto_policy, monkeypatch):
     """On this CPU machine: no GPU, so humming is never imported (the probe is not called); the facts say so."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # an interpreter test module may have set it
     called = []
     f = gemm_facts("humming", "cpu", "a8w4", probe=lambda d: called.append(d))
     assert (f.device, f.capability, f.humming_error) == ("cpu", None, None) and not called
@@ -111,7 +112,8 @@ def test_facts_import_humming_only_where_it_could_serve(auto_policy):
         assert choose_experts_gemm(f).gemm == ("pending" if auto_policy else "triton")
 
 
-def test_info_and_the_registry_follow_the_oracle():
+def test_info_and_the_registry_follow_the_oracle(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert describe_experts_gemm("auto", "triton", "cpu").startswith("Triton (MEGA_EXPERTS_GEMM=auto)")
     assert describe_experts_gemm("auto", "torch").startswith("torch provider")
     if not torch.cuda.is_available():
