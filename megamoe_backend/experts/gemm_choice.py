@@ -80,12 +80,11 @@ def choose_experts_gemm(f: GemmFacts) -> GemmChoice:
         if missing is not None:
             could = f"could not serve here anyway: {missing[0]}"
         elif f.capability is None:
-            could = "would serve on an sm_90 GPU where installed"
+            could = "would serve on an sm_90 GPU where installed; MEGA_EXPERTS_GEMM=humming runs it"
         else:
-            could = f"{f.humming_version} could serve here"
+            could = f"{f.humming_version} could serve here; MEGA_EXPERTS_GEMM=humming runs it"
         return GemmChoice("triton", "the project's Triton GEMMs (MEGA_EXPERTS_GEMM=auto keeps them until the humming "
-                          f"provider is measured faster: bench experts --humming; humming-kernels {could}; "
-                          "MEGA_EXPERTS_GEMM=humming runs it)")
+                          f"provider is measured faster: bench experts --humming; humming-kernels {could})")
     if missing is None and f.capability is None:  # no such GPU in this process: what is installed here says nothing
         return GemmChoice("pending", "decided on the GPU host: humming-kernels on an sm_90 GPU where it is installed "
                           f"({HUMMING_DIST} {_range()}), else "
