@@ -126,6 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemm", default="auto", choices=["auto", "triton"],
                         help="who runs the frag8 GEMMs of the main configs (MEGA_EXPERTS_GEMM's values; the sm_90a "
                              "CUDA GEMMs are research code: benchmarks/research/cuda_gemms)")
+    parser.add_argument("--humming", action="store_true",
+                        help="also time the humming provider (experts/humming/: humming-kernels' GEMMs, what "
+                             "MEGA_EXPERTS_GEMM=humming runs) beside the Triton experts, A8W4 (needs sm_90 and humming-kernels)")
     parser.add_argument("--no-baseline", action="store_true", help="skip torch._grouped_mm")
     parser.add_argument("--check-pairs", type=int, default=256, help="pairs sampled for the relL2 checks")
     parser.add_argument("--seed", type=int, default=0)
@@ -214,6 +217,7 @@ def make_routing(tokens: int, n_exp: int, topk: int, hidden: int, device: torch.
         row=torch.arange(tokens, device=device).repeat_interleave(topk),
         slot=ids.reshape(-1).contiguous(),
         weight=w.reshape(-1).float().contiguous(),
+        per_row=topk,
     )
     return x, pairs
 
@@ -375,7 +379,7 @@ def peer_ratios(r, cases: list[Case], ceilings: dict, active: int, hidden: int, 
     r.ratios["x_floor_measured"] = r.us / floor
     for c in cases:
         if (c.experts, c.tokens) == (r.experts, r.tokens) and not c.error and c.us == c.us:
-            name = "naive_torch" if c.provider == "torch_grouped_mm" else c.scheme
+            name = "naive_torch" if c.provider == "torch_grouped_mm" else (c.scheme if c.provider == "triton" else f"{c.provider}_{c.scheme}")
             r.ratios[f"{name}_over_peer"] = c.us / r.us
             if gemms_us and name != "naive_torch":
                 r.ratios[f"{name}_over_peer_gemms"] = c.us / gemms_us
@@ -446,6 +450,17 @@ def run(args: argparse.Namespace) -> int:
         return by_kind.setdefault(w.storage, w)
 
     mx_math, bf16_math = ExpertMath("a8w4", limit), ExpertMath("bf16", limit)
+    humming = {}  # experts -> (HummingExperts, its prepared weights): the layout fixes the expert count
+
+    def humming_for(n_exp: int):
+        from megamoe_backend.experts.humming.provider import HummingExperts
+
+        if n_exp not in humming:
+            prov = HummingExperts()
+            humming[n_exp] = (prov, prov.prepare_weights(slice_weights(fp4_all, n_exp), mx_math))
+            meta.setdefault("humming", {})[str(n_exp)] = {**prov.jit_report, "version": prov.library.version()}
+        return humming[n_exp]
+
     fp4_prepared = {True: prepared(args.decoder, mx_math), False: prepared(args.decoder if args.decoder != "frag8" else "split", bf16_math)}
     if args.variants:  # the other fragment decoder, measured beside the default (docs/triton.md)
         for d in ("frag", "frag8"):
@@ -510,6 +525,18 @@ def run(args: argparse.Namespace) -> int:
                     run_case(c, forward_call(prov, a, pairs, weights, math, out_fmt), checker(math, out_fmt))
                     fill_metrics(c, hidden, inter, wfmt, a_fmt, meta["ceilings"])
                     (cases if i == 0 else variants).append(c)
+                    print_case(c)
+                    save(args.json, meta, cases, variants)
+                if args.humming and scheme == "a8w4":  # the bench hook of experts/humming/ (its GPU test names it)
+                    c = Case(n_exp, tokens, p, scheme, "humming", "humming", "humming-kernels indexed", out=wire_out,
+                             active_experts=active)
+                    try:
+                        hprov, hweights = humming_for(n_exp)
+                        run_case(c, forward_call(hprov, a, pairs, hweights, math, wire_out), checker(math, wire_out))
+                    except Exception as exc:  # noqa: BLE001 - a missing humming must not sink the Triton sweep
+                        c.error = f"{type(exc).__name__}: {str(exc)[:400]}"
+                    fill_metrics(c, hidden, inter, wfmt, a_fmt, meta["ceilings"])
+                    cases.append(c)
                     print_case(c)
                     save(args.json, meta, cases, variants)
             if not args.no_baseline and device.type == "cuda" and hasattr(torch, "_grouped_mm"):

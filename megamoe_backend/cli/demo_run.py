@@ -94,7 +94,8 @@ def local_result(cfg: ProblemConfig, case: EPCase, problem: Problem, weights: Ex
     """The same experts in one process (no EP), for the bit-identity check; and its startup line."""
     plan = build_plan(cfg.spec, Knobs(dispatch_wire=case.dispatch_wire, combine_wire=case.combine_wire), quant=case.quant)
     layer = MegaMoELayer(plan, weights)
-    return layer(problem.x, problem.topk_ids, problem.topk_weights), plan.startup_line(layer.transport_name)
+    line = plan.startup_line(layer.transport_name, experts=getattr(layer.provider, "name", None))
+    return layer(problem.x, problem.topk_ids, problem.topk_weights), line
 
 
 def quiet_ep_cases(rank: int, world_size: int, cfg: ProblemConfig, cases: list[EPCase], verbose: bool) -> list[dict]:

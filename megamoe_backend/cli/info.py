@@ -55,13 +55,13 @@ def run(args: argparse.Namespace) -> int:
             print(line)
     forecast, plan = r.forecast, r.plan
     if forecast is None:
-        print(plan.startup_line(r.startup_forward.moves_rows))
+        print(r.startup_line())
     else:  # auto is pending until the EP group settles it: the line of what it picks on one host (or on this one)
         print(f"MEGA_DISPATCH=auto: {forecast.describe()}; {forecast.depends_on}")
         picked = forecast.here or forecast.one_host
         where = "on this host" if forecast.here else "on one host with peer access"
         print(f"startup line when auto picks {picked} ({where}; {forecast.several_hosts}, eager, across hosts):")
-        print(plan.startup_line(r.startup_forward.moves_rows))
+        print(r.startup_line())
     return 0
 
 

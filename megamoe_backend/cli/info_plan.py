@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..experts.base import A_OPERAND
-from ..experts.registry import describe_experts_gemm
+from ..experts.gemm_choice import GemmChoice
+from ..experts.registry import describe_experts_gemm, experts_gemm_choice
 from ..knobs import Knobs
 from ..layer.memory import LayerMemory, layer_memory
 from ..plan import ExpertPlacement, LayerPlan, build_plan, facts_for, initial_redundant_map
@@ -127,6 +128,12 @@ class InfoPlan:
     heap: dict | None
     forward: ForwardChoice  # the oracle's answer for the plan (pending while auto waits for the EP group)
     startup_forward: ForwardChoice  # the forward the startup line shows: the forecast's pick where pending
+    gemm: GemmChoice  # who runs the expert GEMMs (experts/gemm_choice.py), "pending" when planned off the GPU host
+
+    def startup_line(self) -> str:
+        """The layer's startup line as this plan logs it (``experts_provider=humming`` where humming-kernels runs)."""
+        experts = "humming" if self.gemm.gemm == "humming" and self.plan.backends.provider == "triton" else None
+        return self.plan.startup_line(self.startup_forward.moves_rows, experts=experts)
 
     @property
     def transport(self) -> str:
@@ -194,8 +201,9 @@ def resolve(args: argparse.Namespace) -> InfoPlan:
         heap = heap_report(plan)
     forward = forward_for(plan, device)
     startup_forward = forward if transport is None else forward_for(plan, device, transport)
+    gemm = experts_gemm_choice(layer_knobs.experts_gemm, device, plan.math.quant)
     return InfoPlan(declared, spec, release, release_note, reading, choice, knobs, layer_knobs, device, facts,
-                    assumed, plan, forecast, memory, heap, forward, startup_forward)
+                    assumed, plan, forecast, memory, heap, forward, startup_forward, gemm)
 
 
 def info_dict(r: InfoPlan) -> dict:
@@ -215,7 +223,9 @@ def info_dict(r: InfoPlan) -> dict:
         "assumed": r.assumed,
         "platform": r.facts.describe(),
         "experts_provider": plan.backends.provider,
-        "experts_gemm": describe_experts_gemm(r.knobs.experts_gemm, plan.backends.provider),
+        "experts_gemm": describe_experts_gemm(r.layer_knobs.experts_gemm, plan.backends.provider, r.device,
+                                              plan.math.quant),
+        "experts_gemm_choice": {"gemm": r.gemm.gemm, "why": r.gemm.why},
         "transport": plan.backends.transport,
         "selection_reasons": list(plan.backends.reasons),
         "local_experts": plan.num_local_experts,
@@ -230,7 +240,7 @@ def info_dict(r: InfoPlan) -> dict:
         "combine_bytes_per_token_expert_pair": {"payload": wb.combine_payload, "scales": wb.combine_scales,
                                                 "row": wb.combine_row},
         "forward": forward_fields(r.forward),
-        "startup_line": plan.startup_line(r.startup_forward.moves_rows),
+        "startup_line": r.startup_line(),
     }
     forecast = r.forecast
     if forecast is not None:  # beside the pending answer: what auto picks, per the fact it depends on

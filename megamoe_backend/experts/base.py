@@ -45,11 +45,16 @@ class ExpertMath:
 
 @dataclass(frozen=True)
 class ExpertPairs:
-    """(received row, local expert slot, route weight) triples, one per routed contribution."""
+    """(received row, local expert slot, route weight) triples, one per routed contribution.
+
+    ``per_row`` = k > 0: the pairs come k to a received row in row order (pair q reads row q // k), as the
+    layer's device forwards build them; a provider may then find a pair's row without reading ``row``
+    (experts/humming/: its GEMM derives it). 0: only ``row`` says."""
 
     row: torch.Tensor  # int64 [P]
     slot: torch.Tensor  # int64 [P]
     weight: torch.Tensor  # fp32 [P]
+    per_row: int = 0
 
     def __len__(self) -> int:
         return int(self.row.shape[0])

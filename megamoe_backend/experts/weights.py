@@ -14,8 +14,11 @@ kernels expect), "plain" = [g0 .. g_{I-1}, u0 .. u_{I-1}] (HF checkpoints' gate_
 reads), "fragments" (the same bytes re-laid as Hopper bf16 MMA register fragments by
 ``as_fragments()``, what the Triton ``frag`` decoder reads) or "fragments_fp8" (re-laid for the FP8
 MMA, ``as_fragments("fp8")``, the ``frag8`` decoder, which also keeps one fp32 power-of-two scale per
-weight row in ``w1_row_scale`` [E, 2I] / ``w2_row_scale`` [E, H]); see experts/fragments.py.
-Fragment storage keeps the tensor shapes above, so a layer holds one copy of its weights either way.
+weight row in ``w1_row_scale`` [E, 2I] / ``w2_row_scale`` [E, H]); see experts/fragments.py. "humming":
+humming-kernels' repacked W4A8 layout (experts/humming/weights.py), whose block scales are folded into
+the weights relative to one scale per weight row (bf16, in humming's epilogue order) held in the same
+row-scale fields; its inverse is humming's, on the GPU, so it has no ``as_rowmajor()`` here.
+Every storage keeps the tensor shapes above, so a layer holds one copy of its weights either way.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from ..formats import MX_BLOCK, MXTensor, dequantize_mx, quantize_mx
 
 WEIGHT_FORMATS = ("bf16", "mxfp4")
 GATE_UP_LAYOUTS = ("interleaved", "plain")
-STORAGES = ("rowmajor", "fragments", "fragments_fp8")
+STORAGES = ("rowmajor", "fragments", "fragments_fp8", "humming")
+ROW_SCALED = ("fragments_fp8", "humming")  # storages that keep a scale per weight row (w1_row_scale, w2_row_scale)
 FRAGMENT_STORAGE = {"bf16": "fragments", "fp8": "fragments_fp8"}  # fragment kind -> storage name
 # the per-expert tensor fields, in the order expert_tensors() returns them
 EXPERT_FIELDS = ("w1", "w2", "w1_scale", "w2_scale", "w1_row_scale", "w2_row_scale")
@@ -43,18 +47,19 @@ class ExpertWeights:
     w1_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
     storage: str = "rowmajor"
-    w1_row_scale: torch.Tensor | None = None  # fragments_fp8 only: fp32 [E, 2I]
-    w2_row_scale: torch.Tensor | None = None  # fragments_fp8 only: fp32 [E, H]
+    w1_row_scale: torch.Tensor | None = None  # fragments_fp8: fp32 [E, 2I]; humming: bf16 [E, 2I]
+    w2_row_scale: torch.Tensor | None = None  # fragments_fp8: fp32 [E, H]; humming: bf16 [E, H]
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGES:
             raise ValueError(f"ExpertWeights.storage={self.storage!r}; expected one of {STORAGES}")
         for name, rows in (("w1_row_scale", self.w1.shape[:2]), ("w2_row_scale", self.w2.shape[:2])):
             t = getattr(self, name)
-            if (t is not None) != (self.storage == "fragments_fp8"):
-                raise ValueError(f"ExpertWeights.{name} is set exactly for storage 'fragments_fp8' (storage={self.storage!r})")
-            if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != tuple(rows)):
-                raise ValueError(f"ExpertWeights.{name}: expected fp32 {tuple(rows)}, got {t.dtype} {tuple(t.shape)}")
+            if (t is not None) != (self.storage in ROW_SCALED):
+                raise ValueError(f"ExpertWeights.{name} is set exactly for storages {ROW_SCALED} (storage={self.storage!r})")
+            dtype = torch.float32 if self.storage == "fragments_fp8" else torch.bfloat16
+            if t is not None and (t.dtype != dtype or tuple(t.shape) != tuple(rows)):
+                raise ValueError(f"ExpertWeights.{name}: expected {dtype} {tuple(rows)}, got {t.dtype} {tuple(t.shape)}")
         if self.storage != "rowmajor" and (self.fmt != "mxfp4" or self.gate_up_layout != "interleaved"):
             raise ValueError("fragment storage holds MXFP4 weights with interleaved gate/up rows only")
         if self.fmt not in WEIGHT_FORMATS:
@@ -157,6 +162,9 @@ class ExpertWeights:
 
         if self.storage == "rowmajor":
             return self
+        if self.storage == "humming":
+            raise ValueError("ExpertWeights in humming storage (humming-kernels' repacked layout) have no row-major form "
+                             "here: humming's own dequantisation runs on the GPU; keep the row-major weights to read them")
         kind = next(k for k, st in FRAGMENT_STORAGE.items() if st == self.storage)
         out = []
         for w, s, rs in ((self.w1, self.w1_scale, self.w1_row_scale), (self.w2, self.w2_scale, self.w2_row_scale)):

@@ -19,15 +19,15 @@ TRANSPORT_VALUES = ("auto", "nccl", "symm", "ipc", "mori", "flydsl")
 # what a peer timeout of the device P2P forward does (layer/device/watchdog.py): end the process
 # (exit, as torch's NCCL watchdog does with async error handling) or raise at the next eager forward
 ON_PEER_TIMEOUT_VALUES = ("exit", "raise")
-# who runs the frag8 expert GEMMs (experts/triton/provider.py): the Triton kernels, or auto (today Triton:
-# the one implementation in the package)
-EXPERTS_GEMM_VALUES = ("auto", "triton")
+# who runs the A8W4 expert GEMMs: the project's Triton kernels (experts/triton/), humming-kernels (experts/humming/,
+# what vLLM runs on Hopper), or auto: one rule decides (experts/gemm_choice.py: humming on sm_90 where it is installed)
+EXPERTS_GEMM_VALUES = ("auto", "triton", "humming")
 # MEGA_EXPERTS_GEMM=cuda chose the sm_90a CUDA GEMMs until they were measured slower than Triton in every
 # bucket (docs/triton.md): they left the package, and the value is refused saying where they went
 CUDA_GEMMS_MOVED = (
     "MEGA_EXPERTS_GEMM=cuda: the sm_90a CUDA expert GEMMs are no longer part of megamoe_backend (measured slower "
     "than the Triton GEMMs in every bucket, docs/triton.md); the research code lives in the repository's "
-    "benchmarks/research/cuda_gemms/. Unset MEGA_EXPERTS_GEMM or set it to auto | triton"
+    "benchmarks/research/cuda_gemms/. Unset MEGA_EXPERTS_GEMM or set it to auto | triton | humming"
 )
 DEFAULT_MAX_TOKENS_PER_RANK = 8192
 DEFAULT_P2P_TIMEOUT_S = 30.0
@@ -132,7 +132,7 @@ class Knobs:
     p2p_timeout_s: float = DEFAULT_P2P_TIMEOUT_S  # the device P2P forward's bound on every wait for a peer
     p2p_startup_timeout_s: float = DEFAULT_P2P_STARTUP_TIMEOUT_S  # ... in the start-up forwards (JIT compiles)
     on_peer_timeout: str = "exit"  # a peer that timed out: "exit" ends this process, "raise" raises at the next eager call
-    experts_gemm: str = "auto"  # frag8 expert GEMMs: "triton" or "auto" (registry.make_provider passes it on)
+    experts_gemm: str = "auto"  # expert GEMMs: "auto" | "triton" | "humming" (experts/gemm_choice.py decides)
     dispatch_wire_set: bool = True  # False: MEGA_DISPATCH_WIRE / MEGA_WIRE unset, dispatch_wire is the default
 
     def __post_init__(self) -> None:

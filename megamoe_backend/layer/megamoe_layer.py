@@ -103,7 +103,7 @@ class MegaMoELayer:
             self.path: LayerForward = FusedForward(self, group, layer_id)
             return
         self.provider = provider or make_provider(plan.backends.provider, capacity=plan.mtpr * plan.topk * plan.ep_size,
-                                                  knobs=plan.knobs)
+                                                  knobs=plan.knobs, device=self.device, quant=plan.math.quant)
         self.weights = self.provider.prepare_weights(weights, plan.math)
         self.path = build_forward(self.forward_choice.forward, self, group, transport)
 

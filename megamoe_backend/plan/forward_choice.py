@@ -24,6 +24,9 @@ P2P_TRANSPORTS = ("symm", "ipc")  # the device forward's transports at ep_size >
 # (ROCm; layer/forwards/mori.py keeps mori's counts on the device)
 DEVICE_EP_TRANSPORTS = P2P_TRANSPORTS + ("mori",)
 FORWARDS = ("device", "p2p", "mori", "torch", "fused", "pending")
+# the experts providers that run sync-free on a GPU: the plan names "triton"; a caller may inject humming's
+# (experts/humming/, whose GEMMs experts/gemm_choice.py may pick inside the plan's "triton" too)
+DEVICE_PROVIDERS = ("triton", "humming")
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,7 @@ def choose_forward(f: ForwardFacts) -> ForwardChoice:
                        "(capturable) when every EP rank is on one host with CUDA peer access and the peer-arena "
                        "handshake passes, else the torch forward over nccl (eager); both take the token bound")
     if f.device_forward is None:
-        sync_free = (not f.transport_given and f.device != "cpu" and f.provider == "triton"
+        sync_free = (not f.transport_given and f.device != "cpu" and f.provider in DEVICE_PROVIDERS
                      and (f.ep_size == 1 or f.transport in DEVICE_EP_TRANSPORTS))
     else:
         sync_free = f.device_forward
@@ -153,7 +156,7 @@ def _torch_why(f: ForwardFacts) -> str:
         return f"cpu: the torch forward over {f.transport} (nothing is captured on CPU)"
     if f.device_forward is False or f.transport_given:
         return "the caller asked for the torch forward, which reads row counts on the host"
-    if f.provider != "triton":
+    if f.provider not in DEVICE_PROVIDERS:
         return f"the {f.provider} experts run the torch forward, which reads row counts on the host"
     return (f"EP over MEGA_DISPATCH={f.transport} (ep_size {f.ep_size}) runs the torch forward, which exchanges row "
             "counts on the host")

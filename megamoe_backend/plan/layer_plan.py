@@ -98,8 +98,9 @@ class LayerPlan:
             self.placement.num_physical,
         )
 
-    def startup_line(self, transport_name: str | None = None) -> str:
-        """The one log line per created runtime; ``transport_name`` reports what was actually built."""
+    def startup_line(self, transport_name: str | None = None, experts: str | None = None) -> str:
+        """The one log line per created runtime; ``transport_name`` reports what was actually built, ``experts``
+        the experts provider the layer made (the plan's "triton" runs humming-kernels where gemm_choice picks it)."""
         s = self.spec
         limit = "none" if s.swiglu_limit is None else f"{s.swiglu_limit}"
         fused = ""
@@ -108,7 +109,7 @@ class LayerPlan:
         return (
             f"[megamoe] Created MegaMoE: ep_rank={self.ep_rank} ep_size={self.ep_size} hidden={s.hidden_size} "
             f"inter={s.moe_intermediate_size} {self.placement.describe()} topk={s.num_experts_per_tok} "
-            f"mtpr={self.mtpr} quant={self.math.quant} experts_provider={self.backends.provider} "
+            f"mtpr={self.mtpr} quant={self.math.quant} experts_provider={experts or self.backends.provider} "
             f"transport={transport_name or self.backends.transport} wire={self.dispatch.name} combine={self.combine.name} "
             f"swiglu_limit={limit}{fused}{'' if self.engine_graphs is None else f' graphs={self.engine_graphs}'}"
         )

@@ -73,7 +73,8 @@ def run_ep_rank(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         timings.append(time.perf_counter() - start)
-    return {"out": out.cpu(), "seconds": min(timings) if timings else None, "startup_line": plan.startup_line(layer.transport_name)}
+    line = plan.startup_line(layer.transport_name, experts=getattr(layer.provider, "name", None))
+    return {"out": out.cpu(), "seconds": min(timings) if timings else None, "startup_line": line}
 
 
 def rank_device(kind: str, rank: int) -> torch.device:

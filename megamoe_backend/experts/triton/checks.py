@@ -44,6 +44,21 @@ def result_buffer(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.d
     return out
 
 
+def wire_target(out: torch.Tensor | None, dest, pairs: int, wire, hidden: int, device: torch.device,
+                who: str) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """A forward_wire call's output, checked: (the uint8 rows it returns, the buffer its last kernel writes,
+    that kernel's OUT_FMT "bf16" / "fp8"). ``out``: the caller's rows (a new buffer when None), or with ``dest``
+    the flat uint8 base its byte offsets count from; ``who`` names the writer in the refusal of other wires."""
+    if wire.mx not in (None, "fp8"):
+        raise ValueError(f"combine wire {wire.name!r}: {who} writes bf16 or fp8_blockwise_1x32 rows")
+    if dest is None:
+        out = result_buffer(out, pairs, wire.row_bytes(hidden), torch.uint8, device,
+                            f"{wire.name} combine wire rows at hidden={hidden}")
+    else:
+        check_dest(dest, out, pairs, device)
+    return (out, out.view(torch.bfloat16), "bf16") if wire.mx is None else (out, out, "fp8")
+
+
 def check_dest(dest: torch.Tensor | SegmentDest, out: torch.Tensor | None, pairs: int, device: torch.device) -> None:
     if out is None or out.dtype != torch.uint8 or not out.is_contiguous() or out.device != device:
         raise ValueError("out: with dest= the base of the destination table must be a contiguous uint8 buffer on "

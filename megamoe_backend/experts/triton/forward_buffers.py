@@ -36,6 +36,10 @@ class ForwardBuffers:
         """A buffer with one row per received row (the A operand converted once per row)."""
         return self._take(name, shape, dtype, self.recv_cap)
 
+    def per_pair(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer with one row per pair (a provider whose GEMMs index rows by pair: experts/humming/)."""
+        return self._take(name, shape, dtype, self.pairs_cap)
+
     def per_layout_row(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, num_experts: int,
                        block_m: int) -> torch.Tensor:
         """A buffer with one row per expert-sorted layout row (GEMM1's A2); every tile config of a

@@ -90,7 +90,7 @@ def rowscale_e4m3_kernel(
     sorted_pair_ptr, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K,
     A_FMT: tl.constexpr, SORTED: tl.constexpr, NB: tl.constexpr, PK: tl.constexpr, HW_CVT: tl.constexpr,
     live_ptr=None, n_seg=1, seg_rows=0, BM=1, PERSIST: tl.constexpr = False, N_SEG: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, FRAG8_ORDER: tl.constexpr = True,
 ):
     """MX rows (fp8 bytes or packed fp4, E8M0 per 32) -> e4m3 bytes over ONE power-of-two scale per
     row (rs_ptr, fp32): the frag8 decoder's A operand, so its K loop needs no per-32 rescale.
@@ -104,7 +104,8 @@ def rowscale_e4m3_kernel(
     and rounded to e4m3 (RNE): exact for fp4 values while d <= 7 and for fp8 values >= 2**(d - 6), the
     smallest lose low bits.
     The bytes are written in the frag8 weights' K order (fragments.fp8_k_order; K % 128 == 0): a
-    register permute of each step, so loads and stores stay contiguous (when A was still copied per
+    register permute of each step, so loads and stores stay contiguous; FRAG8_ORDER=False keeps the
+    natural K order (the humming provider's A operand, experts/humming/) (when A was still copied per
     pair, H200, 8192 tokens x top-6 on 192 experts, fp8 rows: 166 / 73 us for A (K 7168) / A2 (K
     3072) at 2 warps, against 202 / 127 us for a one-step kernel that stored 4-byte groups at
     computed positions with 8 warps; benchmarks/results/h200_power_ab.json). Once per received row,
@@ -124,22 +125,25 @@ def rowscale_e4m3_kernel(
         if SORTED:
             if tl.load(sorted_pair_ptr + r) < 0:
                 return
-        _rowscale_row(r, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K, A_FMT, NB, PK, HW_CVT)
+        _rowscale_row(r, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K, A_FMT, NB, PK, HW_CVT,
+                      FRAG8_ORDER)
     elif SORTED:
         for r in range(tl.program_id(0), tl.load(live_ptr) * BM, tl.num_programs(0)):
             if tl.load(sorted_pair_ptr + r) >= 0:
                 _rowscale_row(tl.cast(r, tl.int64), a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K, A_FMT,
-                              NB, PK, HW_CVT)
+                              NB, PK, HW_CVT, FRAG8_ORDER)
     else:
         c, total = live_pairs_total(live_ptr, n_seg, seg_rows, 1, N_SEG)
         for i in range(tl.program_id(0), total, tl.num_programs(0)):
             r = tl.sum(live_to_index(i + tl.zeros([1], tl.int32), c, seg_rows, N_SEG), 0)
-            _rowscale_row(r, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K, A_FMT, NB, PK, HW_CVT)
+            _rowscale_row(r, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K, A_FMT, NB, PK, HW_CVT,
+                          FRAG8_ORDER)
 
 
 @triton.jit
 def _rowscale_row(r, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, rs_ptr, K,
-                  A_FMT: tl.constexpr, NB: tl.constexpr, PK: tl.constexpr, HW_CVT: tl.constexpr):
+                  A_FMT: tl.constexpr, NB: tl.constexpr, PK: tl.constexpr, HW_CVT: tl.constexpr,
+                  FRAG8_ORDER: tl.constexpr = True):
     """Row r of rowscale_e4m3_kernel (its docstring)."""
     blk = tl.arange(0, NB)
     smax = tl.max(tl.load(as_ptr + r * stride_asm + blk, mask=blk < K // 32, other=0).to(tl.int32), axis=0)
@@ -160,7 +164,7 @@ def _rowscale_row(r, a_ptr, stride_am, as_ptr, stride_asm, out_ptr, stride_om, r
             e4 = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
             e4 = encode_e4m3(v)
-        # frag8 K order: natural k = 32 c + 8 t + 4 h + i of a 128-wide chunk goes to 32 t + 16 h + 4 c + i
-        e4 = tl.reshape(tl.permute(tl.reshape(e4, [PK // 128, 4, 4, 2, 4]), [0, 2, 3, 1, 4]), [PK])
+        if FRAG8_ORDER:  # natural k = 32 c + 8 t + 4 h + i of a 128-wide chunk goes to 32 t + 16 h + 4 c + i
+            e4 = tl.reshape(tl.permute(tl.reshape(e4, [PK // 128, 4, 4, 2, 4]), [0, 2, 3, 1, 4]), [PK])
         tl.store(out_ptr + r * stride_om + k0 + tl.arange(0, PK), e4)
     tl.store(rs_ptr + r, tl.where(smax == 255, float("nan"), pow2(smax - 127)))

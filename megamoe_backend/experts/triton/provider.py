@@ -31,8 +31,8 @@ from ..scratch import ExpertsScratch
 from ..weights import FRAGMENT_STORAGE, ExpertWeights
 from . import triton_available
 from .checks import (
-    check_capacity, check_candidates, check_dest, check_live, check_pairs, check_row_indices, check_weights,
-    has_mx_activations, received_rows, require_mx_activations, result_buffer,
+    check_capacity, check_candidates, check_live, check_pairs, check_row_indices, check_weights,
+    has_mx_activations, received_rows, require_mx_activations, result_buffer, wire_target,
 )
 from .config import TileConfig, interpreting
 from .forward_buffers import ForwardBuffers
@@ -63,10 +63,11 @@ class TritonExperts(ExpertsProvider):
         prepare_weights could re-lay the weights for: frag8, else frag, else split).
         Under TRITON_INTERPRET=1 frag and split run their portable decode; dot_scaled is unavailable.
     config: fixed TileConfig, else chosen per bucket by config.default_config.
-    gemm: who runs the frag8 GEMMs, MEGA_EXPERTS_GEMM as the Knobs hold it (registry.make_provider
-        passes ``knobs.experts_gemm``; nothing here reads the environment): "auto" | "triton", both
-        the Triton kernels today (the sm_90a CUDA GEMMs, measured slower in every bucket, moved to
-        benchmarks/research/cuda_gemms; "cuda" is refused naming the knob).
+    gemm: MEGA_EXPERTS_GEMM as the Knobs hold it (registry.make_provider passes ``knobs.experts_gemm``;
+        nothing here reads the environment): "auto" | "triton", both the Triton kernels here ("humming"
+        is served by experts/humming/, which registry.make_provider builds where gemm_choice picks it; the
+        sm_90a CUDA GEMMs, measured slower in every bucket, moved to benchmarks/research/cuda_gemms:
+        "cuda" is refused naming the knob).
     """
 
     name = "triton"
@@ -78,6 +79,9 @@ class TritonExperts(ExpertsProvider):
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity={capacity} must be >= 0")
         self.gemm = check_experts_gemm(gemm)
+        if self.gemm == "humming":
+            raise ValueError("gemm='humming': humming-kernels' GEMMs run in HummingExperts (experts/humming/); "
+                             "registry.make_provider builds it where experts/gemm_choice.py picks it")
         self.capacity = capacity
         self.decoder = decoder
         self.config = config
@@ -175,17 +179,9 @@ class TritonExperts(ExpertsProvider):
 
         ``scratch`` (experts/scratch.py): the intermediates live there, reserved for ``capacity`` pairs,
         so a forward allocates nothing once one has run (the layer's forwards pass their workspace's)."""
-        if wire.mx not in (None, "fp8"):
-            raise ValueError(f"combine wire {wire.name!r}: the Triton GEMM2 epilogue writes bf16 or fp8_blockwise_1x32 rows")
-        if dest is None:
-            out = result_buffer(out, len(pairs), wire.row_bytes(weights.hidden), torch.uint8, pairs.weight.device,
-                                 f"{wire.name} combine wire rows at hidden={weights.hidden}")
-        else:
-            check_dest(dest, out, len(pairs), pairs.weight.device)
-        if wire.mx is None:
-            self._run(a, pairs, weights, math, out.view(torch.bfloat16), "bf16", dest, live, scratch)
-        else:
-            self._run(a, pairs, weights, math, out, "fp8", dest, live, scratch)
+        out, target, out_fmt = wire_target(out, dest, len(pairs), wire, weights.hidden, pairs.weight.device,
+                                           "the Triton GEMM2 epilogue")
+        self._run(a, pairs, weights, math, target, out_fmt, dest, live, scratch)
         return out
 
     def _run(

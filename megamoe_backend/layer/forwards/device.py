@@ -31,7 +31,7 @@ class WorkspaceForward(LayerForward):
         self.workspace, is_new = get_workspace(plan.layout_key(), group, self.device, factory)
         self.status_index = self.workspace.register_layer(self.layer_name)
         if is_new:
-            logger.info(plan.startup_line(self.name))
+            logger.info(plan.startup_line(self.name, experts=self.provider.name))
 
     def raise_if_bad_input(self) -> None:
         """Raise what the device checks recorded in earlier forwards (finished on the GPU) and clear it.
@@ -89,7 +89,7 @@ class DeviceForward(WorkspaceForward):
                                     status=(ws.status.word, NONFINITE_INPUT, self.status_index),
                                     routed_ids=topk_ids.contiguous())
             rows_a = dispatch_wire(a_fmt).view(rows, hidden)
-        pairs = ExpertPairs(row=ws.pair_row[:n], slot=pair_slot, weight=pair_weight)
+        pairs = ExpertPairs(row=ws.pair_row[:n], slot=pair_slot, weight=pair_weight, per_row=k)
         wire_rows = self.provider.forward_wire(rows_a, pairs, self.weights, plan.math, plan.combine, out=ws.combine_rows[:n],
                                              scratch=ws.scratch)
         topk_sum(wire_rows, pair_slot, out, plan.combine.mx, hidden, k, ws.status.word, self.status_index, output_scale)

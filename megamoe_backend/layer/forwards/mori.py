@@ -103,7 +103,7 @@ class MoriForward(WorkspaceForward):
         else:
             a = recv.view(torch.bfloat16)
         n = ws.recv_capacity * k
-        pairs = ExpertPairs(row=ws.pair_row, slot=ws.pair_slot, weight=ws.pair_weight)
+        pairs = ExpertPairs(row=ws.pair_row, slot=ws.pair_slot, weight=ws.pair_weight, per_row=k)
         most = None if bound is None else min(plan.ep_size * int(bound), ws.recv_capacity) * k
         rows_out = self.provider.forward_wire(a, pairs, self.weights, plan.math, ws.combine_format, out=ws.combine_rows,
                                               live=LiveRows(ws.live, ws.recv_capacity, config_pairs=most),

@@ -77,7 +77,8 @@ class P2PForward(WorkspaceForward):
         yield self._barrier(0, rows, budget)
         n_recv = plan.ep_size * rows
         n_pairs = n_recv * k
-        pairs = ExpertPairs(row=ws.pair_row[:n_pairs], slot=ws.recv_slot[:n_pairs], weight=ws.recv_weight[:n_pairs])
+        pairs = ExpertPairs(row=ws.pair_row[:n_pairs], slot=ws.recv_slot[:n_pairs], weight=ws.recv_weight[:n_pairs],
+                            per_row=k)
         live = LiveRows(ws.recv_tokens, rows, config_pairs=None if max_tokens_across_ranks is None else rows * k)
         # GEMM2 writes each received pair's row into its source rank's combine region
         dest = SegmentDest(ws.combine_base, rows * k, ws.layout.comb_bytes, align=ws.combine_align)

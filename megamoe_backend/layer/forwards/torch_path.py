@@ -59,7 +59,7 @@ class TorchForward(LayerForward):
             is_new = key not in cached_transport_keys()
             transport = get_transport(plan.layout_key(), group, self.device, lambda: make_transport(plan, group, self.device))
             if is_new:
-                logger.info(plan.startup_line(transport.name))
+                logger.info(plan.startup_line(transport.name, experts=self.provider.name))
         self.transport = transport
 
     @property
