@@ -338,7 +338,7 @@ def main() -> None:
         result.update(card=torch.cuda.get_device_name(0), checkpoint_build_s=built_s,
                       date=time.strftime("%Y-%m-%d"), floor=floor_record(3.35))
         Path(args.out).write_text(json.dumps(result, indent=1))
-        if args.plot:
+        if args.plot and {"megamoe_ep", "default"} <= set(result["runs"]):  # a ratio needs both engines
             plot(result, args.plot, result["card"])
 
 
