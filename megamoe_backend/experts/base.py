@@ -100,6 +100,13 @@ class ExpertsProvider(ABC):
         fastest for ``math`` (e.g. MMA-fragment order). The default keeps them as they are."""
         return weights
 
+    def kernel_key(self, weights: ExpertWeights, pairs: int, live, device: torch.device):
+        """What decides, on the host, which kernels a forward of ``pairs`` pairs (over ``live`` rows, or
+        all of them) launches: a forward whose key its workspace has not seen may compile kernels on
+        first launch (layer/device/startup_wait.py gives its peer waits the start-up bound). None: the
+        same kernels for every forward (nothing compiled per forward, or nothing to compile)."""
+        return None
+
 
 def swiglu(h: torch.Tensor, layout: str, limit: float | None) -> torch.Tensor:
     """GEMM1 output [..., 2I] -> SwiGLU activation [..., I] in fp32."""

@@ -299,7 +299,7 @@ def test_ep_forward_equals_the_ep1_device_forward(world, case, idle):
     assert rel_l2(got.float(), fp32) < GATES[case[0]]
 
 
-def _ipc_layer(rank, world, seed, name, startup_timeout_s):
+def _ipc_layer(rank, world, seed, name, startup_timeout_s, provider_cls=None):
     """(layer, problem) of one interpreter rank over ipc, MEGA_P2P_TIMEOUT_S=2, raising on a peer timeout."""
     os.environ["TRITON_INTERPRET"] = "1"
     import torch.distributed as dist
@@ -312,9 +312,9 @@ def _ipc_layer(rank, world, seed, name, startup_timeout_s):
     knobs = Knobs(dispatch_wire="bf16", max_tokens_per_rank=4, transport="ipc", p2p_timeout_s=2.0,
                   p2p_startup_timeout_s=startup_timeout_s, on_peer_timeout="raise")
     plan = build_plan(SPEC, knobs, rank, world, quant="bf16", backends=("triton", "ipc"))
+    provider = (provider_cls or TritonExperts)(capacity=4 * K * world)
     layer = MegaMoELayer(plan, local_weights(problem.expert_weights("bf16"), plan.placement, rank),
-                         group=dist.group.WORLD, provider=TritonExperts(capacity=4 * K * world), device_path=True,
-                         name=name)
+                         group=dist.group.WORLD, provider=provider, device_path=True, name=name)
     return layer, problem
 
 
@@ -355,25 +355,31 @@ def test_a_dead_peer_ends_the_forward_with_a_named_error():
 LATE_S = 8.0  # a rank this late to a barrier (a slow first compile) is 4x the steady bound below
 
 
-def _late_worker(rank, world):
+def _forwards_with_a_late_rank(rank, layer, problem, forwards) -> dict:
+    """Run ``forwards`` ((name, token bound or None, rank 1 late?) each) on both ranks: per name None, or
+    the PeerTimeoutError text this rank's forward raised."""
     import torch.distributed as dist
 
     from megamoe_backend.transport import PeerTimeoutError
 
-    layer, problem = _ipc_layer(rank, world, 4, "layer 5", startup_timeout_s=120.0)
     x, ids, w = problem.x[:3], problem.topk_ids[:3], problem.topk_weights[:3]
     result = {}
-    for forward in ("start-up", "steady"):
+    for name, bound, late in forwards:
         dist.barrier()
-        if rank == 1:
-            time.sleep(LATE_S)  # as a rank still compiling its dispatch would be
+        if rank == 1 and late:
+            time.sleep(LATE_S)  # as a rank still compiling its kernels would be
         try:
-            layer(x, ids, w)
+            layer(x, ids, w, max_tokens_across_ranks=bound)
             layer.raise_if_bad_input()
-            result[forward] = None
+            result[name] = None
         except PeerTimeoutError as exc:
-            result[forward] = str(exc)
+            result[name] = str(exc)
     return result
+
+
+def _late_worker(rank, world):
+    layer, problem = _ipc_layer(rank, world, 4, "layer 5", startup_timeout_s=120.0)
+    return _forwards_with_a_late_rank(rank, layer, problem, (("start-up", None, True), ("steady", None, True)))
 
 
 def test_a_late_rank_passes_the_start_up_forward_and_times_out_later():
@@ -382,3 +388,27 @@ def test_a_late_rank_passes_the_start_up_forward_and_times_out_later():
     results = spawn_ranks(2, _late_worker, timeout_s=600)
     assert results[0]["start-up"] is None, results[0]
     assert results[0]["steady"] and "waited more than MEGA_P2P_TIMEOUT_S=2s for ep_rank 1" in results[0]["steady"]
+
+
+class _KeyedByBound(TritonExperts):
+    """Under the interpreter every bucket runs one config (config.INTERPRETER_CONFIG), so no bound brings
+    new kernels; this provider keys its kernels by the bound instead, as the GPU's bucket tables do for
+    bounds in different buckets (tests/core/test_startup_wait.py checks the real key)."""
+
+    def kernel_key(self, weights, pairs, live, device):
+        return None if live is None else live.config_pairs
+
+
+def _new_config_worker(rank, world):
+    layer, problem = _ipc_layer(rank, world, 5, "layer 6", startup_timeout_s=120.0, provider_cls=_KeyedByBound)
+    return _forwards_with_a_late_rank(rank, layer, problem,
+                                      (("start-up", 3, False), ("new config", 4, True), ("seen config", 4, True)))
+
+
+def test_a_forward_on_new_kernels_waits_with_the_start_up_bound():
+    """After start-up, a forward whose bound brings GEMM kernels its workspace never launched (every rank
+    compiles them then) waits up to MEGA_P2P_STARTUP_TIMEOUT_S: a peer late by 4x MEGA_P2P_TIMEOUT_S ends
+    nobody; the same lateness on kernels already launched is a timeout (startup_wait.py)."""
+    results = spawn_ranks(2, _new_config_worker, timeout_s=600)
+    assert results[0]["start-up"] is None and results[0]["new config"] is None, results[0]
+    assert results[0]["seen config"] and "waited more than MEGA_P2P_TIMEOUT_S=2s for ep_rank 1" in results[0]["seen config"]

@@ -22,7 +22,9 @@ from .pdl import pdl_enter
 from .quant import quantize_blocks
 
 
-@triton.jit
+# the row counts are runtime values, not specialisations: a new batch size of a seen tile config compiles
+# nothing (launch_plan: the config alone decides the kernel; layer/device/startup_wait.py relies on it)
+@triton.jit(do_not_specialize=["num_m_tiles", "seg_pairs"])
 def gemm2_weighted_kernel(
     tile_expert_ptr, sorted_pair_ptr, route_w_ptr, num_m_tiles, live_tiles_ptr, claim_ptr,
     a_ptr, stride_am, as_ptr, stride_asm,

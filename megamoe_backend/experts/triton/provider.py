@@ -223,6 +223,13 @@ class TritonExperts(ExpertsProvider):
             self._gemm2(fl, layout, cfg, a2_operand(fl, layout, cfg, a2, a2_scale, bufs, live), out, out_fmt, dest)
         return out
 
+    def kernel_key(self, weights: ExpertWeights, pairs: int, live: LiveRows | None, device: torch.device):
+        """See ExpertsProvider.kernel_key: the decoder and the launch plan's tile configs and grid kind,
+        the compile-time constants the GEMMs specialise on (their row counts are not: gemm1 / gemm2)."""
+        mode = self.resolve_decoder(weights.fmt, weights.storage)
+        plan = self._launch_plan(mode, pairs, weights, live, device)
+        return mode, tuple(cfg for cfg, _ in plan.candidates), plan.persist
+
     # The three steps a provider with other GEMM kernels replaces (benchmarks/research/cuda_gemms runs the
     # sm_90a CUDA GEMMs through them); everything else of a forward is shared.
     def _launch_plan(self, mode: str, pairs: int, weights: ExpertWeights, live: LiveRows | None,

@@ -13,6 +13,13 @@ every shape it will replay); in an engine that never captures, the workspace's f
 compiles the kernels; later first-time shapes compile one or two specialisations each, well inside
 the steady bound). A forward being captured takes the steady bound: it is baked into the graph and
 every replay waits with it.
+
+And any eager forward that launches GEMM kernels no earlier forward of its workspace launched
+(``new_kernels``: the experts provider's ``kernel_key`` for the forward's token bound is new). Under
+an engine's bound the tile config follows the DP-padded batch, so the first mid-sized batch after
+capture (vLLM captures decode sizes and profiles at the largest batch) compiles its GEMMs on every
+rank while the first rank done already waits at the combine barrier: the ranks' compile times
+differ by seconds on a loaded host. Every rank holds the same bound, so every rank decides the same.
 """
 
 from __future__ import annotations
@@ -26,12 +33,13 @@ class WaitFacts:
     forwards_done: int  # forwards this workspace completed before this one
     engine_captures: bool  # the engine will capture the layer (LayerPlan.engine_graphs == "captured")
     captured_before: bool  # the workspace was captured at least once already
+    new_kernels: bool = False  # this forward launches GEMM kernels no earlier forward of the workspace launched
 
 
 def takes_startup_bound(facts: WaitFacts) -> bool:
     """True: this forward's waits take MEGA_P2P_STARTUP_TIMEOUT_S (module docstring says why)."""
     if facts.capturing:
         return False
-    if facts.forwards_done == 0:
+    if facts.forwards_done == 0 or facts.new_kernels:
         return True
     return facts.engine_captures and not facts.captured_before

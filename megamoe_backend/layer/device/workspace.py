@@ -167,6 +167,7 @@ class P2PWorkspace(_Workspace):
         self.startup_budget = wait_budget(startup_s, self.device)
         self.forwards_done = 0
         self.captured_before = False
+        self.kernel_keys: set = set()  # the experts' kernel keys this workspace's forwards launched (startup_wait.py)
         self.status = self._make_status(plan, rank=plan.ep_rank, timeout_s=timeout_s)
 
     @property

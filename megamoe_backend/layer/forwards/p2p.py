@@ -65,9 +65,12 @@ class P2PForward(WorkspaceForward):
         if ws.broken:
             raise PeerTimeoutError(ws.broken)
         self.begin(x, topk_ids, topk_weights)
-        budget = self._wait_budget()
         t, k, hidden = x.shape[0], plan.topk, plan.hidden
         rows = self.rows_per_source(t, max_tokens_across_ranks)
+        n_recv = plan.ep_size * rows
+        n_pairs = n_recv * k
+        live = LiveRows(ws.recv_tokens, rows, config_pairs=None if max_tokens_across_ranks is None else rows * k)
+        budget = self._wait_budget(self.provider.kernel_key(self.weights, n_pairs, live, self.device))
         out = self.output(t, out)
         word, index = ws.status.word, self.status_index
 
@@ -75,11 +78,8 @@ class P2PForward(WorkspaceForward):
                  ws.wire.name, hidden, ws.pair_live, word, index)
         yield "dispatch"
         yield self._barrier(0, rows, budget)
-        n_recv = plan.ep_size * rows
-        n_pairs = n_recv * k
         pairs = ExpertPairs(row=ws.pair_row[:n_pairs], slot=ws.recv_slot[:n_pairs], weight=ws.recv_weight[:n_pairs],
                             per_row=k)
-        live = LiveRows(ws.recv_tokens, rows, config_pairs=None if max_tokens_across_ranks is None else rows * k)
         # GEMM2 writes each received pair's row into its source rank's combine region
         dest = SegmentDest(ws.combine_base, rows * k, ws.layout.comb_bytes, align=ws.combine_align)
         self.provider.forward_wire(ws.wire.view(ws.recv_rows[:n_recv], hidden), pairs, self.weights, plan.math, plan.combine,
@@ -94,14 +94,20 @@ class P2PForward(WorkspaceForward):
         ws.forwards_done += 1
         return out
 
-    def _wait_budget(self) -> int:
-        """This forward's bound on each peer wait (device units): the start-up one or MEGA_P2P_TIMEOUT_S's."""
+    def _wait_budget(self, kernel_key) -> int:
+        """This forward's bound on each peer wait (device units): the start-up one or MEGA_P2P_TIMEOUT_S's.
+        ``kernel_key``: the experts provider's for this forward (ExpertsProvider.kernel_key); a key the
+        workspace has not launched before may compile kernels on every rank (startup_wait.py)."""
         from ..device.startup_wait import WaitFacts, takes_startup_bound
 
         ws = self.workspace
         capturing_now = capturing(self.device)
-        facts = WaitFacts(capturing_now, ws.forwards_done, self.plan.engine_graphs == "captured", ws.captured_before)
+        new_kernels = kernel_key is not None and kernel_key not in ws.kernel_keys
+        facts = WaitFacts(capturing_now, ws.forwards_done, self.plan.engine_graphs == "captured", ws.captured_before,
+                          new_kernels)
         ws.captured_before = ws.captured_before or capturing_now
+        if kernel_key is not None:
+            ws.kernel_keys.add(kernel_key)
         return ws.startup_budget if takes_startup_bound(facts) else ws.budget
 
     def _barrier(self, phase: int, rows: int, budget: int) -> "PeerBarrier":
