@@ -31,7 +31,7 @@ class WorkspaceForward(LayerForward):
         self.workspace, is_new = get_workspace(plan.layout_key(), group, self.device, factory)
         self.status_index = self.workspace.register_layer(self.layer_name)
         if is_new:
-            logger.info(plan.startup_line(self.name, experts=self.provider.name))
+            logger.info(plan.startup_line(self.name, experts=getattr(self.provider, "name", None)))  # fused: no provider
 
     def raise_if_bad_input(self) -> None:
         """Raise what the device checks recorded in earlier forwards (finished on the GPU) and clear it.
