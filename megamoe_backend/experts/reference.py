@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from ..formats import MXTensor, dequantize_mx, fake_quantize
+from ..formats import GroupFP8Tensor, MXTensor, dequantize_a, fake_quantize_a
 from .base import Activations, ExpertMath, ExpertPairs, ExpertsProvider, swiglu
 from .weights import ExpertWeights
 
@@ -23,14 +23,14 @@ def activations_in_a_format(a: Activations, math: ExpertMath) -> torch.Tensor:
     A quantised wire already carries the A format (no second quantisation); a bf16 wire is
     quantised here, on the receiver, with the same function the sender would have used.
     """
-    if isinstance(a, MXTensor):
+    if isinstance(a, (MXTensor, GroupFP8Tensor)):
         if a.fmt != math.a_format:
             raise ValueError(
                 f"received {a.fmt} rows but quant={math.quant} needs A operand {math.a_format or 'bf16'} "
                 "(MEGA_DISPATCH_WIRE must match the expert GEMM's A operand)"
             )
-        return dequantize_mx(a)
-    return fake_quantize(a.to(torch.float32), math.a_format)
+        return dequantize_a(a)
+    return fake_quantize_a(a.to(torch.float32), math.a_format)
 
 
 class TorchReferenceExperts(ExpertsProvider):
@@ -71,7 +71,7 @@ class TorchReferenceExperts(ExpertsProvider):
             rows = x[pairs.row[sel]].double()
             h = (rows @ w1[slot]).float()
             act = swiglu(h, weights.gate_up_layout, math.swiglu_limit)
-            act = fake_quantize(act, math.a_format).double()
+            act = fake_quantize_a(act, math.a_format).double()
             y = (act @ w2[slot]).float()
             out[sel] = y * pairs.weight[sel].unsqueeze(1)
         return out
