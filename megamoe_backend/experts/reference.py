@@ -3,7 +3,9 @@
 Accumulation is done in float64 and rounded to fp32 per row. Why: fp32 GEMM results on CPU depend
 on how many rows are in the batch (blocking changes the summation order), and the bf16 dispatch
 wire must give bit-identical results whatever the EP size, i.e. whichever rows share an expert
-batch on a rank. float64 products of bf16/MX-representable inputs make each row independent.
+batch on a rank. float64 products of bf16/MX-representable inputs make each row independent. Block-FP8
+(fp32 scales) keeps that: weights and A are fp32 values (e4m3 x fp32 scale, rounded once to fp32), whose
+float64 products are exact too.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ class WireFormat:
 
     def view(self, rows: torch.Tensor, hidden: int) -> torch.Tensor | MXTensor:
         """The same without a copy (the device forwards' fixed buffers): bf16 rows must be contiguous,
-        MX rows may be the first row_bytes of wider rows (payload and scales are column views)."""
+        MX rows may be the first row_bytes of wider rows (payload and scales are column views). Block-FP8 rows
+        are copied once (fp32 scales need aligned storage); no device forward reads them yet."""
         if self.mx is None:
             return rows.view(torch.bfloat16)
         payload = self.payload_bytes(hidden)
