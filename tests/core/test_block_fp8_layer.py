@@ -27,7 +27,7 @@ from megamoe_backend.parallel import spawn_ranks
 from megamoe_backend.plan import build_plan
 from megamoe_backend.spec import preset
 from megamoe_backend.workload import EPCase, ProblemConfig, make_problem, run_ep_cases
-from test_block_fp8_formats import np_block_dequant, np_group_quant
+from block_fp8_twin import np_block_dequant, np_group_quant
 
 SPEC = preset("dsv4-pro").scaled(hidden_size=256, moe_intermediate_size=128, n_routed_experts=16)
 GATE = 0.06  # vs fp32 on the dequantised weights (derivation above)

@@ -20,7 +20,7 @@ from megamoe_backend.knobs import KnobError, Knobs
 from megamoe_backend.plan import build_plan
 from megamoe_backend.platform import PlatformError
 from megamoe_backend.spec import ConfigError, UnsupportedExpertsError, expert_quant_scheme, preset, quant_scheme_from_config
-from test_block_fp8_formats import np_group_quant
+from block_fp8_twin import np_group_quant
 
 
 def test_a_format_and_the_fp8_wire_carry_1x128_groups() -> None:
