@@ -6,10 +6,14 @@ Why its own module: the scales are fp32 and not powers of two, so nothing of the
 - Weights, as the checkpoints store them: ``weight`` float8_e4m3fn [..., N, K] and ``weight_scale_inv``
   fp32 [..., N / 128, K / 128]; value = q * scale_inv of its 128 x 128 block. MegaMoE needs N and K to be
   multiples of 128 (DeepSeek V3: 7168, 2048), which is what vLLM's Fp8MoEMethod needs of the experts too.
-- Activations, as vLLM's ``per_token_group_quant_fp8`` (0.34, ``fp8_utils.py``, use_ue8m0 off) computes
-  them: per row and 128-wide group, scale = max(amax, 1e-10) * (1 / 448) in fp32 -- NOT rounded to a power
-  of two -- and q = clamp(x / scale, -448, 448) rounded to e4m3 (RNE). A group holding NaN/Inf gets a
-  NaN/Inf scale, so the damage stays in that group of that row.
+- Activations, as vLLM's ``per_token_group_quant_fp8`` computes them on CUDA (0.34's ``fp8_utils.py`` prefers
+  the C++ kernel ``per_token_group_fp8_quant``, csrc/quantization/w8a8/fp8/per_token_group_quant.cu, use_ue8m0
+  off): per row and 128-wide group, scale = max(amax, 1e-10) / 448 in fp32 -- NOT rounded to a power of two --
+  and q = clamp(x / scale, -448, 448) rounded to e4m3 (RNE). vLLM's Triton fallback (non-contiguous input,
+  other platforms) multiplies amax by fp32(1 / 448) instead, one ulp of the scale apart in about half the
+  groups. Non-finite input differs on purpose: the C++ kernel's fmaxf drops NaN from amax and its clamp turns
+  a NaN element into -448; here a group holding NaN/Inf gets a NaN/Inf scale, so the damage stays visible,
+  in that group of that row (the layer's rule for bad rows).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import torch
 FP8_BLOCK = 128  # weight block edge and activation group width
 E4M3_MAX = 448.0
 GROUP_EPS = 1e-10  # vLLM's eps: an all-zero group gets scale 1e-10 / 448, never 0
-_INV_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)  # the fp32 reciprocal vLLM multiplies by
 A_FORMAT = "fp8_g128"  # the A operand's name beside the MX ones ("fp8", "fp4")
 
 
@@ -48,8 +51,8 @@ def _check_multiple(size: int, name: str, what: str) -> None:
 
 
 def group_scales(amax: torch.Tensor) -> torch.Tensor:
-    """fp32 amax per group -> fp32 scale, exactly as vLLM: max(amax, eps) * fp32(1 / 448)."""
-    return torch.clamp(amax.to(torch.float32), min=GROUP_EPS) * _INV_MAX.to(amax.device)
+    """fp32 amax per group -> fp32 scale, exactly as vLLM's CUDA kernel: max(amax, eps) / 448."""
+    return torch.clamp(amax.to(torch.float32), min=GROUP_EPS) / E4M3_MAX
 
 
 def _to_e4m3(scaled: torch.Tensor) -> torch.Tensor:

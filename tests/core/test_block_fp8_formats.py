@@ -1,6 +1,6 @@
 """Block-FP8 formats (formats/block_fp8.py) against an independent numpy + ml_dtypes implementation.
 
-The independent side re-derives vLLM 0.34's per_token_group_quant_fp8 (scale = max(amax, 1e-10) * fp32(1/448),
+The independent side re-derives vLLM's per_token_group_quant_fp8 on CUDA (scale = max(amax, 1e-10) / 448,
 q = clamp(x / scale, +-448) -> e4m3 RNE) and DeepSeek's 128x128 block dequantisation with no project code;
 each check also fails on a planted mutation (a power-of-two scale, a 1x32 group, a transposed block grid).
 """
@@ -37,6 +37,9 @@ def test_group_quant_matches_independent_bit_for_bit():
     assert not torch.all(torch.frexp(s).mantissa == 0.5)
     pow2 = torch.exp2(torch.ceil(torch.log2(t.scales)))
     assert not np.array_equal(pow2.numpy(), s_ref)
+    # planted: vLLM's Triton fallback rule, amax * fp32(1/448), is an ulp off in some groups
+    amax = np.maximum(np.abs(x.numpy().reshape(7, 4, 128)).max(-1), np.float32(1e-10))
+    assert not np.array_equal((amax * np.float32(1 / 448)).astype(np.float32), s_ref)
     deq = bf.dequantize_groups(t)
     ref = q_ref.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(7, 4, 128) * s_ref[..., None]
     assert np.array_equal(deq.numpy(), ref.reshape(7, 512))
