@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import MXTensor
+from ..formats import GroupFP8Tensor, MXTensor
 from ..formats.wire import WireFormat
 from ..spec.moe_spec import A_OPERAND
 from .weights import ExpertWeights
@@ -39,7 +39,7 @@ class ExpertMath:
 
     @property
     def a_format(self) -> str | None:
-        """MX format of the A operand of both GEMMs ("fp8" | "fp4"), or None for bf16."""
+        """Format of the A operand of both GEMMs: MX "fp8" | "fp4", block-FP8 "fp8_g128", or None for bf16."""
         return A_OPERAND[self.quant]
 
 
@@ -60,7 +60,7 @@ class ExpertPairs:
         return int(self.row.shape[0])
 
 
-Activations = torch.Tensor | MXTensor
+Activations = torch.Tensor | MXTensor | GroupFP8Tensor
 
 
 class ExpertsProvider(ABC):

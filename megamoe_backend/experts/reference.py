@@ -3,7 +3,9 @@
 Accumulation is done in float64 and rounded to fp32 per row. Why: fp32 GEMM results on CPU depend
 on how many rows are in the batch (blocking changes the summation order), and the bf16 dispatch
 wire must give bit-identical results whatever the EP size, i.e. whichever rows share an expert
-batch on a rank. float64 products of bf16/MX-representable inputs make each row independent.
+batch on a rank. float64 products of bf16/MX-representable inputs make each row independent. Block-FP8
+(fp32 scales) keeps that: weights and A are fp32 values (e4m3 x fp32 scale, rounded once to fp32), whose
+float64 products are exact too.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import weakref
 
 import torch
 
-from ..formats import MXTensor, dequantize_mx, fake_quantize
+from ..formats import GroupFP8Tensor, MXTensor, dequantize_a, fake_quantize_a
 from .base import Activations, ExpertMath, ExpertPairs, ExpertsProvider, swiglu
 from .weights import ExpertWeights
 
@@ -23,14 +25,14 @@ def activations_in_a_format(a: Activations, math: ExpertMath) -> torch.Tensor:
     A quantised wire already carries the A format (no second quantisation); a bf16 wire is
     quantised here, on the receiver, with the same function the sender would have used.
     """
-    if isinstance(a, MXTensor):
+    if isinstance(a, (MXTensor, GroupFP8Tensor)):
         if a.fmt != math.a_format:
             raise ValueError(
                 f"received {a.fmt} rows but quant={math.quant} needs A operand {math.a_format or 'bf16'} "
                 "(MEGA_DISPATCH_WIRE must match the expert GEMM's A operand)"
             )
-        return dequantize_mx(a)
-    return fake_quantize(a.to(torch.float32), math.a_format)
+        return dequantize_a(a)
+    return fake_quantize_a(a.to(torch.float32), math.a_format)
 
 
 class TorchReferenceExperts(ExpertsProvider):
@@ -71,7 +73,7 @@ class TorchReferenceExperts(ExpertsProvider):
             rows = x[pairs.row[sel]].double()
             h = (rows @ w1[slot]).float()
             act = swiglu(h, weights.gate_up_layout, math.swiglu_limit)
-            act = fake_quantize(act, math.a_format).double()
+            act = fake_quantize_a(act, math.a_format).double()
             y = (act @ w2[slot]).float()
             out[sel] = y * pairs.weight[sel].unsqueeze(1)
         return out

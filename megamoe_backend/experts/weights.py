@@ -7,6 +7,10 @@ Shapes (E = local experts on this rank, H = hidden, I = moe intermediate):
 - bf16:  w1 [E, 2I, H] bf16, w2 [E, H, I] bf16, no scales.
 - mxfp4: w1 [E, 2I, H // 2] uint8 (e2m1 pairs, even element in the low nibble),
          w1_scale [E, 2I, H // 32] uint8 E8M0; w2 [E, H, I // 2], w2_scale [E, H, I // 32].
+- fp8_block (DeepSeek V3 / R1 FP8): w1 [E, 2I, H] float8_e4m3fn, w1_scale [E, 2I / 128, H / 128] fp32
+         (the checkpoint's ``weight_scale_inv``, one per 128 x 128 block); w2 [E, H, I], w2_scale
+         [E, H / 128, I / 128]. gate/up rows "plain" only: a 128-row block of the checkpoint covers
+         gate_proj rows or up_proj rows, which interleaving would split (formats/block_fp8.py).
 GEMM1's output rows follow ``gate_up_layout``: "interleaved" = [g0, u0, g1, u1, ...] (what MegaMoE
 kernels expect), "plain" = [g0 .. g_{I-1}, u0 .. u_{I-1}] (HF checkpoints' gate_proj; up_proj).
 
@@ -28,8 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import MX_BLOCK, MXTensor, dequantize_mx, quantize_mx
+from ..formats.block_fp8 import check_weight_scale, dequantize_weight_blocks, quantize_weight_blocks
 
-WEIGHT_FORMATS = ("bf16", "mxfp4")
+WEIGHT_FORMATS = ("bf16", "mxfp4", "fp8_block")
 GATE_UP_LAYOUTS = ("interleaved", "plain")
 STORAGES = ("rowmajor", "fragments", "fragments_fp8", "humming")
 ROW_SCALED = ("fragments_fp8", "humming")  # storages that keep a scale per weight row (w1_row_scale, w2_row_scale)
@@ -66,6 +71,9 @@ class ExpertWeights:
             raise ValueError(f"ExpertWeights.fmt={self.fmt!r}; expected one of {WEIGHT_FORMATS}")
         if self.gate_up_layout not in GATE_UP_LAYOUTS:
             raise ValueError(f"ExpertWeights.gate_up_layout={self.gate_up_layout!r}; expected one of {GATE_UP_LAYOUTS}")
+        if self.fmt == "fp8_block":
+            self._check_fp8_block()
+            return
         e, two_i, h_packed = self.w1.shape
         if two_i % 2:
             raise ValueError(f"w1 has {two_i} output rows; gate+up needs an even count (2 * intermediate)")
@@ -90,6 +98,23 @@ class ExpertWeights:
                 if s is None or s.dtype != torch.uint8 or tuple(s.shape) != (e, rows, k // MX_BLOCK):
                     got = None if s is None else (tuple(s.shape), s.dtype)
                     raise ValueError(f"{scale_name} must be uint8 of shape {(e, rows, k // MX_BLOCK)}, got {got}")
+
+    def _check_fp8_block(self) -> None:
+        """Shapes, dtypes and one fp32 scale per 128 x 128 block (per-tensor scales refused, naming the tensor)."""
+        if self.gate_up_layout != "plain":
+            raise ValueError("block-FP8 w1 must keep the checkpoint's plain [gate; up] rows (gate_up_layout='plain'): "
+                             "each 128-row scale block covers gate_proj or up_proj rows, interleaving would split it")
+        e, two_i, h = self.w1.shape
+        expect_w2 = (e, h, two_i // 2)
+        if two_i % 2 or tuple(self.w2.shape) != expect_w2:
+            raise ValueError(f"w2 has shape {tuple(self.w2.shape)}, expected {expect_w2} for w1 {tuple(self.w1.shape)}")
+        for name in ("w1", "w2"):
+            t = getattr(self, name)
+            if t.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{name} must be float8_e4m3fn for fmt='fp8_block', got {t.dtype}")
+            check_weight_scale(t, getattr(self, f"{name}_scale"), name)
+        if (two_i // 2) % 128:  # gate and up each whole blocks (also what vLLM's block-FP8 MoE needs)
+            raise ValueError(f"block-FP8 intermediate size {two_i // 2} is not a multiple of 128")
 
     @property
     def num_experts(self) -> int:
@@ -125,6 +150,9 @@ class ExpertWeights:
         """(w1, w2) in fp32, same row order as stored (rowmajor, whatever the storage)."""
         if self.fmt == "bf16":
             return self.w1.float(), self.w2.float()
+        if self.fmt == "fp8_block":
+            return (dequantize_weight_blocks(self.w1, self.w1_scale, "w1"),
+                    dequantize_weight_blocks(self.w2, self.w2_scale, "w2"))
         if self.storage != "rowmajor":
             return self.as_rowmajor().dequantized()
         w1 = dequantize_mx(MXTensor(self.w1, self.w1_scale, "fp4"))
@@ -191,9 +219,15 @@ def deinterleave_gate_up(gate_up_interleaved: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor, fmt: str, gate_up_layout: str = "interleaved") -> ExpertWeights:
-    """bf16/fp32 weights [E, 2I, H], [E, H, I] -> ExpertWeights in ``fmt`` (MXFP4 along K)."""
+    """bf16/fp32 weights [E, 2I, H], [E, H, I] -> ExpertWeights in ``fmt`` (MXFP4 along K, or block-FP8)."""
     if fmt == "bf16":
         return ExpertWeights(w1.to(torch.bfloat16).contiguous(), w2.to(torch.bfloat16).contiguous(), "bf16", gate_up_layout)
+    if fmt == "fp8_block":  # 128 x 128 blocks over the plain [gate; up] rows, as the checkpoints hold them
+        if gate_up_layout != "plain":
+            raise ValueError("block-FP8 weights are quantised over plain [gate; up] rows: pass gate_up_layout='plain'")
+        q1, s1 = quantize_weight_blocks(w1, "w1")
+        q2, s2 = quantize_weight_blocks(w2, "w2")
+        return ExpertWeights(q1, q2, "fp8_block", "plain", s1, s2)
     if fmt != "mxfp4":
         raise ValueError(f"fmt={fmt!r}; expected one of {WEIGHT_FORMATS}")
     q1 = quantize_mx(w1, "fp4", name="w1")

@@ -1,5 +1,7 @@
-"""Number formats: E8M0 scales, MXFP8 / MXFP4 block quantisation, and wire row layouts."""
+"""Number formats: E8M0 scales, MXFP8 / MXFP4 block quantisation, block-FP8, and wire row layouts."""
 
+from .a_format import A_FORMATS, dequantize_a, fake_quantize_a
+from .block_fp8 import GroupFP8Tensor
 from .e8m0 import decode_e8m0, encode_e8m0, scale_exponent_for_amax
 from .mx import (
     FP4_MAX,
@@ -15,6 +17,10 @@ from .mx import (
 from .wire import COMBINE_WIRES, DISPATCH_WIRES, WireFormat, combine_wire, dispatch_wire
 
 __all__ = [
+    "A_FORMATS",
+    "GroupFP8Tensor",
+    "dequantize_a",
+    "fake_quantize_a",
     "COMBINE_WIRES",
     "DISPATCH_WIRES",
     "FP4_MAX",

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 from ..experts.base import ExpertMath
 from ..formats import MX_BLOCK, WireFormat, combine_wire, dispatch_wire
+from ..formats.block_fp8 import FP8_BLOCK
 from ..knobs import KnobError, Knobs
 from ..platform import MoEShape, PlatformFacts
 from ..spec import MoESpec
+from ..spec.moe_spec import WIRE_OF_A_FORMAT
 from .placement import ExpertPlacement
 from .selection import BackendChoice, manual_choice, select_for_device
 
@@ -117,7 +119,8 @@ class LayerPlan:
 
 # what each scheme's experts multiply their weights with, in words (errors name it, not "A operand")
 ACTIVATIONS_OF = {"bf16": "bf16 activations", "a8w4": "fp8 activations on MXFP4 weights",
-                  "a4w4": "fp4 activations on MXFP4 weights"}
+                  "a4w4": "fp4 activations on MXFP4 weights",
+                  "fp8_block": "fp8 activations in 1x128 groups (fp32 scales) on block-FP8 weights"}
 
 
 def check_wire_matches_quant(wire: str, quant: str) -> None:
@@ -126,6 +129,7 @@ def check_wire_matches_quant(wire: str, quant: str) -> None:
     what would be legal, and -- for MXFP4 experts on the fp8 wire -- AITER_FORCE_A8W4=1, which runs the
     same MXFP4 weights on fp8 activations and so makes that wire legal."""
     a_format = ExpertMath(quant).a_format
+    a_format = WIRE_OF_A_FORMAT.get(a_format, a_format)  # the wire that carries it (fp8_g128 rides "fp8")
     if wire == "bf16" or wire == a_format:
         return
     legal = "bf16" if a_format is None else f"bf16 or {a_format}"
@@ -139,6 +143,16 @@ def check_wire_matches_quant(wire: str, quant: str) -> None:
         f"the dispatch wire may carry {legal} rows only (allowed for this model: {legal}). {fix[0].upper()}{fix[1:]}. "
         "No silent fallback."
     )
+
+
+def check_block_fp8_shape(spec: MoESpec, quant: str) -> None:
+    """Block-FP8 experts need hidden and intermediate sizes in whole 128-blocks (weights 128 x 128, A 1 x 128)."""
+    if quant != "fp8_block":
+        return
+    for key in ("hidden_size", "moe_intermediate_size"):
+        if getattr(spec, key) % FP8_BLOCK:
+            raise ValueError(f"quant=fp8_block needs {key} % {FP8_BLOCK} == 0 (128x128 weight blocks, 1x128 "
+                             f"activation groups), got {key}={getattr(spec, key)}")
 
 
 def check_ep_position(ep_rank: int, ep_size: int) -> None:
@@ -173,10 +187,11 @@ def build_plan(
     quant = quant or spec.quant
     math = ExpertMath(quant=quant, swiglu_limit=spec.swiglu_limit)
     check_wire_matches_quant(knobs.dispatch_wire, quant)
-    dwire = dispatch_wire(knobs.dispatch_wire)
+    dwire = dispatch_wire(knobs.dispatch_wire, math.a_format)
     cwire = combine_wire(knobs.combine_wire)
     dwire.check_hidden(spec.hidden_size, "MEGA_DISPATCH_WIRE")
     cwire.check_hidden(spec.hidden_size, "MEGA_COMBINE_WIRE")
+    check_block_fp8_shape(spec, quant)
     if math.a_format is not None and spec.moe_intermediate_size % MX_BLOCK:
         raise ValueError(
             f"quant={quant} needs moe_intermediate_size % {MX_BLOCK} == 0, got {spec.moe_intermediate_size}"

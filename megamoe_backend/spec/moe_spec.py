@@ -12,11 +12,18 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..formats.block_fp8 import BlockFP8Error, check_weight_block_size
+
 SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 QUANT_SCHEMES = ("bf16", "fp8_block", "a8w4", "a4w4")
-# quant scheme -> MX format of the A operand (None: bf16 activations). Here, beside the schemes, so the
-# spec (which reads schemes) and the experts (which compute them) both read it without importing each other.
-A_OPERAND = {"bf16": None, "fp8_block": None, "a8w4": "fp8", "a4w4": "fp4"}
+# quant scheme -> format of the A operand (None: bf16 activations): MX "fp8" / "fp4" (one E8M0 scale per 1x32),
+# or "fp8_g128" (block-FP8: e4m3 with one fp32 scale per 1x128 group, formats/block_fp8.py). Here, beside the
+# schemes, so the spec (which reads schemes) and the experts (which compute them) both read it without
+# importing each other.
+A_OPERAND = {"bf16": None, "fp8_block": "fp8_g128", "a8w4": "fp8", "a4w4": "fp4"}
+# A format -> the MEGA_DISPATCH_WIRE value that carries it: "fp8" means the GEMM's own fp8 A format, MX rows
+# for a8w4 and 1x128-group rows for fp8_block, so a quantised wire is never re-quantised on the receiver.
+WIRE_OF_A_FORMAT = {"fp8": "fp8", "fp4": "fp4", "fp8_g128": "fp8"}
 
 # Keys without which the MoE layer cannot be built. Everything else has a documented default.
 REQUIRED_KEYS = ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")
@@ -191,7 +198,7 @@ def quant_scheme_from_config(quant_cfg: Mapping[str, Any] | None, expert_dtype: 
 
     Quark MXFP4: quant_method "quark", weights fp4 in groups of 32 with e8m0 scales; the input
     tensors' dtype picks the A operand (fp4 -> a4w4, fp8 -> a8w4). DeepSeek block FP8:
-    quant_method "fp8" with weight_block_size. DeepSeek V4 keeps that config but stores the routed
+    quant_method "fp8" with weight_block_size [128, 128] (absent: per-tensor scales, refused; other sizes refused). DeepSeek V4 keeps that config but stores the routed
     experts as MXFP4 unless ``expert_dtype`` says fp8 (vLLM's DeepseekV4FP8Config defaults a V4
     model to "fp4" too); fp4 experts declare no activation format: a4w4.
     Anything else is refused by name, never guessed.
@@ -205,7 +212,13 @@ def quant_scheme_from_config(quant_cfg: Mapping[str, Any] | None, expert_dtype: 
         experts = str(expert_dtype or ("fp4" if model_type == "deepseek_v4" else "fp8")).lower()
         if experts not in ("fp4", "fp8"):
             raise ConfigError(f"expert_dtype={expert_dtype!r} with quant_method fp8: expected fp4 (DeepSeek V4) or fp8")
-        return "a4w4" if experts == "fp4" else "fp8_block"
+        if experts == "fp4":
+            return "a4w4"
+        try:  # 128 x 128 blocks, fp32 scale_inv: anything else (per-tensor scales, other blocks) refused by name
+            check_weight_block_size(quant_cfg.get("weight_block_size"), "quantization_config")
+        except BlockFP8Error as exc:
+            raise ConfigError(str(exc)) from None
+        return "fp8_block"
     if method == "mxfp4":
         return "a4w4"
     if method == "quark":

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..experts import ExpertWeights, quantize_expert_weights
+from ..experts import ExpertWeights, deinterleave_gate_up, quantize_expert_weights
 from ..layer.routing import route
 from ..plan import ExpertPlacement
 from ..spec import MoESpec
 
-WEIGHT_FMT_FOR_QUANT = {"bf16": "bf16", "fp8_block": "bf16", "a8w4": "mxfp4", "a4w4": "mxfp4"}
+WEIGHT_FMT_FOR_QUANT = {"bf16": "bf16", "fp8_block": "fp8_block", "a8w4": "mxfp4", "a4w4": "mxfp4"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class Problem:
 
     def expert_weights(self, quant: str) -> ExpertWeights:
         """All logical experts in the format the quant scheme runs on."""
+        if quant == "fp8_block":  # 128 x 128 blocks over the checkpoint's plain [gate; up] rows, as DeepSeek's
+            return quantize_expert_weights(deinterleave_gate_up(self.w1), self.w2, "fp8_block", "plain")
         return quantize_expert_weights(self.w1, self.w2, WEIGHT_FMT_FOR_QUANT[quant])
 
 

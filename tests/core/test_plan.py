@@ -25,7 +25,7 @@ def test_wire_bytes_at_hidden_7168() -> None:
     assert (wb.combine_payload, wb.combine_scales) == (7168, 224)
 
 
-@pytest.mark.parametrize("quant, wire", [("a4w4", "fp8"), ("a8w4", "fp4"), ("bf16", "fp8"), ("bf16", "fp4"), ("fp8_block", "fp8")])
+@pytest.mark.parametrize("quant, wire", [("a4w4", "fp8"), ("a8w4", "fp4"), ("bf16", "fp8"), ("bf16", "fp4"), ("fp8_block", "fp4")])
 def test_quantised_wire_must_match_a_operand(quant, wire) -> None:
     with pytest.raises(KnobError, match="MEGA_DISPATCH_WIRE"):
         build_plan(preset("dsv4-pro"), Knobs(dispatch_wire=wire), quant=quant)
