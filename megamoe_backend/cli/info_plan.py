@@ -193,7 +193,8 @@ def resolve(args: argparse.Namespace) -> InfoPlan:
     transport = None if forecast is None else (forecast.here or forecast.one_host)
     gpu = None if args.gpu_memory_gb is None else (f"GPU of {args.gpu_memory_gb:g} GB (--gpu-memory-gb)",
                                                    int(args.gpu_memory_gb * 1e9))
-    memory = layer_memory(plan, device, gpu, transport)
+    gemm = experts_gemm_choice(layer_knobs.experts_gemm, device, plan.math.quant)
+    memory = layer_memory(plan, device, gpu, transport, gemm.gemm)
     heap = None
     if plan.backends.fused:  # the fused AMD runtimes' symmetric memory (docs/rocm.md)
         from ..experts.aiter.heap import heap_report
@@ -201,7 +202,6 @@ def resolve(args: argparse.Namespace) -> InfoPlan:
         heap = heap_report(plan)
     forward = forward_for(plan, device)
     startup_forward = forward if transport is None else forward_for(plan, device, transport)
-    gemm = experts_gemm_choice(layer_knobs.experts_gemm, device, plan.math.quant)
     return InfoPlan(declared, spec, release, release_note, reading, choice, knobs, layer_knobs, device, facts,
                     assumed, plan, forecast, memory, heap, forward, startup_forward, gemm)
 

@@ -53,6 +53,10 @@ class ExpertsScratch:
             self.allocations += 1
         return buf
 
+    def bytes_named(self, prefix: str) -> int:
+        """Bytes of the live buffers whose names start with ``prefix`` (one provider's share: "humming.")."""
+        return sum(b.numel() for name, b in self._buffers.items() if name.startswith(prefix))
+
     @property
     def bytes(self) -> int:
         return sum(b.numel() for b in self._buffers.values()) + sum(b.numel() for b in self._outgrown)

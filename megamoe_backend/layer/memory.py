@@ -12,7 +12,9 @@ What is counted, per GPU (this EP rank):
              adds one fp32 per row)
   workspace  the device forward's fixed buffers, one set per layer shape shared by every layer
              (ep_size 1: token rows, pairs, combine rows; symm / ipc: the peer arena + pair tables)
-Not counted: the experts' scratch (intermediates sized by the first forward at capacity), the
+  humming    where humming-kernels runs the expert GEMMs (MEGA_EXPERTS_GEMM, experts/gemm_choice.py):
+             its per-pair scratch at capacity (experts/humming/footprint.py), gigabytes at EP 8
+Not counted: the Triton experts' scratch (A2 per layout row, sized by the first forward), the
 nccl / gloo torch forward's buffers (allocated per forward, sized by the batch), aiter's / mori's
 runtimes (ROCm: their own allocations), and everything the engine holds (attention, KV cache).
 """
@@ -56,6 +58,7 @@ class LayerMemory:
     gpu_name: str
     mtpr: int
     share_warn: float = WORKSPACE_SHARE_WARN
+    humming_scratch: int | None = None  # the humming provider's scratch where it runs (else None)
 
     @property
     def weights(self) -> int:
@@ -63,7 +66,14 @@ class LayerMemory:
 
     @property
     def total(self) -> int:
-        return self.weights + (self.workspace or 0)
+        return self.weights + (self.workspace or 0) + (self.humming_scratch or 0)
+
+    @property
+    def fixed(self) -> int | None:
+        """What MEGA_MAX_TOKENS_PER_RANK sizes: the workspace and the humming scratch (None: neither is fixed)."""
+        if self.workspace is None and self.humming_scratch is None:
+            return None
+        return (self.workspace or 0) + (self.humming_scratch or 0)
 
     def warning(self) -> str | None:
         """The warning when the workspace takes more than ``share_warn`` of the GPU (naming the knob), or
@@ -74,12 +84,13 @@ class LayerMemory:
                     f"{self.gpu_name} has ({gb(self.gpu_bytes)}): spread the experts over more GPUs (a larger --ep-size; "
                     "past one host that is MEGA_DISPATCH=nccl, eager) or use GPUs with more memory")
         if self.total > self.gpu_bytes:
-            return (f"[megamoe] warning: weights ({gb(self.weights)}) + workspace ({gb(self.workspace or 0)}) need "
+            return (f"[megamoe] warning: weights ({gb(self.weights)}) + workspace ({gb(self.fixed or 0)}) need "
                     f"{gb(self.total)} per GPU, more than the {self.gpu_name} has ({gb(self.gpu_bytes)}): spread the "
                     "experts over more GPUs (a larger EP size) or lower MEGA_MAX_TOKENS_PER_RANK")
-        if not self.workspace or self.workspace <= self.share_warn * self.gpu_bytes:
+        if not self.fixed or self.fixed <= self.share_warn * self.gpu_bytes:
             return None
-        return (f"[megamoe] warning: the {self.workspace_kind} needs {gb(self.workspace)} per GPU at "
+        what = self.workspace_kind + (" and the humming-kernels scratch" if self.humming_scratch else "")
+        return (f"[megamoe] warning: the {what} needs {gb(self.fixed)} per GPU at "
                 f"MEGA_MAX_TOKENS_PER_RANK={self.mtpr}, more than {self.share_warn:.0%} of the {self.gpu_name} "
                 f"({gb(self.gpu_bytes)}): memory the engine no longer has for its KV cache. Lower "
                 "MEGA_MAX_TOKENS_PER_RANK to the most tokens one forward brings to a rank (the engine's "
@@ -91,14 +102,17 @@ class LayerMemory:
                f"workspace: {ws} ({self.workspace_kind}, MTPR {self.mtpr})"]
         if self.arena is not None:
             out.append(f"  of which the peer arena: {gb(self.arena)}")
+        if self.humming_scratch is not None:
+            out.append(f"humming-kernels scratch: {gb(self.humming_scratch)} (its GEMMs' rows per pair of capacity, "
+                       f"MTPR {self.mtpr}; where humming-kernels runs the expert GEMMs)")
         out.append(f"total: {gb(self.total)} per GPU of {gb(self.gpu_bytes)} ({self.gpu_name}); not counted: the "
-                   "experts' scratch (sized by the first forward) and the engine's own memory")
+                   "Triton experts' scratch (sized by the first forward) and the engine's own memory")
         return out
 
     def to_dict(self) -> dict:
         return {"weights_per_layer": self.weights_per_layer, "moe_layers": self.moe_layers, "weights": self.weights,
                 "workspace": self.workspace, "workspace_kind": self.workspace_kind, "arena": self.arena,
-                "total": self.total, "gpu_bytes": self.gpu_bytes, "gpu": self.gpu_name, "mtpr": self.mtpr,
+                "humming_scratch": self.humming_scratch, "total": self.total, "gpu_bytes": self.gpu_bytes, "gpu": self.gpu_name, "mtpr": self.mtpr,
                 "share_warn": self.share_warn, "warning": self.warning()}
 
 
@@ -119,10 +133,12 @@ def gpu_memory(device: str) -> tuple[str, int]:
 
 
 def layer_memory(plan: LayerPlan, device: str, gpu: tuple[str, int] | None = None,
-                 transport: str | None = None) -> LayerMemory:
+                 transport: str | None = None, experts_gemm: str = "triton") -> LayerMemory:
     """The memory ``plan`` takes on its EP rank's GPU on ``device``; ``transport`` replaces the plan's
     (``megamoe info`` passes what MEGA_DISPATCH=auto picks on one host while the plan still waits for
-    the EP group); ``gpu``: (name, bytes) to compare with (default: this machine's, else an H200)."""
+    the EP group); ``gpu``: (name, bytes) to compare with (default: this machine's, else an H200);
+    ``experts_gemm``: gemm_choice's answer ("humming" counts its scratch, and so does "pending": decided on the
+    GPU host, where humming may run; the figure then says what it would take)."""
     from .device.workspace import buffers_bytes, device_buffers, p2p_arena_layout, p2p_buffers
 
     spec, b = plan.spec, plan.backends
@@ -143,8 +159,17 @@ def layer_memory(plan: LayerPlan, device: str, gpu: tuple[str, int] | None = Non
         workspace, kind = arena + buffers_bytes(p2p_buffers(plan)), f"device P2P workspace ({transport} peer arena)"
     else:
         workspace, kind = None, f"{transport} torch forward: buffers allocated per forward (eager)"
+    humming = None
+    if experts_gemm in ("humming", "pending") and b.provider == "triton" and device == "cuda":
+        from ..experts.humming.footprint import humming_scratch_bytes
+
+        in_place = plan.ep_size == 1 and plan.combine.name == "bf16"  # the ep_size-1 forward's bf16 combine rows
+        humming = humming_scratch_bytes(plan.mtpr * plan.topk * plan.ep_size, plan.mtpr * plan.ep_size, spec.hidden_size,
+                                        spec.moe_intermediate_size, bf16_rows_in=plan.dispatch.name == "bf16",
+                                        gemm2_in_place=in_place)
     name, total = gpu or gpu_memory(device)
-    return LayerMemory(per_layer, spec.num_moe_layers, workspace, kind, arena, total, name, plan.mtpr)
+    return LayerMemory(per_layer, spec.num_moe_layers, workspace, kind, arena, total, name, plan.mtpr,
+                       humming_scratch=humming)
 
 
 __all__ = ["REFERENCE_GPU", "WORKSPACE_SHARE_WARN", "LayerMemory", "expert_weight_bytes", "gpu_memory", "layer_memory"]

@@ -151,6 +151,24 @@ def test_a_second_forward_allocates_nothing_and_masked_pairs_are_untouched():
     assert_rows_near(got, ref)
 
 
+@pytest.mark.parametrize("rows_in,wire_name", [("bf16", "bf16"), ("mx", "fp8_blockwise_1x32")])
+def test_the_scratch_is_what_megamoe_info_counts(rows_in, wire_name):
+    """The "humming.*" buffers a forward reserves at the provider's capacity are footprint.humming_scratch_bytes
+    (what layer/memory.py adds to `megamoe info`), give or take each buffer's rounding to 16 bytes and the
+    one-element tile counts and stream-K locks (counters, not per row)."""
+    from megamoe_backend.experts.humming.footprint import humming_scratch_bytes
+
+    provider, prepared, _, rows, x, pairs, math = problem()
+    scratch = ExpertsScratch("cpu")
+    provider.forward_wire(x if rows_in == "bf16" else rows, pairs, prepared, math, combine_wire(wire_name),
+                          scratch=scratch)
+    want = humming_scratch_bytes(provider.capacity, provider.capacity // K, H, INTER, bf16_rows_in=rows_in == "bf16",
+                                 gemm2_in_place=wire_name == "bf16")
+    small = 2 * 16 + provider.library.locks("cpu").numel() * 4  # humming.rows1 / rows2 + humming.locks
+    got = scratch.bytes_named("humming.")
+    assert want <= got <= want + small + 16 * 8, (got, want)
+
+
 def test_weights_from_elsewhere_are_refused():
     provider, prepared, weights, rows, _, pairs, math = problem()
     with pytest.raises(ValueError, match="must come from its prepare_weights"):

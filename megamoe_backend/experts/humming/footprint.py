@@ -1,0 +1,35 @@
+"""The bytes the humming provider's scratch holds at the layer's capacity (``megamoe info``'s memory).
+
+Why a function of its own, beside the provider: ``layer/memory.py`` sizes a layer from its plan on a
+machine that may have no GPU, Triton or humming-kernels, so it cannot ask a provider object; and the
+figure must be what ``HummingExperts._run`` reserves, or a serving engineer's KV-cache budget is wrong
+by gigabytes (tests/experts_humming/test_humming_interpreter.py runs a forward at capacity and checks
+the "humming.*" buffers of its scratch against this).
+
+Why it is large: humming's GEMMs index rows by pair, so GEMM1's bf16 gate/up rows, A2 and (where
+GEMM2 cannot write the combine rows in place) GEMM2's bf16 rows are held per pair of capacity
+(MEGA_MAX_TOKENS_PER_RANK x top-k x ep_size), where the Triton provider holds only A2 per layout row.
+"""
+
+from __future__ import annotations
+
+from ...formats import MX_BLOCK
+
+
+def humming_scratch_bytes(pairs: int, recv_rows: int, hidden: int, inter: int, *, bf16_rows_in: bool,
+                          gemm2_in_place: bool) -> int:
+    """Bytes of the provider's own buffers for ``pairs`` pairs over ``recv_rows`` received rows.
+
+    ``bf16_rows_in``: the received rows are bf16 (MEGA_DISPATCH_WIRE=bf16): quantised to MX fp8 on the
+    receiver first. ``gemm2_in_place``: GEMM2 writes the combine wire rows itself (ep_size 1, bf16
+    combine wire); else its bf16 rows go through a scratch to the finalize kernel."""
+    per_row = hidden + 4  # humming.a8 (e4m3) + humming.a_rs (fp32 row scale)
+    if bf16_rows_in:
+        per_row += hidden + hidden // MX_BLOCK  # humming.a_mx + humming.a_mx_scale
+    per_pair = 2 * (2 * inter) + inter + 4  # humming.h (bf16 gate/up) + humming.a2 (e4m3) + humming.a2_rs
+    if not gemm2_in_place:
+        per_pair += 2 * hidden  # humming.c (GEMM2's bf16 rows)
+    return recv_rows * per_row + pairs * per_pair
+
+
+__all__ = ["humming_scratch_bytes"]
