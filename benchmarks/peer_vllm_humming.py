@@ -147,7 +147,19 @@ def _env_flag(envs, name: str) -> bool:
 
 
 def make_peer():
-    """The peer, or PeerUnavailable: imports first (the reason a CPU box gives), then the GPU."""
+    """The peer, or PeerUnavailable: imports first (the reason a CPU box gives), then the GPU. Any other
+    failure while making it is a skip with its reason too: the bench must not stop for this peer."""
+    from .peers import PeerUnavailable
+
+    try:
+        return _make_peer()
+    except PeerUnavailable:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise _unavailable(f"could not be made ({type(exc).__name__}: {str(exc)[:300]})") from None
+
+
+def _make_peer():
     from .peers import Peer, _require_cuda
 
     stack = _import_stack()

@@ -100,3 +100,121 @@ def test_smoke_main_records_the_skip(tmp_path, monkeypatch):
     assert pvh.main(["--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["peers"]["skipped"][0]["peer"] == "vllm_humming" and rec["results"] == []
+
+
+def test_an_unexpected_failure_while_making_the_peer_is_a_skip(monkeypatch):
+    def broken():
+        raise KeyError("GemmType")
+    monkeypatch.setattr(pvh, "_import_stack", broken)
+    ready, skipped = peers.select(["vllm_humming"])
+    assert not ready and "could not be made (KeyError" in skipped[0].reason
+
+
+def test_the_call_runs_vllms_steps_in_order_with_fixed_buffers(monkeypatch):
+    """The whole peer on CPU with every vLLM / humming function replaced by a recorder: load's schema and
+    tuning calls, then per call quant -> align(w13 block) -> align(w2 block) -> w13 -> SwiGLU/quant -> w2 ->
+    finalize, into the buffers bind allocated (the same tensors on every call)."""
+    import contextlib
+    import enum
+    import types
+
+    from megamoe_backend.experts.humming import library
+
+    log = []
+    mode = types.SimpleNamespace(should_quantize=True, has_group_scale=True, has_secondary_scale=False)
+
+    class Schema:
+        hadamard_block_size = 1
+
+        @classmethod
+        def from_config(cls, cfg):
+            log.append(("from_config", cfg["quant_method"]))
+            return cls()
+
+        def convert_humming(self, tensors, shape_n_stacks, shape_k_stacks, param_dtype, num_experts):
+            log.append(("convert", tuple(shape_n_stacks), tuple(shape_k_stacks), num_experts))
+            return self, dict(tensors)
+
+    def prepare(tensors, shape_n, shape_k, **kw):
+        log.append(("prepare", shape_n, shape_k, kw["pad_n_to_multiple"], kw["pad_k_to_multiple"]))
+        cfg = types.SimpleNamespace(shape_n=shape_n, pad_shape_n=0, input_quant_mode=mode, input_scale_group_size=128)
+        return cfg, {"weight": tensors["weight"], "weight_scale": tensors["weight_scale"]}
+
+    def heuristics(layer_config, use_f16_accum, use_batch_invariant, gemm_type):
+        assert not use_f16_accum and not use_batch_invariant and gemm_type.value == "indexed"
+        return [[0, 1 << 20, {"block_shape": [16 if layer_config.shape_n == 2 * 32 else 32, 128]}]]
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(x, xq, xs, group, cols, stride, eps, **kw):
+                log.append(("quant", grid, group, kw["use_ue8m0"]))
+                assert xq.dtype == torch.float8_e4m3fn and xs.dtype == torch.float32
+            return launch
+
+    def align(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts):
+        log.append(("align", block_size))
+        return torch.zeros(8, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+
+    bufs = []
+
+    def forward(config, inputs, weight, outputs, top_k, valid_shape_m, **kw):
+        log.append(("gemm", config.shape_n, top_k, valid_shape_m))
+        bufs.append(outputs.data_ptr())
+        outputs.fill_(1.0)
+        return outputs
+
+    def process(config, inputs, outputs, token_scales, activation_type, activation_impl, **kw):
+        log.append(("process", activation_type, kw["layout"]))
+        return outputs, torch.ones(inputs.shape[0], 1), None
+
+    def mul_sum(inputs, topk_weights, topk_ids, expert_map, outputs):
+        log.append(("mul_sum", tuple(inputs.shape)))
+        outputs.copy_((inputs.float() * topk_weights.unsqueeze(-1)).sum(1))
+        bufs.append(outputs.data_ptr())
+
+    class GemmType(enum.Enum):
+        INDEXED = "indexed"
+
+    stack = {"BaseWeightSchema": Schema, "GemmType": GemmType, "prepare_and_transform_humming_tensors": prepare,
+             "get_heuristics_config": heuristics, "humming_forward": forward, "may_process_input": process,
+             "create_humming_locks": lambda d: torch.zeros(8, dtype=torch.int32),
+             "vllm": types.SimpleNamespace(__version__="0.34.0"), "envs": types.SimpleNamespace(),
+             "humming": types.SimpleNamespace(__version__="0.1.20"),
+             "ApplyMoEActivationConfig": lambda clamp_limit: clamp_limit,
+             "MoEActivation": types.SimpleNamespace(SILU="silu"), "moe_align_block_size": align,
+             "moe_fused_mul_sum": mul_sum, "quant_kernel": Kernel(),
+             "get_humming_activation": lambda a, c: {"activation_type": "binary_split", "activation_impl": f"{a}:{c}"},
+             "check_and_fallback_input_schema": lambda weight_schema, input_schema, param_dtype, allow_fallback: input_schema,
+             "quant_key_to_input_schema": lambda key: Schema(), "get_fp8_min_max": lambda: (-448.0, 448.0),
+             "kFp8Dynamic128Sym": "k"}
+    monkeypatch.setattr(pvh, "_import_stack", lambda: stack)
+    monkeypatch.setattr(peers, "_require_cuda", lambda name: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(library, "probe", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    peer = pvh.make_peer()
+    h, i, e, t, k = 256, 32, 3, 4, 2
+    fp4, _ = make_weights(e, h, i, torch.device("cpu"), seed=1)
+    peer.load(fp4, peers.PeerShape(h, i, k, 10.0), max_tokens=t)
+    assert ("convert", (i, i), (h,), e) in log and ("convert", (h,), (i,), e) in log
+    assert ("prepare", 2 * i, h, 256, 128) in log and ("prepare", h, i, 256, 128) in log
+    assert peer.activation["activation_impl"] == "silu:10.0"
+    x = torch.randn(t, h).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]])
+    w = torch.full((t, k), 0.5)
+    call = peer.bind(x, ids, w)
+    log.clear()
+    y1 = call()
+    steps = [s[0] for s in log]
+    assert steps == ["quant", "align", "align", "gemm", "process", "gemm", "mul_sum"], steps
+    assert log[0][1:] == ((t * h // 128,), 128, False)
+    assert [s[1] for s in log if s[0] == "align"] == [16, 32]  # w13's then w2's BLOCK_M
+    assert [s[1:] for s in log if s[0] == "gemm"] == [(2 * i, k, t * k), (h, 1, t * k)]
+    assert log[-1] == ("mul_sum", (t, k, h))
+    assert torch.equal(y1.float(), torch.ones(t, h))  # 2 routes x 0.5 x 1.0
+    first = list(bufs)
+    bufs.clear()
+    assert call() is y1 and bufs == first  # fixed buffers
+    assert peer.tactic(t) == "humming heuristics, BLOCK_M w13 16 / w2 32"
+    with pytest.raises(RuntimeError, match="EP"):
+        peer.load(fp4, peers.PeerShape(h, i, k, 10.0), max_tokens=t, ep_size=2)
