@@ -7,7 +7,10 @@ What a vLLM / SGLang user serving MXFP4 experts on Hopper gets when they do not 
 - ``flashinfer_w4a16``: the same with ``CutlassW4A16Config`` (MXFP4 weights x bf16 activations);
 - ``triton_kernels``: OpenAI triton_kernels ``matmul_ogs`` with its ragged routing metadata, as vLLM's
   Triton MXFP4 MoE path calls it (GEMM1 gathers the token rows and fuses the SwiGLU, GEMM2 scatters
-  with the route weights, then the top-k reduce), on the Hopper value / scale swizzles.
+  with the route weights, then the top-k reduce), on the Hopper value / scale swizzles;
+- ``vllm_humming``: vLLM 0.34's own Hopper MXFP4 experts path for DeepSeek V4 (humming-kernels'
+  HummingIndexedExperts, block-FP8 group-128 activations), from the carried vLLM bundle
+  (benchmarks/peer_vllm_humming.py).
 
 Each is timed the way its users run it: FlashInfer autotuned on the first call of each token bucket
 (``flashinfer.autotune(True)``, optionally with its tactic cache file), then captured in one CUDA graph
@@ -51,7 +54,7 @@ from .gpu_clock import ClockSampler
 from .peer_weights import to_flashinfer, to_triton_kernels
 from .timing import graph_or_eager, time_fn, time_isolated
 
-PEER_NAMES = ("flashinfer_humming", "flashinfer_w4a16", "triton_kernels")
+PEER_NAMES = ("flashinfer_humming", "flashinfer_w4a16", "triton_kernels", "vllm_humming")
 PEERS_README = "../shared/peers/README.md"
 HUMMING_EPILOGUE_COMPENSATION = 64.0  # FlashInfer: residual x 2^6 into quant-scale slots 1 / 4 (prepare.py)
 PREPARE_CHUNK_EXPERTS = 8  # Humming's payload rewrite widens codes to int64: bound its temporaries
@@ -530,6 +533,10 @@ def make_peer(name: str, tune_cache: str | None = None) -> Peer:
         return FlashInferCutlass("w4a16", tune_cache)
     if name == "triton_kernels":
         return TritonKernelsOGS()
+    if name == "vllm_humming":  # vLLM 0.34's Hopper MXFP4 experts (humming, block-FP8 A): peer_vllm_humming.py
+        from .peer_vllm_humming import make_peer as make_vllm_humming
+
+        return make_vllm_humming()
     raise ValueError(f"unknown peer {name!r}; expected one of {PEER_NAMES}")
 
 
