@@ -134,3 +134,30 @@ def test_mismatched_scheme_and_decoder_are_refused():
     mx, xm, pm = make_problem("mxfp4", hidden=H, inter=I)
     with pytest.raises(ValueError, match="block-FP8 weights"):
         TritonExperts().forward(xm, pm, mx, MATH)
+
+
+@pytest.mark.parametrize("wire, combine", [("fp8", "bf16"), ("bf16", "fp8_blockwise_1x32")])
+def test_device_forward_carries_fp8_g128_rows(wire, combine):
+    """The ep_size-1 device forward (sender quantisation into fp8_g128 rows of the workspace, the Triton experts
+    on views of them, the top-k sum) equals the torch forward with the same provider bit for bit, and the layer
+    stays inside the scheme's gate against fp32 on the dequantised weights (docs/block-fp8.md)."""
+    from megamoe_backend.knobs import Knobs
+    from megamoe_backend.layer import MegaMoELayer, fp32_reference_moe
+    from megamoe_backend.plan import build_plan
+    from megamoe_backend.spec import preset
+    from megamoe_backend.workload import ProblemConfig
+    from megamoe_backend.workload import make_problem as make_layer_problem
+
+    spec = preset("dsv4-pro").scaled(hidden_size=H, moe_intermediate_size=I, n_routed_experts=8)
+    p = make_layer_problem(ProblemConfig(spec, 5, 1, seed=4, masked_fraction=0.2))
+    plan = build_plan(spec, Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=16), quant="fp8_block")
+    weights = p.expert_weights("fp8_block")
+    k = spec.num_experts_per_tok
+    device = MegaMoELayer(plan, weights, provider=TritonExperts(capacity=16 * k), device_path=True)
+    eager = MegaMoELayer(plan, weights, provider=TritonExperts(capacity=16 * k), device_path=False)
+    assert device.workspace is not None
+    got = device(p.x, p.topk_ids, p.topk_weights)
+    assert torch.equal(got, eager(p.x, p.topk_ids, p.topk_weights))
+    w1, w2 = weights.dequantized()
+    ref = fp32_reference_moe(p.x, p.topk_ids, p.topk_weights, w1, w2, "plain", spec.swiglu_limit)
+    assert rel_l2(got.float(), ref) < 0.06
