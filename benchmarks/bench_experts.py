@@ -75,6 +75,7 @@ SCHEMES = {  # name -> (ExpertMath.quant, weight format)
     "a4w4": ("a4w4", "mxfp4"),
     "a16w4": ("bf16", "mxfp4"),
     "bf16": ("bf16", "bf16"),
+    "fp8_block": ("fp8_block", "fp8_block"),  # DeepSeek V3 / R1 FP8 checkpoints (make_block_fp8_weights)
 }
 
 # Extra tile configs tried with --variants (scheme a8w4, first expert count, default decoder = frag8),
@@ -130,6 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time the humming provider (experts/humming/: humming-kernels' GEMMs, what "
                              "MEGA_EXPERTS_GEMM=humming runs) beside the Triton experts, A8W4 (needs sm_90 and humming-kernels)")
     parser.add_argument("--no-baseline", action="store_true", help="skip torch._grouped_mm")
+    parser.add_argument("--no-block-fp8-peer", action="store_true",
+                        help="with --schemes fp8_block: skip vLLM's Triton block-FP8 fused_experts (peer_vllm_block_fp8.py)")
     parser.add_argument("--check-pairs", type=int, default=256, help="pairs sampled for the relL2 checks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write results JSON here")
@@ -207,6 +210,32 @@ def make_weights(n_exp: int, hidden: int, inter: int, device: torch.device, seed
     return fp4, bf16
 
 
+def make_block_fp8_weights(bf16: ExpertWeights):
+    """The bench's bf16 weights (interleaved gate/up) -> block-FP8 over plain [gate; up] rows (128 x 128 blocks,
+    as the checkpoints hold them), and their fp32 dequantisation as the references read weights (fmt "bf16":
+    references.LocalExperts widens w1 / w2 as they are)."""
+    from types import SimpleNamespace
+
+    from megamoe_backend.experts.weights import deinterleave_gate_up
+    from megamoe_backend.formats.block_fp8 import dequantize_weight_blocks, quantize_weight_blocks
+
+    w1q = torch.empty(bf16.w1.shape, dtype=torch.float8_e4m3fn, device=bf16.w1.device)
+    w2q = torch.empty(bf16.w2.shape, dtype=torch.float8_e4m3fn, device=bf16.w2.device)
+    e, two_i, h = bf16.w1.shape
+    w1s = torch.empty(e, two_i // 128, h // 128, dtype=torch.float32, device=bf16.w1.device)
+    w2s = torch.empty(e, h // 128, two_i // 2 // 128, dtype=torch.float32, device=bf16.w1.device)
+    w1d = torch.empty(bf16.w1.shape, dtype=torch.float32, device=bf16.w1.device)
+    w2d = torch.empty(bf16.w2.shape, dtype=torch.float32, device=bf16.w2.device)
+    for i in range(e):  # per expert: the fp32 temporaries of one expert only
+        for src, q, s, d in ((deinterleave_gate_up(bf16.w1[i]), w1q, w1s, w1d), (bf16.w2[i], w2q, w2s, w2d)):
+            qi, si = quantize_weight_blocks(src.float())
+            q[i].copy_(qi)
+            s[i].copy_(si)
+            d[i].copy_(dequantize_weight_blocks(qi, si))
+    deq = SimpleNamespace(w1=w1d, w2=w2d, fmt="bf16", gate_up_layout="plain", hidden=h, num_experts=e)
+    return ExpertWeights(w1q, w2q, "fp8_block", "plain", w1s, w2s), deq
+
+
 def make_routing(tokens: int, n_exp: int, topk: int, hidden: int, device: torch.device, seed: int):
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16)
@@ -223,7 +252,8 @@ def make_routing(tokens: int, n_exp: int, topk: int, hidden: int, device: torch.
 
 
 def act_bytes(hidden: int, fmt: str | None) -> float:
-    return {None: 2.0 * hidden, "fp8": hidden * (1 + 1 / 32), "fp4": hidden * (0.5 + 1 / 32)}[fmt]
+    return {None: 2.0 * hidden, "fp8": hidden * (1 + 1 / 32), "fp4": hidden * (0.5 + 1 / 32),
+            "fp8_g128": hidden * (1 + 4 / 128)}[fmt]
 
 
 # -------------------------------------------------------------------------------------- baseline
@@ -438,6 +468,12 @@ def run(args: argparse.Namespace) -> int:
     meta["not_run"] = []  # (experts, tokens) groups left out by --budget-s
     max_e = max(args.experts)
     fp4_all, bf16_all = make_weights(max_e, hidden, inter, device, args.seed)
+    blk_all, blk_deq_all = make_block_fp8_weights(bf16_all) if "fp8_block" in args.schemes else (None, None)
+    block_peer = None  # vLLM's Triton block-FP8 fused_experts beside --schemes fp8_block (peer_vllm_block_fp8.py)
+    if blk_all is not None and not args.no_block_fp8_peer:
+        from . import peer_vllm_block_fp8 as block_peer
+
+        meta["block_fp8_peer"] = {"peer": block_peer.NAME, "skipped": block_peer.why_not()}
     # the layer calls prepare_weights once per layer with its math: "auto" re-lays MXFP4 weights as FP8
     # fragments (frag8) for MX activations and as bf16 fragments (frag) for bf16 activations
     by_kind = {}  # storage -> prepared weights (one copy each)
@@ -484,21 +520,42 @@ def run(args: argparse.Namespace) -> int:
             tokens_check = TokenCheck(x, pairs, bf16, limit, check_tokens(tokens, peer_bench.CHECK_TOKENS, args.seed, device))
             refs = {}
 
-            def checker(math: ExpertMath, out_fmt: str):
+            def checker(math: ExpertMath, out_fmt: str, wd=bf16, tc=tokens_check):
                 def check(y):
                     key = (math.quant,)
                     if key not in refs:
-                        refs[key] = (subset_reference(x, pairs, sel, bf16, math, exact=False),
-                                     subset_reference(x, pairs, sel, bf16, math, exact=True))
+                        refs[key] = (subset_reference(x, pairs, sel, wd, math, exact=False),
+                                     subset_reference(x, pairs, sel, wd, math, exact=True))
                     r32, rex = refs[key]
                     ys = output_values(y[sel], out_fmt, hidden)
                     if out_fmt != "fp32":  # the exact result in the same output format: relL2 ref stays the kernels' error
                         rex = output_values(combine_wire(out_fmt).encode(rex), out_fmt, hidden)
-                    return rel_l2(ys, r32), rel_l2(ys, rex), tokens_check.of_pairs(y, out_fmt)
+                    return rel_l2(ys, r32), rel_l2(ys, rex), tc.of_pairs(y, out_fmt)
                 return check
 
             for scheme in args.schemes:
                 quant, wfmt = SCHEMES[scheme]
+                if scheme == "fp8_block":  # block-FP8 weights of the same values, one decoder (block_fp8)
+                    blk, blk_deq = slice_weights(blk_all, n_exp), slice_namespace(blk_deq_all, n_exp)
+                    math = ExpertMath(quant, limit)
+                    a = quantize_rows(x, math.a_format, name="bench tokens")
+                    prov = TritonExperts(capacity=p)
+                    mode = prov.resolve_decoder(wfmt)
+                    c = Case(n_exp, tokens, p, scheme, "triton", mode, describe(default_config(p, n_exp, mode)),
+                             out=args.combine_wire, active_experts=active)
+                    tc = TokenCheck(x, pairs, blk_deq, limit, tokens_check.tokens)
+                    run_case(c, forward_call(prov, a, pairs, blk, math, args.combine_wire),
+                             checker(math, args.combine_wire, blk_deq, tc))
+                    fill_metrics(c, hidden, inter, wfmt, math.a_format, meta["ceilings"])
+                    cases.append(c)
+                    print_case(c)
+                    save(args.json, meta, cases, variants)
+                    if block_peer is not None:
+                        r = block_peer.run(blk, x, pairs.slot.view(tokens, topk), pairs.weight.view(tokens, topk), limit,
+                                           tc.of_tokens)
+                        peer_results.append(r)
+                        save(args.json, meta, cases, variants, peer_results)
+                    continue
                 math = ExpertMath(quant, limit)
                 a_fmt = math.a_format
                 a = x if a_fmt is None else quantize_rows(x, a_fmt, name="bench tokens")
@@ -578,6 +635,13 @@ def save(path: str | None, meta: dict, cases: list[Case], variants: list[Case], 
               "peers": [asdict(r) for r in peers or []]}
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)
+
+
+def slice_namespace(w, n: int):
+    """slice_weights for make_block_fp8_weights' dequantised namespace."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{**vars(w), "w1": w.w1[:n], "w2": w.w2[:n], "num_experts": n})
 
 
 def slice_weights(w: ExpertWeights, n: int) -> ExpertWeights:

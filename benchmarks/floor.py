@@ -83,8 +83,8 @@ def datasheet_of(ceilings: dict | None) -> Datasheet:
                      {"bf16": c["bf16_tflops"] * 1e12, "fp8": c["fp8_tflops"] * 1e12})
 
 
-WEIGHT_FORMATS = ("bf16", "mxfp4")
-ACTIVATION_FORMATS = (None, "fp8", "fp4")  # ExpertMath.a_format: None = bf16 rows
+WEIGHT_FORMATS = ("bf16", "mxfp4", "fp8_block")
+ACTIVATION_FORMATS = (None, "fp8", "fp4", "fp8_g128")  # ExpertMath.a_format: None = bf16 rows
 
 
 @dataclass(frozen=True)
@@ -97,10 +97,13 @@ class Floor:
 
 
 def weight_bytes_per_expert(hidden: int, intermediate: int, fmt: str) -> int:
-    """Bytes of one expert's W1 (2I x H) + W2 (H x I): bf16, or MXFP4 (4-bit codes + a scale byte per 32)."""
+    """Bytes of one expert's W1 (2I x H) + W2 (H x I): bf16, MXFP4 (4-bit codes + a scale byte per 32), or block-FP8
+    (e4m3 bytes + an fp32 scale per 128 x 128 block)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {fmt!r}: expected one of {WEIGHT_FORMATS}")
     elems = 3 * hidden * intermediate
+    if fmt == "fp8_block":
+        return elems + 4 * (elems // (128 * 128))
     return elems * 2 if fmt == "bf16" else elems // 2 + elems // MX_BLOCK
 
 
@@ -115,7 +118,7 @@ def mma_kind(weight_fmt: str, a_fmt: str | None) -> str:
         raise ValueError(f"weight format {weight_fmt!r}: expected one of {WEIGHT_FORMATS}")
     if a_fmt not in ACTIVATION_FORMATS:
         raise ValueError(f"activation format {a_fmt!r}: expected one of {ACTIVATION_FORMATS}")
-    return "fp8" if a_fmt is not None and weight_fmt == "mxfp4" else "bf16"
+    return "fp8" if a_fmt is not None and weight_fmt in ("mxfp4", "fp8_block") else "bf16"
 
 
 def expert_floor(*, experts_hit: int, pairs: int, hidden: int, intermediate: int, weight_fmt: str,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from megamoe_backend.experts import ExpertMath, ExpertPairs, ExpertWeights, swiglu
-from megamoe_backend.formats import MXTensor, dequantize_mx, fake_quantize
+from megamoe_backend.formats import MXTensor, dequantize_mx, fake_quantize_a
 from megamoe_backend.layer.reference import fp32_reference_moe
 
 
@@ -23,12 +23,12 @@ def subset_reference(x, pairs: ExpertPairs, sel: torch.Tensor, wd: ExpertWeights
     if not exact:
         return fp32_reference_moe(rows, slots[:, None], weight[:, None], wd.w1, wd.w2, wd.gate_up_layout,
                                   math.swiglu_limit)
-    rows = fake_quantize(rows, math.a_format)
+    rows = fake_quantize_a(rows, math.a_format)
     out = torch.empty(sel.numel(), wd.hidden, dtype=torch.float32, device=x.device)
     for e in torch.unique(slots).tolist():
         idx = torch.nonzero(slots == e).squeeze(1)
         h = (rows[idx].double() @ wd.w1[e].double().T).float()
-        act = fake_quantize(swiglu(h, wd.gate_up_layout, math.swiglu_limit), math.a_format)
+        act = fake_quantize_a(swiglu(h, wd.gate_up_layout, math.swiglu_limit), math.a_format)
         out[idx] = (act.double() @ wd.w2[e].double().T).float() * weight[idx, None]
     return out
 

@@ -77,13 +77,15 @@ class WireFormat:
     def view(self, rows: torch.Tensor, hidden: int) -> torch.Tensor | MXTensor:
         """The same without a copy (the device forwards' fixed buffers): bf16 rows must be contiguous,
         MX rows may be the first row_bytes of wider rows (payload and scales are column views). Block-FP8 rows
-        are copied once (fp32 scales need aligned storage); no device forward reads them yet."""
+        are column views too where the fp32 scales fall on 4-byte boundaries (the row stride and the offset
+        multiples of 4: the device forward's buffers), else copied once."""
         if self.mx is None:
             return rows.view(torch.bfloat16)
         payload = self.payload_bytes(hidden)
-        if self.mx == FP8_G128:  # fp32 scales need 4-byte aligned rows: one contiguous copy
-            packed = rows[:, : self.row_bytes(hidden)].contiguous()
-            return GroupFP8Tensor(data=packed[:, :payload], scales=packed[:, payload:].view(torch.float32))
+        if self.mx == FP8_G128:  # fp32 scales need 4-byte aligned rows, else one contiguous copy
+            aligned = rows.dim() == 2 and rows.stride(1) == 1 and rows.stride(0) % 4 == 0 and rows.storage_offset() % 4 == 0
+            packed = rows if aligned else rows[:, : self.row_bytes(hidden)].contiguous()
+            return GroupFP8Tensor(data=packed[:, :payload], scales=packed[:, payload : self.row_bytes(hidden)].view(torch.float32))
         return MXTensor(data=rows[:, :payload], scales=rows[:, payload : self.row_bytes(hidden)], fmt=self.mx)
 
     def decode_fp32(self, rows: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -113,6 +115,13 @@ def dispatch_wire(name: str, a_format: str | None = None) -> WireFormat:
     if name == "fp8" and a_format == FP8_G128:
         return WireFormat(name=name, mx=FP8_G128)
     return WireFormat(name=name, mx=None if name == "bf16" else name)
+
+
+def a_format_wire(a_format: str | None) -> WireFormat:
+    """The rows that carry an A format as it is (None: bf16): what the device forwards' buffers hold."""
+    if a_format is None:
+        return dispatch_wire("bf16")
+    return dispatch_wire("fp8" if a_format == FP8_G128 else a_format, a_format)
 
 
 def combine_wire(name: str) -> WireFormat:

@@ -71,11 +71,24 @@ def test_sizes_not_in_128_blocks_are_refused() -> None:
         build_plan(spec, Knobs(dispatch_wire="fp8"), quant="fp8_block")
 
 
-def test_no_gpu_provider_yet_is_said_at_plan_time() -> None:
-    from megamoe_backend.platform.facts import PlatformFacts
+def test_gpu_plans_name_the_triton_experts_or_refuse() -> None:
+    """CUDA with Triton: the Triton experts (block_fp8 decoder) over NCCL, whatever MEGA_DISPATCH=auto would
+    pick for other schemes (the P2P forward does not carry fp8_g128 rows); symm / ipc refused naming the knob;
+    CUDA without Triton and ROCm refused at plan time."""
+    from megamoe_backend.platform.facts import PackageInfo, PlatformFacts
 
-    with pytest.raises(PlatformError, match="CPU torch path only"):
-        build_plan(preset("dsv4-pro"), Knobs(), quant="fp8_block", facts=PlatformFacts(device="cuda", torch_build="cuda"), device_type="cuda")
+    cuda = PlatformFacts(device="cuda", torch_build="cuda", packages={"triton": PackageInfo("triton", True)})
+    for ep in (1, 8):
+        plan = build_plan(preset("dsv4-pro"), Knobs(), quant="fp8_block", ep_size=ep, facts=cuda, device_type="cuda")
+        assert (plan.backends.provider, plan.backends.transport) == ("triton", "nccl")
+    with pytest.raises(PlatformError, match="MEGA_DISPATCH=symm"):
+        build_plan(preset("dsv4-pro"), Knobs(transport="symm"), quant="fp8_block", ep_size=8, facts=cuda, device_type="cuda")
+    with pytest.raises(PlatformError, match="triton is not importable"):
+        build_plan(preset("dsv4-pro"), Knobs(), quant="fp8_block", facts=PlatformFacts(device="cuda", torch_build="cuda"),
+                   device_type="cuda")
+    with pytest.raises(PlatformError, match="no rocm experts provider"):
+        build_plan(preset("dsv4-pro"), Knobs(), quant="fp8_block", facts=PlatformFacts(device="rocm", torch_build="rocm"),
+                   device_type="cuda")
 
 
 @pytest.mark.parametrize("cfg, match", [

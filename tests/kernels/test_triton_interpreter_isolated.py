@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 
 INTERPRETER_MODULES = ("test_triton_interpreter.py", "test_device_forward_interpreter.py", "test_p2p_interpreter.py",
-                       "test_watchdog_interpreter.py", "test_live_interpreter.py",
+                       "test_watchdog_interpreter.py", "test_live_interpreter.py", "test_block_fp8_interpreter.py",
                        "../rocm/test_mori_device_forward.py",
                        "../experts_humming/test_humming_interpreter.py")  # paths from this folder
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from ...formats import MX_BLOCK, MXTensor
+from ...formats import MX_BLOCK, GroupFP8Tensor, MXTensor
+from ...formats.block_fp8 import FP8_BLOCK
 from ..base import Activations, ExpertMath, ExpertPairs
 from ..fragments import FP8_K
 from ..live import LiveRows, SegmentDest
 from ..weights import ExpertWeights
-from .config import reduction_block
+from .config import BLOCK_FP8_GROUP, reduction_block
 
 
 def check_capacity(pairs: int, capacity: int | None) -> None:
@@ -80,7 +81,7 @@ def check_dest(dest: torch.Tensor | SegmentDest, out: torch.Tensor | None, pairs
 
 def check_live(live: LiveRows, x, pairs: int, device: torch.device) -> None:
     """LiveRows must tile the received rows into segments, with the pairs in row-major order (k per row)."""
-    n_recv = (x.data if isinstance(x, MXTensor) else x).shape[0]
+    n_recv = (x.data if isinstance(x, (MXTensor, GroupFP8Tensor)) else x).shape[0]
     c = live.counts
     if c.dtype != torch.int64 or c.dim() != 1 or c.device != device or not c.is_contiguous():
         raise ValueError(f"live.counts: expected contiguous int64 [segments] on {device}, got {tuple(c.shape)} {c.dtype} "
@@ -101,6 +102,11 @@ def check_candidates(candidates, mode: str, out_fmt: str, hidden: int, inter: in
         if mode == "frag8" and cfg.block_k < FP8_K:
             raise ValueError(f"decoder='frag8' steps K by {FP8_K} (its weights' K chunk, fragments.fp8_k_order): "
                              f"TileConfig.block_k={cfg.block_k} must be >= {FP8_K}")
+    for cfg, _ in candidates:
+        if mode == "block_fp8" and (cfg.block_k != BLOCK_FP8_GROUP or cfg.block_n1 % (2 * BLOCK_FP8_GROUP)):
+            raise ValueError(f"decoder='block_fp8' steps K by one {BLOCK_FP8_GROUP}-wide weight block / A group and quantises "
+                             f"A2 in whole 1x{BLOCK_FP8_GROUP} groups: TileConfig.block_k={cfg.block_k} must be "
+                             f"{BLOCK_FP8_GROUP} and block_n1={cfg.block_n1} a multiple of {2 * BLOCK_FP8_GROUP}")
     if mode == "split" and len({cfg.block_k for cfg, _ in candidates}) > 1:
         raise ValueError("decoder='split' lays A out per block_k: the tile config candidates must share block_k")
 
@@ -110,12 +116,21 @@ def has_mx_activations(math: ExpertMath) -> bool:
     return math.a_format in ("fp8", "fp4")
 
 
+def check_block_fp8_math(weights_fmt: str, math: ExpertMath) -> None:
+    """Block-FP8 weights take the fp8_g128 A format (quant=fp8_block) and nothing else does."""
+    if (weights_fmt == "fp8_block") != (math.a_format == "fp8_g128"):
+        raise ValueError(f"weights fmt={weights_fmt!r} with quant={math.quant}: block-FP8 weights run with quant=fp8_block "
+                         "(A in 1x128 groups) and quant=fp8_block needs block-FP8 weights")
+
+
 def require_mx_activations(math: ExpertMath) -> None:
     if not has_mx_activations(math):
         raise ValueError(f"decoder='frag8' needs MX activations (A8W4 / A4W4); quant={math.quant} has bf16 A")
 
 
 def received_rows(a: Activations, math: ExpertMath, hidden: int, device: torch.device):
+    if isinstance(a, GroupFP8Tensor):
+        return _group_rows(a, math, hidden, device)
     if isinstance(a, MXTensor):
         if a.fmt != math.a_format:
             raise ValueError(
@@ -144,6 +159,24 @@ def received_rows(a: Activations, math: ExpertMath, hidden: int, device: torch.d
     return a
 
 
+def _group_rows(a: GroupFP8Tensor, math: ExpertMath, hidden: int, device: torch.device) -> GroupFP8Tensor:
+    """Block-FP8 rows (e4m3 bytes, fp32 scales per 1 x 128 group): views of wire rows are fine (strided rows)."""
+    if a.fmt != math.a_format:
+        raise ValueError(f"received {a.fmt} rows but quant={math.quant} needs A operand {math.a_format or 'bf16'} "
+                         "(MEGA_DISPATCH_WIRE must match the expert GEMM's A operand)")
+    for name, t, cols, dtype in (("received rows (data)", a.data, hidden, torch.uint8),
+                                 ("received rows (scales)", a.scales, hidden // FP8_BLOCK, torch.float32)):
+        if t.dtype != dtype or t.dim() != 2 or t.shape[1] != cols:
+            raise ValueError(f"{name}: expected {dtype} [N, {cols}] for hidden={hidden}, got {tuple(t.shape)} {t.dtype}")
+        if t.stride(1) != 1:
+            raise ValueError(f"{name}: must be contiguous along the hidden dim, got strides {t.stride()}")
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device}, pairs on {device}")
+    if a.data.shape[0] != a.scales.shape[0]:
+        raise ValueError(f"received rows: data has {a.data.shape[0]} rows, scales {a.scales.shape[0]}")
+    return a
+
+
 def check_pairs(pairs: ExpertPairs) -> None:
     p = pairs.row.shape[0]
     for name, t, dtype in (("pairs.row", pairs.row, torch.int64), ("pairs.slot", pairs.slot, torch.int64), ("pairs.weight", pairs.weight, torch.float32)):
@@ -162,13 +195,15 @@ def check_weights(w: ExpertWeights, device: torch.device) -> None:
     if h % MX_BLOCK or i % MX_BLOCK:
         raise ValueError(f"hidden={h} and intermediate={i} must be multiples of {MX_BLOCK} for the Triton experts")
     if w.fmt == "mxfp4":
-        expect = (("w1", w.w1, (e, two_i, h // 2)), ("w1_scale", w.w1_scale, (e, two_i, h // MX_BLOCK)),
-                  ("w2", w.w2, (e, h, i // 2)), ("w2_scale", w.w2_scale, (e, h, i // MX_BLOCK)))
-        dtype = torch.uint8
+        expect = (("w1", w.w1, (e, two_i, h // 2), torch.uint8), ("w1_scale", w.w1_scale, (e, two_i, h // MX_BLOCK), torch.uint8),
+                  ("w2", w.w2, (e, h, i // 2), torch.uint8), ("w2_scale", w.w2_scale, (e, h, i // MX_BLOCK), torch.uint8))
+    elif w.fmt == "fp8_block":
+        b, f8, f32 = FP8_BLOCK, torch.float8_e4m3fn, torch.float32
+        expect = (("w1", w.w1, (e, two_i, h), f8), ("w1_scale", w.w1_scale, (e, two_i // b, h // b), f32),
+                  ("w2", w.w2, (e, h, i), f8), ("w2_scale", w.w2_scale, (e, h // b, i // b), f32))
     else:
-        expect = (("w1", w.w1, (e, two_i, h)), ("w2", w.w2, (e, h, i)))
-        dtype = torch.bfloat16
-    for name, t, shape in expect:
+        expect = (("w1", w.w1, (e, two_i, h), torch.bfloat16), ("w2", w.w2, (e, h, i), torch.bfloat16))
+    for name, t, shape, dtype in expect:
         if t is None or tuple(t.shape) != shape or t.dtype != dtype:
             got = None if t is None else (tuple(t.shape), t.dtype)
             raise ValueError(f"weights.{name}: expected {dtype} of shape {shape}, got {got}")

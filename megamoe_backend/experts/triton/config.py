@@ -120,18 +120,32 @@ FRAG8_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
     (float("inf"), TileConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=4, num_stages=3, tail_m=16,
                               tail_ride=True)),
 )
+# Block-FP8 (decoder "block_fp8": e4m3 weights in 128 x 128 blocks, A in 1 x 128 groups). The scales change every
+# 128 of K, so block_k is 128 (one weight block and one A group per K step, scales applied per step as vLLM's
+# Triton fused_moe does); block_n1 256 = 128 gate + 128 up rows, so GEMM1's epilogue holds whole 1 x 128 groups
+# of A2 (GEMM1's epilogue). Not tuned on a GPU yet: each K step's MMA result is a second accumulator-sized
+# tensor beside the accumulator (it is scaled before it is added), so the tiles keep both near 128 registers a
+# thread: decode BM 16, mid BM 32 (4 warps), prefill BM 64 (8 warps). vLLM's default block-FP8 config is
+# BM 64 x BN 128 x BK 128, 4 warps, 3 stages.
+BLOCK_FP8_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
+    (13.0, TileConfig(block_m=16, block_n1=256, block_n2=128, block_k=128, num_warps=4, num_stages=4)),
+    (48.0, TileConfig(block_m=32, block_n1=256, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
+    (float("inf"), TileConfig(block_m=64, block_n1=256, block_n2=128, block_k=128, num_warps=8, num_stages=3)),
+)
+BLOCK_FP8_GROUP = 128  # the A group / weight block edge every block_fp8 tile config must step by
 # block_k 128 is shrunk to divide K (reduction_block), so it is also frag8's fixed K step where K allows
 INTERPRETER_CONFIG = TileConfig(block_m=16, block_n1=64, block_n2=32, block_k=128, num_warps=4, num_stages=1, group_m=2)
+INTERPRETER_BLOCK_FP8 = TileConfig(block_m=16, block_n1=256, block_n2=64, block_k=128, num_warps=4, num_stages=1, group_m=2)
 
 
 def default_config(num_pairs: int, num_experts: int, decoder: str = "split") -> TileConfig:
     if interpreting():
-        return INTERPRETER_CONFIG
+        return INTERPRETER_BLOCK_FP8 if decoder == "block_fp8" else INTERPRETER_CONFIG
     return _table(decoder)[bucket_index(num_pairs, num_experts, decoder)][1]
 
 
 def _table(decoder: str) -> tuple[tuple[float, TileConfig], ...]:
-    return {"frag": FRAG_BUCKETS, "frag8": FRAG8_BUCKETS}.get(decoder, BUCKETS)
+    return {"frag": FRAG_BUCKETS, "frag8": FRAG8_BUCKETS, "block_fp8": BLOCK_FP8_BUCKETS}.get(decoder, BUCKETS)
 
 
 def bucket_index(num_pairs: int, num_experts: int, decoder: str = "split") -> int:

@@ -2,10 +2,13 @@
 
 Reads A rows straight from the received rows (layout.sorted_row: each sorted row's received row; MX
 rows converted once per received row by gather.py for the split / frag / frag8 decoders, never
-copied per pair), W1 [E, 2I, H] as MXFP4 (packed, never expanded in memory) or bf16. Each program owns BN
+copied per pair), W1 [E, 2I, H] as MXFP4 (packed, never expanded in memory), bf16, or block-FP8 (e4m3 in
+128 x 128 blocks with fp32 scales, A in 1 x 128 groups: DECODE "block_fp8"). Each program owns BN
 consecutive GEMM1 output rows in gate/up INTERLEAVED order; for the plain layout the weight rows are
 gathered into that order on load, so the epilogue is the same for both. Output A2 is written in
-expert-sorted row order: bf16, or MX data + E8M0 scales bit-identical to formats.quantize_mx.
+expert-sorted row order: bf16, MX data + E8M0 scales bit-identical to formats.quantize_mx, or (A_FMT
+"fp8_g128") e4m3 + one fp32 scale per 1 x 128 group with formats.block_fp8.quantize_groups' rule; a block-FP8
+tile's BN / 2 columns are whole groups (config.BLOCK_FP8_BUCKETS: BN 256).
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import (assume_k_loop_runs, claim_tile, frag_tile_mainloop, mx_mainloop, next_item, persistent_items,
+from .mainloop import (assume_k_loop_runs, block_fp8_mainloop, claim_tile, frag_tile_mainloop, mx_mainloop, next_item, persistent_items,
                        release_claims)
 from .mxjit import fake_quant_blocks, round_bf16
 from .pdl import pdl_enter
-from .quant import quantize_blocks
+from .quant import quantize_blocks, quantize_g128
 
 
 # the row counts are runtime values, not specialisations: a new batch size of a seen tile config compiles
@@ -95,6 +98,12 @@ def _gemm1_tile(
             (2 * I) // 16, a_ptr, row0, a_rows, valid, stride_am, ars_ptr, K, sorted_row_ptr,
             DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE, True, W_FULL,
         )
+    elif DECODE == "block_fp8":
+        tl.static_assert(RIDE == 0, "tail riders need a fragment decoder (frag / frag8)")
+        acc = block_fp8_mainloop(
+            acc, w_ptr + e64 * stride_we, w_rows, n < 2 * I, stride_wn, ws_ptr + e64 * stride_wse, stride_wsn,
+            a_ptr, a_rows, valid, stride_am, as_ptr, stride_asm, K, BK, F32_DOT,
+        )
     else:
         tl.static_assert(RIDE == 0, "tail riders need a fragment decoder (frag / frag8)")
         acc = mx_mainloop(
@@ -139,6 +148,12 @@ def _gemm1_store(
         tl.store(o_ptr + r64 * stride_om + dest[None, :], v.to(tl.bfloat16), mask=cmask)
     elif A_FMT == "bf16":
         tl.store(o_ptr + r64 * stride_om + cols[None, :], round_bf16(act).to(tl.bfloat16), mask=cmask)
+    elif A_FMT == "fp8_g128":  # whole 1 x 128 groups of A2 per tile (BN % 256 == 0: checks.check_candidates)
+        GROUPS: tl.constexpr = BN // 256
+        payload, scales = quantize_g128(tl.reshape(act, [BM * GROUPS, 128]), HW_CVT)
+        g = pid_n * GROUPS + tl.arange(0, GROUPS)
+        tl.store(os_ptr + r64 * stride_osm + g[None, :], tl.reshape(scales, [BM, GROUPS]), mask=(g < I // 128)[None, :])
+        tl.store(o_ptr + r64 * stride_om + cols[None, :], tl.reshape(payload, [BM, BN // 2]), mask=cmask)
     else:
         payload, scales = quantize_blocks(tl.reshape(act, [BM * (BN // 64), 32]), A_FMT, HW_CVT)
         sc = pid_n * (BN // 64) + tl.arange(0, BN // 64)

@@ -1,6 +1,6 @@
 """GEMM2 x route weight, scattered straight back to pair order (fp32 [P, H], or the combine wire).
 
-A2 comes from GEMM1 in expert-sorted order (bf16 or MX); W2 [E, H, I] is MXFP4 or bf16. The
+A2 comes from GEMM1 in expert-sorted order (bf16, MX, or fp8_g128); W2 [E, H, I] is MXFP4, bf16 or block-FP8. The
 epilogue multiplies each token column by its pair's route weight and stores the row at the pair's
 index, so no unpermute pass and no padded output rows exist. OUT_FMT picks what is stored: "f32"
 (the provider's fp32 contract), or the combine wire row the layer sends back (formats/wire.py):
@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mainloop import (assume_k_loop_runs, claim_tile, frag_tile_mainloop, mx_mainloop, next_item, persistent_items,
+from .mainloop import (assume_k_loop_runs, block_fp8_mainloop, claim_tile, frag_tile_mainloop, mx_mainloop, next_item, persistent_items,
                        release_claims)
 from .mxjit import round_bf16
 from .pdl import pdl_enter
@@ -93,6 +93,12 @@ def _gemm2_tile(
             acc, w_ptr + e64 * stride_we, ws_ptr + e64 * stride_wse, wrs_ptr + e64 * stride_wrse, pid_n * (BN // 16),
             N // 16, a_ptr, row0, rows, valid, stride_am, ars_ptr, K, sorted_pair_ptr,
             DECODE, USE_ASM, BN, BM, BK, F32_DOT, RIDE, False, W_FULL,
+        )
+    elif DECODE == "block_fp8":
+        tl.static_assert(RIDE == 0, "tail riders need a fragment decoder (frag / frag8)")
+        acc = block_fp8_mainloop(
+            acc, w_ptr + e64 * stride_we, n, nmask, stride_wn, ws_ptr + e64 * stride_wse, stride_wsn,
+            a_ptr, rows, valid, stride_am, as_ptr, stride_asm, K, BK, F32_DOT,
         )
     else:
         tl.static_assert(RIDE == 0, "tail riders need a fragment decoder (frag / frag8)")

@@ -16,6 +16,8 @@ import torch
 import triton
 
 from ...formats import MX_BLOCK, MXTensor
+from ...formats.block_fp8 import A_FORMAT as FP8_G128
+from ...formats.block_fp8 import FP8_BLOCK
 from ..base import ExpertPairs
 from ..fragments import FP8_K
 from ..live import LiveRows, SegmentDest
@@ -48,7 +50,7 @@ class ForwardLaunch:
     weights: ExpertWeights
     pairs: ExpertPairs
     mode: str  # the decoder (provider.resolve_decoder): the kernels' DECODE
-    a_fmt: str  # the A operand's format: "fp8" / "fp4" (MX) or "bf16"
+    a_fmt: str  # the A operand's format: "fp8" / "fp4" (MX), "fp8_g128" (block-FP8) or "bf16"
     limit: float | None  # SwiGLU clamp
     plan: LaunchPlan
     claims: torch.Tensor  # the persistent GEMMs' counters (ForwardBuffers.gemm_claims), else a placeholder
@@ -70,25 +72,41 @@ def forward_launch(weights: ExpertWeights, pairs: ExpertPairs, mode: str, a_fmt:
 
 
 def e4m3_dtype() -> torch.dtype:
-    """frag8's A bytes, typed for the FP8 MMA loads (the interpreter reads them as bytes)."""
+    """frag8's and block_fp8's e4m3 bytes, typed for the FP8 MMA loads (the interpreter reads them as bytes)."""
     return torch.uint8 if interpreting() else torch.float8_e4m3fn
+
+
+def weight_operands(w: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w1, w1 scales, w2, w2 scales) as the GEMMs read them: block-FP8 e4m3 typed by e4m3_dtype; bf16 weights
+    have no scales (the weights stand in for the pointer)."""
+    if w.fmt == "fp8_block":
+        return w.w1.view(e4m3_dtype()), w.w1_scale, w.w2.view(e4m3_dtype()), w.w2_scale
+    if w.fmt == "mxfp4":
+        return w.w1, w.w1_scale, w.w2, w.w2_scale
+    return w.w1, w.w1, w.w2, w.w2
 
 
 def operand_pointers(x, a_fmt: str, dot_scaled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(data, scales) pointers for the kernels; fp8 data is viewed as float8 for tl.dot_scaled."""
     if a_fmt == "bf16":
         return x, x
+    if a_fmt == FP8_G128:
+        return x.data.view(e4m3_dtype()), x.scales
     data = x.data.view(torch.float8_e4m3fn) if (a_fmt == "fp8" and dot_scaled) else x.data
     return data, x.scales
 
 
-def quantise_received(x: torch.Tensor, a_fmt: str, bufs: ForwardBuffers, live: LiveRows | None) -> MXTensor:
-    """bf16 wire rows -> the A format, on the receiver (the live rows only, with ``live``)."""
+def quantise_received(x: torch.Tensor, a_fmt: str, bufs: ForwardBuffers, live: LiveRows | None):
+    """bf16 wire rows -> the A format (MXTensor, or GroupFP8Tensor for fp8_g128), on the receiver (the live
+    rows only, with ``live``)."""
     from .quant import quantize_rows
 
     n_recv, hidden = x.shape
-    qdata = bufs.per_received_row("a_mx", (n_recv, hidden if a_fmt == "fp8" else hidden // 2), torch.uint8)
-    qscale = bufs.per_received_row("a_mx_scale", (n_recv, hidden // MX_BLOCK), torch.uint8)
+    qdata = bufs.per_received_row("a_mx", (n_recv, hidden // 2 if a_fmt == "fp4" else hidden), torch.uint8)
+    if a_fmt == FP8_G128:
+        qscale = bufs.per_received_row("a_g128_scale", (n_recv, hidden // FP8_BLOCK), torch.float32)
+    else:
+        qscale = bufs.per_received_row("a_mx_scale", (n_recv, hidden // MX_BLOCK), torch.uint8)
     programs = None if live is None else persistent_grid(x.device)  # live rows: a fixed grid walks them
     return quantize_rows(x, a_fmt, name="received rows", out=(qdata, qscale), live=live, programs=programs)
 
@@ -102,6 +120,8 @@ def convert_a(fl: ForwardLaunch, x, bufs: ForwardBuffers, live: LiveRows | None)
 
     data, scale = operand_pointers(x, fl.a_fmt, fl.mode == "dot_scaled")
     n_recv, hidden = data.shape[0], fl.weights.hidden
+    if fl.mode == "block_fp8":  # GEMM1 reads the e4m3 rows and their group scales as they arrived
+        return Operand(data, scale, fl.pairs.weight, fl.a_fmt)
     if fl.mode == "frag8":
         a8 = bufs.per_received_row("a8", (n_recv, hidden), torch.uint8)
         a_rs = bufs.per_received_row("a_rs", (n_recv,), torch.float32)
@@ -132,6 +152,8 @@ def k_steps(fl: ForwardLaunch, cfg: TileConfig) -> tuple[int, int]:
     checked when the weights were re-laid), the others by block_k shrunk to divide K."""
     if fl.mode == "frag8":
         return FP8_K, FP8_K
+    if fl.mode == "block_fp8":  # one weight block / A group per step (checks.check_candidates: block_k 128)
+        return FP8_BLOCK, FP8_BLOCK
     return reduction_block(fl.weights.hidden, cfg.block_k), reduction_block(fl.weights.intermediate, cfg.block_k)
 
 
@@ -139,6 +161,9 @@ def a2_buffers(fl: ForwardLaunch, bufs: ForwardBuffers, layout: ExpertLayout) ->
     """GEMM1's output (A2, one row per layout row): bf16 for the split / frag decoders and bf16 math,
     else the A format (MX per 32, as the reference), which frag8's rowscale_e4m3 then re-scales."""
     rows, inter, e, bm = layout.num_rows, fl.weights.intermediate, fl.weights.num_experts, layout.block_m
+    if fl.mode == "block_fp8":  # e4m3 + one fp32 scale per 1 x 128 group (the A format itself)
+        return (bufs.per_layout_row("a2", (rows, inter), torch.uint8, e, bm),
+                bufs.per_layout_row("a2_g128_scale", (rows, inter // FP8_BLOCK), torch.float32, e, bm))
     if fl.mode in ("split", "frag") or (fl.mode != "frag8" and fl.a_fmt == "bf16"):
         a2 = bufs.per_layout_row("a2", (rows, inter), torch.bfloat16, e, bm)
         return a2, a2
@@ -163,7 +188,7 @@ def gemm1(fl: ForwardLaunch, layout: ExpertLayout, cfg: TileConfig, a: Operand, 
     from .gemm1 import gemm1_swiglu_kernel
 
     w, inter, limit = fl.weights, fl.weights.intermediate, fl.limit
-    w1s = w.w1_scale if w.fmt == "mxfp4" else w.w1
+    w1, w1s, _, _ = weight_operands(w)
     w1_rs = fl.weight_row_scales()[0]
     bk1, bk2 = k_steps(fl, cfg)
     n1 = triton.cdiv(2 * inter, cfg.block_n1)
@@ -172,7 +197,7 @@ def gemm1(fl: ForwardLaunch, layout: ExpertLayout, cfg: TileConfig, a: Operand, 
         gemm1_swiglu_kernel[(grid(layout.num_tiles * n1, cap),)](
             layout.tile_expert, layout.sorted_row, layout.num_tiles, _live_tiles(fl, layout), fl.claims,
             a.data, a.data.stride(0), a.scale, a.scale.stride(0),
-            w.w1, w.w1.stride(0), w.w1.stride(1), w1s, w1s.stride(0), w1s.stride(1),
+            w1, w1.stride(0), w1.stride(1), w1s, w1s.stride(0), w1s.stride(1),
             w1_rs, w1_rs.stride(0), a.row_scale,
             a2, a2.stride(0), a2_scale, a2_scale.stride(0),
             w.hidden, inter, float(limit) if limit is not None else 0.0,
@@ -201,6 +226,8 @@ def a2_operand(fl: ForwardLaunch, layout: ExpertLayout, cfg: TileConfig, a2: tor
         return Operand(a2e.view(e4m3_dtype()), a2e, a2_rs, fl.a_fmt)
     if fl.mode in ("split", "frag"):
         return Operand(a2, a2, fl.pairs.weight, "bf16")
+    if fl.mode == "block_fp8":
+        return Operand(a2.view(e4m3_dtype()), a2_scale, fl.pairs.weight, FP8_G128)
     mx = MXTensor(a2, a2_scale, fl.a_fmt) if fl.a_fmt != "bf16" else a2
     data, scale = operand_pointers(mx, fl.a_fmt, fl.mode == "dot_scaled")
     return Operand(data, scale, fl.pairs.weight, fl.a_fmt)
@@ -222,7 +249,7 @@ def gemm2(fl: ForwardLaunch, layout: ExpertLayout, cfg: TileConfig, a2: Operand,
     from .gemm2 import gemm2_weighted_kernel
 
     w, hidden = fl.weights, fl.weights.hidden
-    w2s = w.w2_scale if w.fmt == "mxfp4" else w.w2
+    _, _, w2, w2s = weight_operands(w)
     w2_rs = fl.weight_row_scales()[1]
     dest_mode, dest_ptr, seg_pairs, seg_row_bytes, dest_align = dest_args(dest, fl.pairs)
     n2 = triton.cdiv(hidden, cfg.block_n2)
@@ -231,7 +258,7 @@ def gemm2(fl: ForwardLaunch, layout: ExpertLayout, cfg: TileConfig, a2: Operand,
         gemm2_weighted_kernel[(grid(layout.num_tiles * n2, cap),)](
             layout.tile_expert, layout.sorted_pair, fl.pairs.weight, layout.num_tiles, _live_tiles(fl, layout), fl.claims,
             a2.data, a2.data.stride(0), a2.scale, a2.scale.stride(0),
-            w.w2, w.w2.stride(0), w.w2.stride(1), w2s, w2s.stride(0), w2s.stride(1),
+            w2, w2.stride(0), w2.stride(1), w2s, w2s.stride(0), w2s.stride(1),
             w2_rs, w2_rs.stride(0), a2.row_scale,
             out, out.stride(0) if dest is None else 0, dest_ptr, seg_pairs, seg_row_bytes,
             w.intermediate, hidden,

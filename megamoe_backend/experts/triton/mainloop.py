@@ -18,7 +18,11 @@ Decoders, chosen by the constexpr DECODE (the fragment ones share frag_mainloop 
   (interpreter).
 - "dot_scaled": ``tl.dot_scaled`` (Triton's own upcast on Hopper; native MX MMA on Blackwell).
 - "manual": explicit decode of W and of MX A in Triton, two MMAs over even / odd K (stride-2 loads).
-All but frag8 are exact: e2m1 / e4m3 values times a power-of-two scale are representable in bf16.
+- "block_fp8" (block_fp8_mainloop; block-FP8 weights, fp8_g128 A): FP8 MMA of one 128 x 128 weight block
+  against one 1 x 128 A group per K step, the step's sum times both fp32 scales added to the fp32
+  accumulator (vLLM's Triton fused_moe block-FP8 kernel does the same). Not exact on the GPU (the FP8 tensor
+  core's sums within a step); the interpreter's step sums are exact (fp64 dot of e4m3 values).
+All but frag8 and block_fp8 are exact: e2m1 / e4m3 values times a power-of-two scale are representable in bf16.
 """
 
 from __future__ import annotations
@@ -142,6 +146,40 @@ def mx_mainloop(
                     a_hi = (decode_e2m1(b >> 4) * sa).to(tl.bfloat16)
             acc = _mma(w_lo, a_lo, acc, F32_DOT)
             acc = _mma(w_hi, a_hi, acc, F32_DOT)
+    return acc
+
+
+@triton.jit
+def block_fp8_mainloop(
+    acc,
+    w_ptr, w_rows, w_mask, stride_wn, ws_ptr, stride_wsn,
+    a_ptr, a_rows, a_mask, stride_am, as_ptr, stride_asm,
+    K, BK: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """acc[BN, BM] += sum over K steps of (W[w_rows, step] @ A[a_rows, step]^T) * w_scale[block(w_rows), step]
+    * a_scale[a_rows, step]: w_ptr / ws_ptr point at this expert's e4m3 [N, K] / fp32 [N / 128, K / 128];
+    A is e4m3 [rows, K] with fp32 scales [rows, K / 128]. BK == 128 (one weight block and one A group per step:
+    config.BLOCK_FP8_GROUP), so each step's sum is scaled once, outside the MMA.
+
+    The bytes are typed float8e4nv on the GPU (loads land in the MMA's layout); under the interpreter they are
+    uint8 (F32_DOT): decoded exactly and summed in fp64 (exact for 128 e4m3 products), then rounded to fp32."""
+    wr = w_rows.to(tl.int64)[:, None]
+    ar = a_rows.to(tl.int64)[None, :]
+    wm = w_mask[:, None]
+    am = a_mask[None, :]
+    wsr = (w_rows // BK).to(tl.int64) * stride_wsn  # the weight block row of each weight row (128 rows a block)
+    asr = a_rows.to(tl.int64) * stride_asm
+    kk = tl.arange(0, BK)
+    for k0 in range(0, K, BK):
+        w = tl.load(w_ptr + wr * stride_wn + (k0 + kk)[None, :], mask=wm, other=0.0)
+        a = tl.load(a_ptr + ar * stride_am + (k0 + kk)[:, None], mask=am, other=0.0)
+        w_s = tl.load(ws_ptr + wsr + k0 // BK, mask=w_mask, other=0.0)
+        a_s = tl.load(as_ptr + asr + k0 // BK, mask=a_mask, other=0.0)
+        if F32_DOT:
+            step = tl.dot(decode_e4m3(w).to(tl.float64), decode_e4m3(a).to(tl.float64), input_precision="ieee").to(tl.float32)
+        else:
+            step = tl.dot(w, a)
+        acc += step * w_s[:, None] * a_s[None, :]
     return acc
 
 

@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from ...formats import MXTensor
+from ...formats import GroupFP8Tensor, MXTensor
 from ...formats.wire import WireFormat
 from ...knobs.env import check_experts_gemm
 from ..base import Activations, ExpertMath, ExpertPairs, ExpertsProvider
@@ -31,7 +31,7 @@ from ..scratch import ExpertsScratch
 from ..weights import FRAGMENT_STORAGE, ExpertWeights
 from . import triton_available
 from .checks import (
-    check_capacity, check_candidates, check_live, check_pairs, check_row_indices, check_weights,
+    check_block_fp8_math, check_capacity, check_candidates, check_live, check_pairs, check_row_indices, check_weights,
     has_mx_activations, received_rows, require_mx_activations, result_buffer, wire_target,
 )
 from .config import TileConfig, interpreting
@@ -51,7 +51,7 @@ log = logging.getLogger("megamoe")
 
 
 class TritonExperts(ExpertsProvider):
-    """Grouped MX GEMMs in Triton.
+    """Grouped MX GEMMs in Triton, and block-FP8 ones (fmt "fp8_block": decoder block_fp8, mainloop.py).
 
     capacity: most (row, expert) pairs one forward may carry (e.g. MTPR x top-k x ep_size); a larger
         batch raises instead of dropping rows. None: no limit (eager use).
@@ -89,7 +89,7 @@ class TritonExperts(ExpertsProvider):
     @classmethod
     def supports(cls, device: torch.device, math: ExpertMath, weights_fmt: str) -> bool:
         device = torch.device(device)
-        if weights_fmt not in ("bf16", "mxfp4") or not triton_available():
+        if weights_fmt not in ("bf16", "mxfp4", "fp8_block") or not triton_available():
             return False
         if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
             return False
@@ -126,6 +126,11 @@ class TritonExperts(ExpertsProvider):
 
     def resolve_decoder(self, weights_fmt: str, storage: str = "rowmajor") -> str:
         """The mainloop DECODE mode for these weights on this backend."""
+        if weights_fmt == "fp8_block":  # one decoder: FP8 MMA per 128 x 128 block (mainloop.block_fp8_mainloop)
+            if self.decoder != "auto":
+                raise ValueError(f"decoder={self.decoder!r} decodes MXFP4 weights; block-FP8 weights run the block_fp8 "
+                                 "mainloop: use decoder='auto'")
+            return "block_fp8"
         if storage == STORAGE_OF["frag8"]:
             if self.decoder not in ("auto", "frag8"):
                 raise ValueError(f"weights are in fp8 fragment storage (prepare_weights); decoder={self.decoder!r} cannot "
@@ -195,15 +200,16 @@ class TritonExperts(ExpertsProvider):
         candidate the live pair count does not pick finds live_tiles = 0 and its launches exit at once."""
         device, p = pairs.weight.device, len(pairs)
         check_weights(weights, device)
+        check_block_fp8_math(weights.fmt, math)
         check_pairs(pairs)
         check_capacity(p, self.capacity)
         a_fmt = math.a_format or "bf16"
         x = received_rows(a, math, weights.hidden, device)
-        n_recv = (x.data if isinstance(x, MXTensor) else x).shape[0]
+        n_recv = (x.data if isinstance(x, (MXTensor, GroupFP8Tensor)) else x).shape[0]
         bufs = ForwardBuffers(scratch, device, p, n_recv, self.capacity)
         if live is not None and p:
             check_live(live, x, p, device)
-        if a_fmt != "bf16" and not isinstance(x, MXTensor):  # bf16 wire: the receiver quantises (the live rows)
+        if a_fmt != "bf16" and not isinstance(x, (MXTensor, GroupFP8Tensor)):  # bf16 wire: the receiver quantises (the live rows)
             x = quantise_received(x, a_fmt, bufs, live)
         if p == 0:
             return out

@@ -28,6 +28,7 @@ import torch
 
 from ...experts.scratch import ExpertsScratch
 from ...formats import dispatch_wire
+from ...formats.wire import a_format_wire
 from ...plan import LayerPlan
 from .status import InputStatus
 
@@ -39,8 +40,8 @@ def device_buffers(plan: LayerPlan) -> dict[str, Shape]:
     """The ep_size-1 workspace's buffers, name -> (shape, dtype), from the plan alone: what
     ``DeviceWorkspace`` allocates, and what ``megamoe info`` reports (layer/memory.py) without a GPU."""
     pairs = plan.mtpr * plan.topk
-    a_format = plan.math.a_format  # fp8 | fp4 | None; a quantised dispatch wire equals it (plan check)
-    a_bytes = dispatch_wire(a_format).row_bytes(plan.hidden) if a_format else 0
+    a_format = plan.math.a_format  # fp8 | fp4 | fp8_g128 | None; a quantised dispatch wire equals it (plan check)
+    a_bytes = a_format_wire(a_format).row_bytes(plan.hidden) if a_format else 0
     return {
         "token_rows": ((plan.mtpr if a_bytes else 0, a_bytes), torch.uint8),
         "pair_row": ((pairs,), torch.int64),

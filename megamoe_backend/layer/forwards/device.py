@@ -63,7 +63,7 @@ class DeviceForward(WorkspaceForward):
 
     def __call__(self, x, topk_ids, topk_weights, output_scale, out, max_tokens_across_ranks):
         from ...experts.triton.quant import encode_wire_rows
-        from ...formats import dispatch_wire
+        from ...formats.wire import a_format_wire
         from ..device.route import route_pairs
         from ..device.status import NONFINITE_INPUT
         from ..device.topk_sum import topk_sum
@@ -88,7 +88,7 @@ class DeviceForward(WorkspaceForward):
             rows = encode_wire_rows(x.contiguous(), a_fmt, out=ws.token_rows[:t],
                                     status=(ws.status.word, NONFINITE_INPUT, self.status_index),
                                     routed_ids=topk_ids.contiguous())
-            rows_a = dispatch_wire(a_fmt).view(rows, hidden)
+            rows_a = a_format_wire(a_fmt).view(rows, hidden)
         pairs = ExpertPairs(row=ws.pair_row[:n], slot=pair_slot, weight=pair_weight, per_row=k)
         wire_rows = self.provider.forward_wire(rows_a, pairs, self.weights, plan.math, plan.combine, out=ws.combine_rows[:n],
                                              scratch=ws.scratch)
