@@ -63,7 +63,7 @@ from .bench_experts import (
 from . import peers as peer_bench
 from .floor import datasheet_ceilings, experts_hit
 from .gpu_clock import ClockSampler
-from .layer_common import CHAIN_LAYERS, COMBINES, SCHEMES, Routes, naive_torch_layer, replay_us, rms_norm  # noqa: F401 - re-exported
+from .layer_common import CHAIN_LAYERS, COMBINES, SCHEMES, Routes, bench_knobs, naive_torch_layer, replay_us, rms_norm  # noqa: F401 - re-exported
 from .references import check_tokens, token_reference
 
 
@@ -99,6 +99,7 @@ class LayerCase:
     dispatch_wire: str
     combine_wire: str
     ep: int = 1
+    provider: str = ""  # the experts provider the layer made ("triton", "humming": MEGA_EXPERTS_GEMM and its rule)
     layer_us: float = float("nan")
     experts_us: float = float("nan")
     naive_torch_us: float = float("nan")
@@ -146,11 +147,12 @@ def run_case(c: LayerCase, args, weights: ExpertWeights, bf16_weights: ExpertWei
     from megamoe_backend.layer import MegaMoELayer
 
     spec = preset("dsv4-pro").scaled(n_routed_experts=c.experts)
-    knobs = Knobs(dispatch_wire=c.dispatch_wire, combine_wire=c.combine_wire, max_tokens_per_rank=args.mtpr)
+    knobs = bench_knobs(dispatch_wire=c.dispatch_wire, combine_wire=c.combine_wire, max_tokens_per_rank=args.mtpr)
     plan = build_plan(spec, knobs, quant=c.scheme, device_type="cuda")
     layer = MegaMoELayer(plan, weights, device=device)
     if layer.workspace is None:
         raise RuntimeError(f"the layer did not take the device forward (provider {plan.backends.provider})")
+    c.provider = layer.provider.name
     routes = Routes(c.tokens, c.experts, plan.topk, plan.hidden, device, args.seed)
     c.active_experts = experts_hit(routes.ids)
     for key, value in case_floors(ceilings, experts_hit=c.active_experts, pairs=c.tokens * plan.topk,
@@ -276,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     meta["what"] = "megamoe bench layer: MegaMoELayer device forward, ep_size 1, one GPU"
     meta["ceilings"] = {**datasheet_ceilings(device), **measure_ceilings(device)}
     meta["floor"] = FLOOR_META
-    meta["experts_gemm"] = Knobs.from_env().experts_gemm  # MEGA_EXPERTS_GEMM: who ran the frag8 expert GEMMs
+    meta["experts_gemm"] = Knobs.from_env().experts_gemm  # MEGA_EXPERTS_GEMM asked; each case's provider: who ran
     spec = preset("dsv4-pro")
     fp4_all, bf16_all = make_weights(max(args.experts), spec.hidden_size, spec.moe_intermediate_size, device, args.seed)
     cases: list[LayerCase] = []

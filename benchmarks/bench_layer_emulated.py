@@ -214,7 +214,6 @@ def step_graph_us(emu, inputs, bound) -> float:
 def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict, save, ready_peers=(),
               peer_results=None, t0: float = 0.0) -> None:
     """Every case of one (EP, local experts): rank weights made once, one emulated EP per wire set."""
-    from megamoe_backend.knobs import Knobs
     from megamoe_backend.plan import build_plan
     from megamoe_backend.spec import preset
     from megamoe_backend.transport import clear_transport_cache
@@ -222,7 +221,7 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
     from .bench_experts import graph_or_eager, make_weights, measured_peaks, time_fn
     from .emulated_ep import EmulatedEP
     from .floor import datasheet_of, expert_floor, weight_bytes_per_expert
-    from .layer_common import SCHEMES, naive_torch_layer
+    from .layer_common import SCHEMES, bench_knobs, naive_torch_layer
 
     device = torch.device("cuda")
     spec = preset("dsv4-pro").scaled(n_routed_experts=ep * experts)
@@ -236,9 +235,11 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
         del bf16
     for scheme in args.schemes:
         for combine in args.combine_wires:
-            knobs = Knobs(dispatch_wire=SCHEMES[scheme], combine_wire=combine, max_tokens_per_rank=args.mtpr, transport="ipc")
+            knobs = bench_knobs(dispatch_wire=SCHEMES[scheme], combine_wire=combine, max_tokens_per_rank=args.mtpr,
+                               transport="ipc")
             plans = [build_plan(spec, knobs, r, ep, quant=scheme, backends=("triton", "ipc")) for r in range(ep)]
             emu = EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device)
+            meta.setdefault("experts_provider", {})[f"ep{ep}"] = emu.layers[0].provider.name  # who ran the GEMMs
             ws0 = emu.layers[0].workspace
             for routing in args.routings:
                 if routing != "uniform" and (scheme, combine) != (args.schemes[0], args.combine_wires[0]):

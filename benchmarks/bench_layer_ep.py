@@ -67,14 +67,13 @@ def _rank_worker(rank: int, world: int, cases: list[dict], mtpr: int, seed: int)
     import torch.distributed as dist
 
     from megamoe_backend.experts import ExpertPairs
-    from megamoe_backend.knobs import Knobs
     from megamoe_backend.layer import MegaMoELayer
     from megamoe_backend.plan import build_plan
     from megamoe_backend.spec import preset
     from megamoe_backend.transport import clear_transport_cache
 
     from .bench_experts import capture_graph, make_weights
-    from .layer_common import Routes
+    from .layer_common import Routes, bench_knobs
 
     gpu = rank if torch.cuda.device_count() >= world else 0
     torch.cuda.set_device(gpu)
@@ -90,8 +89,8 @@ def _rank_worker(rank: int, world: int, cases: list[dict], mtpr: int, seed: int)
             weights_by_n[n_local] = make_weights(n_local, spec0.hidden_size, spec0.moe_intermediate_size, device, seed + rank)
         fp4, _ = weights_by_n[n_local]
         spec = preset("dsv4-pro").scaled(n_routed_experts=n_local * world)
-        knobs = Knobs(dispatch_wire=c["dispatch_wire"], combine_wire=c["combine_wire"], max_tokens_per_rank=mtpr,
-                      transport="ipc")
+        knobs = bench_knobs(dispatch_wire=c["dispatch_wire"], combine_wire=c["combine_wire"], max_tokens_per_rank=mtpr,
+                            transport="ipc")
         plan = build_plan(spec, knobs, rank, world, quant=c["scheme"], device_type="cuda")
         layer = MegaMoELayer(plan, fp4, group=dist.group.WORLD, device=device)
         routes = Routes(c["tokens"], n_local * world, plan.topk, plan.hidden, device, seed + 17 * rank)

@@ -14,6 +14,7 @@ import statistics
 import torch
 
 from megamoe_backend.experts import ExpertWeights, swiglu
+from megamoe_backend.knobs import Knobs
 
 SCHEMES = {"a8w4": "fp8", "a4w4": "fp4"}  # quant -> its dispatch wire
 COMBINES = ("bf16", "fp8_blockwise_1x32")
@@ -70,3 +71,11 @@ def replay_us(graph: torch.cuda.CUDAGraph, n: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
     return statistics.median(times)
+
+
+def bench_knobs(**fields) -> Knobs:
+    """A layer bench's Knobs: the case's wires, capacity and transport, with MEGA_EXPERTS_GEMM read from the
+    environment as an engine reads it (Knobs built field by field would leave it "auto", and a run asked for
+    humming-kernels would time the Triton GEMMs)."""
+    return Knobs(**fields, experts_gemm=Knobs.from_env().experts_gemm)
+
