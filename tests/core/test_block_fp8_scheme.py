@@ -91,7 +91,7 @@ def test_checkpoint_block_size_refusals_name_weight_block_size(cfg, match) -> No
     assert quant_scheme_from_config({"quant_method": "fp8"}, None, "deepseek_v4") == "a4w4"
 
 
-def test_engines_still_refuse_block_fp8_checkpoints() -> None:
-    """The plugins' refusal stays true until they read block-FP8 checkpoints (issue 61, not yet)."""
-    with pytest.raises(UnsupportedExpertsError, match=r"block-FP8 routed experts \(DeepSeek V3/R1 FP8 checkpoints\) are not served"):
-        expert_quant_scheme("fp8_block", None, "--moe-backend megamoe_ep")
+@pytest.mark.parametrize("force", [None, False, True])
+def test_block_fp8_runs_as_declared_whatever_aiter_force_a8w4(force) -> None:
+    """The engines serve block-FP8 checkpoints as declared: AITER_FORCE_A8W4 is about MXFP4 weights."""
+    assert expert_quant_scheme("fp8_block", force, "--moe-backend megamoe_ep") == "fp8_block"
