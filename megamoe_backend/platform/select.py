@@ -136,7 +136,9 @@ def select_backends(facts: PlatformFacts, knobs, math, *, ep_size: int | None = 
         return Selection("torch", "gloo", reasons=("cpu: torch reference experts; all_to_all over gloo",), **base)
     if getattr(math, "quant", None) == "fp8_block":  # before any GPU provider is picked for weights it cannot read
         raise PlatformError(f"block-FP8 experts (quant=fp8_block) run on the CPU torch path only: no {facts.device} "
-                            "experts provider computes them yet (issue 61); plan for the CPU (megamoe info --device cpu)")
+                            "experts provider computes them yet. On a GPU, serve the checkpoint with the engine's own FP8 "
+                            "MoE backend (drop --moe-backend megamoe_ep / --moe-a2a-backend megamoe_ep); MegaMoE runs it "
+                            "on CPU (megamoe info --device cpu)")
     if facts.device == "cuda":
         provider = _local_provider(facts)
         if knobs.transport == "auto":
