@@ -112,11 +112,11 @@ def scheme_choice_of(quant_method: object, knobs: Knobs) -> SchemeChoice:
 def expert_format_of(quant_method: object, knobs: Knobs) -> ExpertFormat:
     """What MegaMoE runs for vLLM's quant method under the knobs (``scheme_choice_of``), as an ExpertFormat."""
     name = type(quant_method).__name__
+    choice = scheme_choice_of(quant_method, knobs)  # refuses first: what follows reads a served method
     scheme = getattr(quant_method, "quant", None) or getattr(quant_method, "ocp_mx_scheme", None)
     if name == "Fp8MoEMethod":
         scheme = f"weight_block_size={list(quant_method.weight_block_size)}"
     source = f"{name}({scheme})" if scheme else name
-    choice = scheme_choice_of(quant_method, knobs)
     return expert_format(choice, source, "_scale_inv" if choice.quant == "fp8_block" else "_scale")
 
 
