@@ -13,7 +13,8 @@ import json
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="CONFIG.json", help="a Hugging Face config.json (or its folder)")
-    src.add_argument("--preset", default=None, help="dsv4-pro | r1-mxfp4 (default dsv4-pro)")
+    src.add_argument("--preset", default=None, help="dsv4-pro | r1-mxfp4 | r1-fp8 (block-FP8 experts: plan with --device cpu) "
+                                                         "(default dsv4-pro)")
     p.add_argument("--ep-size", type=int, default=8)
     p.add_argument("--ep-rank", type=int, default=0)
     p.add_argument("--redundant-experts", type=int, default=0, metavar="R",

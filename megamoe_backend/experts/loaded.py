@@ -10,6 +10,10 @@ its engine's quant method declares (``expert_format``) and where the scales live
 MegaMoE kernels take gate/up row-interleaved (``[g0, u0, g1, u1, ...]``); the row permutation is
 applied to data and scales alike, which is exact. Float32 E8M0 scales (SGLang on CUDA) are
 converted exactly: a scale that is not a power of two is an error, never rounded.
+
+Block-FP8 experts (DeepSeek V3 / R1 FP8: ``w13_weight`` [E, 2I, H] e4m3 with ``w13_weight_scale_inv``
+[E, 2I/128, H/128] fp32, ``w2_*`` likewise) keep the plain ``[gate; up]`` rows: one scale covers a
+128-row block of gate rows or of up rows, which interleaving would split (experts/weights.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import MX_BLOCK
+from ..formats.block_fp8 import FP8_BLOCK
 from ..spec.expert_scheme import WEIGHTS_OF_SCHEME, SchemeChoice, UnsupportedExpertsError
 from .weights import ExpertWeights, interleave_gate_up
 
@@ -27,10 +32,10 @@ from .weights import ExpertWeights, interleave_gate_up
 class ExpertFormat:
     """What an engine's quant method loaded, and the scheme MegaMoE runs it as."""
 
-    quant: str  # scheme that runs: "bf16" | "a8w4" | "a4w4" (after AITER_FORCE_A8W4)
-    weights: str  # ExpertWeights.fmt: "bf16" | "mxfp4"
+    quant: str  # scheme that runs: "bf16" | "fp8_block" | "a8w4" | "a4w4" (after AITER_FORCE_A8W4)
+    weights: str  # ExpertWeights.fmt: "bf16" | "fp8_block" | "mxfp4"
     source: str  # the engine's quant method, for messages and the startup note
-    scale_param: str = "_scale"  # parameter-name suffix of the E8M0 scales ("_scale", "_scale_inv")
+    scale_param: str = "_scale"  # parameter-name suffix of the scales ("_scale", "_scale_inv")
     declared: str = ""  # the checkpoint's own scheme, before the knob ("" = same as quant)
 
 
@@ -99,6 +104,8 @@ def expert_weights_from_params(
         )
     s13_name, s2_name = f"w13_weight{fmt.scale_param}", f"w2_weight{fmt.scale_param}"
     s13, s2 = params.get(s13_name), params.get(s2_name)
+    if fmt.weights == "fp8_block":
+        return _block_fp8_weights(w13, w2, s13, s2, (s13_name, s2_name), inter, up_first)
     if s13 is None or s2 is None:
         raise UnsupportedExpertsError(f"MXFP4 routed experts need {s13_name} and {s2_name}")
     if inter % MX_BLOCK:
@@ -113,6 +120,36 @@ def expert_weights_from_params(
         interleave_gate_up(s13).contiguous(),
         e8m0_bytes(s2, s2_name)[..., : inter // MX_BLOCK].contiguous(),
     )
+
+
+def _block_fp8_weights(w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor | None, s2: torch.Tensor | None,
+                       names: tuple[str, str], inter: int, up_first: bool) -> ExpertWeights:
+    """Block-FP8 parameters -> ``ExpertWeights(fmt="fp8_block")``, plain [gate; up] rows (no interleave).
+
+    Padding rows (an engine's intermediate past ``inter``) are dropped in whole 128-blocks only: the
+    scale rows follow the weight rows 128 to one. Shapes, dtypes and one scale per block are checked by
+    ExpertWeights, naming the tensor (per-tensor scales: "a checkpoint without weight_block_size").
+    """
+    for name, s in zip(names, (s13, s2)):
+        if s is None:
+            raise UnsupportedExpertsError(f"block-FP8 routed experts need {name} (one fp32 scale per 128x128 block); "
+                                          "the engine loaded none")
+    block = FP8_BLOCK
+    if inter % block or (w13.shape[1] // 2) % block:
+        raise UnsupportedExpertsError(f"block-FP8 routed experts need an intermediate size that is a multiple of {block} "
+                                      f"(whole 128x128 blocks), got {inter} ({w13.shape[1] // 2} rows loaded per half)")
+    w13 = _plain_gate_up(w13.view(torch.float8_e4m3fn), inter, up_first)
+    if s13.dim() == 3:  # the scale rows follow the weight rows, one per 128 (anything else: ExpertWeights names it)
+        s13 = _plain_gate_up(s13, inter // block, up_first)
+    if s2.dim() == 3:
+        s2 = s2[..., : inter // block]
+    try:
+        return ExpertWeights(
+            w13.contiguous(), w2.view(torch.float8_e4m3fn)[..., :inter].contiguous(), "fp8_block", "plain",
+            s13.contiguous(), s2.contiguous(),
+        )
+    except ValueError as exc:
+        raise UnsupportedExpertsError(f"block-FP8 routed experts ({names[0]} / {names[1]} as loaded; w1 = w13): {exc}") from None
 
 
 __all__ = ["ExpertFormat", "UnsupportedExpertsError", "e8m0_bytes", "expert_format", "expert_weights_from_params"]

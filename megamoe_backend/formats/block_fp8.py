@@ -112,7 +112,8 @@ def check_weight_scale(w: torch.Tensor, scale_inv: torch.Tensor | None, name: st
         raise BlockFP8Error(f"{scale_name} is missing: block-FP8 experts need one fp32 scale per 128x128 block")
     got = tuple(scale_inv.shape)
     if got != expect:
-        per_tensor = scale_inv.numel() == (lead[0] if lead else 1)
+        # one scale per tensor (per expert), or fewer dims than a block grid (vLLM's per-tensor [E, 2]: gate, up)
+        per_tensor = scale_inv.numel() == (lead[0] if lead else 1) or scale_inv.dim() < len(lead) + 2
         kind = ("per-tensor FP8 scales (a checkpoint without weight_block_size) are not served"
                 if per_tensor else f"that is not one scale per {FP8_BLOCK}x{FP8_BLOCK} block")
         raise BlockFP8Error(f"{scale_name} has shape {got}, expected {expect} for {name} {tuple(w.shape)}: {kind}; "

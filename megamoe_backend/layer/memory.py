@@ -9,7 +9,7 @@ workspaces are built from -- so the figure cannot drift from what runs.
 What is counted, per GPU (this EP rank):
   weights    this rank's local experts x the MoE layers, in the format the experts run (MXFP4: e2m1
              bytes + one E8M0 scale per 32; the Triton fp8-fragment storage of A8W4 / A4W4 on CUDA
-             adds one fp32 per row)
+             adds one fp32 per row; block-FP8: e4m3 bytes + one fp32 scale per 128 x 128 block)
   workspace  the device forward's fixed buffers, one set per layer shape shared by every layer
              (ep_size 1: token rows, pairs, combine rows; symm / ipc: the peer arena + pair tables)
   humming    where humming-kernels runs the expert GEMMs (MEGA_EXPERTS_GEMM, experts/gemm_choice.py):
@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..formats import MX_BLOCK
+from ..formats.block_fp8 import FP8_BLOCK
 from ..plan import LayerPlan
 from ..plan.forward_choice import P2P_TRANSPORTS
 
@@ -39,6 +40,8 @@ def expert_weight_bytes(hidden: int, inter: int, quant: str, fragments_fp8: bool
     elements = 2 * inter * hidden + hidden * inter
     if quant == "bf16":
         return 2 * elements
+    if quant == "fp8_block":  # e4m3 + one fp32 weight_scale_inv per 128 x 128 block (sizes are whole blocks)
+        return elements + 4 * (elements // (FP8_BLOCK * FP8_BLOCK))
     total = elements // 2 + elements // MX_BLOCK  # e2m1 pairs + one E8M0 per 32
     if fragments_fp8:
         total += 4 * (2 * inter + hidden)  # w1_row_scale [2I] + w2_row_scale [H], fp32

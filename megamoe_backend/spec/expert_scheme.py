@@ -28,7 +28,7 @@ from .engine_reading import EngineReading
 from .moe_spec import A_OPERAND, QUANT_SCHEMES
 
 # What the experts' weights are stored as, per scheme that runs (ExpertWeights.fmt).
-WEIGHTS_OF_SCHEME = {"bf16": "bf16", "a8w4": "mxfp4", "a4w4": "mxfp4"}
+WEIGHTS_OF_SCHEME = {"bf16": "bf16", "fp8_block": "fp8_block", "a8w4": "mxfp4", "a4w4": "mxfp4"}
 MXFP4_SCHEMES = ("a4w4", "a8w4")
 
 
@@ -39,16 +39,12 @@ class UnsupportedExpertsError(ValueError):
 def expert_quant_scheme(declared: str, force_a8w4: bool | None, where: str = "megamoe") -> str:
     """The scheme the experts run: ``declared`` (bf16 | fp8_block | a8w4 | a4w4) under AITER_FORCE_A8W4.
 
-    ``where`` names the caller in errors (a serving flag, or ``megamoe info``). Block-FP8 experts
-    are refused here, for every caller alike: no MegaMoE provider behind the engines computes them.
+    ``where`` names the caller in errors (a serving flag, or ``megamoe info``). Block-FP8 experts run as
+    declared (the knob is about MXFP4 weights); on a GPU the plan refuses them (``platform.select``: no GPU
+    experts provider computes them yet), on the CPU the torch experts do.
     """
     if declared not in QUANT_SCHEMES:
         raise UnsupportedExpertsError(f"{where}: expert quant scheme {declared!r}; expected one of {QUANT_SCHEMES}")
-    if declared == "fp8_block":
-        raise UnsupportedExpertsError(
-            f"{where}: block-FP8 routed experts (DeepSeek V3/R1 FP8 checkpoints) are not served by MegaMoE's "
-            "CPU/Triton/aiter providers; use the bf16 or Quark MXFP4 checkpoint, or the engine's own FP8 MoE backend"
-        )
     if force_a8w4 and declared in MXFP4_SCHEMES:
         return "a8w4"
     return declared

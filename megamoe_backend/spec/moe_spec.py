@@ -241,5 +241,5 @@ def quant_scheme_from_config(quant_cfg: Mapping[str, Any] | None, expert_dtype: 
             return "a8w4"
         raise ConfigError(f"Quark MXFP4 input_tensors dtype {idtype!r}: expected fp4 (A4W4) or fp8 (A8W4)")
     raise ConfigError(f"quantization_config quant_method={method!r} is not supported: MegaMoE serves bf16 experts (no "
-                      "quantization_config) and MXFP4 experts (quant_method mxfp4, Quark MXFP4, or DeepSeek V4's fp8 "
-                      "config with fp4 experts); block-FP8 experts are refused as well")
+                      "quantization_config), MXFP4 experts (quant_method mxfp4, Quark MXFP4, or DeepSeek V4's fp8 "
+                      "config with fp4 experts) and block-FP8 experts (quant_method fp8, weight_block_size [128, 128])")

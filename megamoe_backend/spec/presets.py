@@ -47,11 +47,30 @@ PRESETS: dict[str, MoESpec] = {
         norm_topk_prob=True,
         quant="a4w4",
     ),
+    # deepseek-ai/DeepSeek-R1 (and DeepSeek-V3, the same config): block-FP8 experts, weight_block_size [128, 128]
+    "r1-fp8": MoESpec(
+        name="r1-fp8",
+        model_type="deepseek_v3",
+        hidden_size=7168,
+        moe_intermediate_size=2048,
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        first_k_dense_replace=3,
+        num_hidden_layers=61,
+        n_group=8,
+        topk_group=4,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        quant="fp8_block",
+    ),
 }
 
 
 # deepseek-ai/DeepSeek-V4-Pro: block-FP8 config, MXFP4 routed experts (expert_dtype fp4);
-# amd/DeepSeek-R1-0528-MXFP4: Quark MXFP4 weights and activations (A4W4).
+# amd/DeepSeek-R1-0528-MXFP4: Quark MXFP4 weights and activations (A4W4); deepseek-ai/DeepSeek-R1: block FP8.
 _MXFP4_GROUP = {"qscheme": "per_group", "group_size": 32, "ch_axis": -1, "scale_format": "e8m0"}
 PRESET_CONFIGS: dict[str, Mapping[str, Any]] = {
     "dsv4-pro": {
@@ -65,6 +84,11 @@ PRESET_CONFIGS: dict[str, Mapping[str, Any]] = {
         "quantization_config": {"quant_method": "quark", "global_quant_config": {
             "weight": {"dtype": "fp4", **_MXFP4_GROUP, "is_dynamic": False},
             "input_tensors": {"dtype": "fp4", **_MXFP4_GROUP, "is_dynamic": True}}},
+    },
+    "r1-fp8": {
+        "model_type": "deepseek_v3",
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": [128, 128]},
     },
 }
 

@@ -80,6 +80,7 @@ def test_weight_blocks_round_trip_and_independent_dequant():
 @pytest.mark.parametrize("scale_shape,match", [
     ((2,), "per-tensor FP8 scales"),
     ((2, 1, 1), "per-tensor FP8 scales"),
+    ((2, 2), "per-tensor FP8 scales"),  # vLLM's per-tensor Fp8MoEMethod: one scale per expert and gate/up shard
     ((2, 4, 6), r"not one scale per 128x128 block"),  # a 64x64 block grid
     ((2, 2, 6), r"not one scale per 128x128 block"),  # 128x64
 ])

@@ -104,7 +104,27 @@ def test_checkpoint_block_size_refusals_name_weight_block_size(cfg, match) -> No
     assert quant_scheme_from_config({"quant_method": "fp8"}, None, "deepseek_v4") == "a4w4"
 
 
-def test_engines_still_refuse_block_fp8_checkpoints() -> None:
-    """The plugins' refusal stays true until they read block-FP8 checkpoints (issue 61, not yet)."""
-    with pytest.raises(UnsupportedExpertsError, match=r"block-FP8 routed experts \(DeepSeek V3/R1 FP8 checkpoints\) are not served"):
-        expert_quant_scheme("fp8_block", None, "--moe-backend megamoe_ep")
+@pytest.mark.parametrize("force", [None, False, True])
+def test_block_fp8_runs_as_declared_whatever_aiter_force_a8w4(force) -> None:
+    """The engines serve block-FP8 checkpoints as declared: AITER_FORCE_A8W4 is about MXFP4 weights."""
+    assert expert_quant_scheme("fp8_block", force, "--moe-backend megamoe_ep") == "fp8_block"
+
+
+def test_info_plans_the_r1_fp8_preset_on_cpu_and_refuses_a_gpu_naming_the_fix(capsys) -> None:
+    """`megamoe info --preset r1-fp8`: the block-FP8 scheme, its weights' bytes (e4m3 + one fp32 per 128 x 128
+    block, not MXFP4's half byte), and on a GPU the refusal saying what to run instead."""
+    import json
+
+    from megamoe_backend.cli.main import main
+    from megamoe_backend.layer.memory import expert_weight_bytes
+
+    per_expert = 3 * 7168 * 2048
+    assert expert_weight_bytes(7168, 2048, "fp8_block") == per_expert + 4 * per_expert // (128 * 128)
+    assert main(["info", "--preset", "r1-fp8", "--device", "cpu", "--ep-size", "8", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["spec"]["quant"] == "fp8_block" and "quant=fp8_block " in info["startup_line"]
+    assert info["memory_per_gpu"]["weights"] == 58 * 32 * expert_weight_bytes(7168, 2048, "fp8_block")
+    assert main(["info", "--preset", "r1-fp8", "--device", "cuda"]) == 2
+    out = capsys.readouterr().out
+    assert "block-FP8 experts (quant=fp8_block) run on the CPU torch path only" in out
+    assert "engine's own FP8 MoE backend" in out

@@ -232,12 +232,13 @@ def test_memory_warning_where_the_weights_alone_do_not_fit_names_the_ep_size_not
     assert "a larger --ep-size" in warning and "MEGA_MAX_TOKENS_PER_RANK" not in warning
 
 
-def test_unsupported_quant_method_does_not_list_block_fp8_as_supported():
+def test_unsupported_quant_method_lists_what_is_served():
     from megamoe_backend.spec import ConfigError, quant_scheme_from_config
 
     with pytest.raises(ConfigError) as exc:
         quant_scheme_from_config({"quant_method": "awq"})
-    assert "fp8 block" not in str(exc.value) and "block-FP8 experts are refused" in str(exc.value)
+    assert "quant_method='awq' is not supported" in str(exc.value)
+    assert "block-FP8 experts (quant_method fp8, weight_block_size [128, 128])" in str(exc.value)
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["info", "--help"], ["demo", "--help"], ["bench", "--help"]])

@@ -47,6 +47,9 @@ def test_info_runs_the_table_row(row, device, monkeypatch, capsys) -> None:
     if row["scheme"] == "refused":
         assert rc == 2 and row["refusal"] in out, out
         return
+    if device != "cpu" and row["gpu_refusal"]:  # block-FP8: the CPU runs it, no GPU experts provider does yet
+        assert rc == 2 and row["gpu_refusal"] in out, out
+        return
     assert rc == 0, out
     info = json.loads(out)
     assert info["engine"] == row["engine"]
@@ -75,7 +78,7 @@ def test_info_without_engine_is_the_checkpoints_own_reading(monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--preset", "dsv4", "--engine", "vllm-0.33"], "--preset 'dsv4' is not a preset; available: dsv4-pro, r1-mxfp4"),
+    (["--preset", "dsv4", "--engine", "vllm-0.33"], "--preset 'dsv4' is not a preset; available: dsv4-pro, r1-fp8, r1-mxfp4"),
     (["--model", V4_FP4, "--engine", "ollama-1"], "--engine 'ollama-1': expected ENGINE-VERSION"),
 ])
 def test_info_engine_refusals_name_the_flag(args, needle, monkeypatch, capsys) -> None:

@@ -56,8 +56,8 @@ def test_the_layer_knobs_carry_the_chosen_wire_and_rechoose_the_same() -> None:
 def test_no_reading_and_non_mxfp4_experts_are_unchanged() -> None:
     assert choose_scheme("a4w4", None, Knobs.from_env({})).dispatch_wire == "bf16"
     assert choose_scheme("bf16", MXFP8, Knobs.from_env({})).quant == "bf16"  # a reading never touches bf16 experts
-    with pytest.raises(UnsupportedExpertsError, match="block-FP8"):
-        choose_scheme("fp8_block", MXFP8, Knobs.from_env({}), "--moe-backend megamoe_ep")
+    block = choose_scheme("fp8_block", MXFP8, Knobs.from_env({}), "--moe-backend megamoe_ep")  # nor block-FP8 ones
+    assert (block.quant, block.dispatch_wire, block.overridden_by) == ("fp8_block", "bf16", None)
     with pytest.raises(UnsupportedExpertsError, match="reads the experts as 'bf16'"):
         choose_scheme("a4w4", EngineReading("bf16", "odd"), Knobs.from_env({}))
 

@@ -202,6 +202,78 @@ def forward_scenario(rank: int, world: int, fmt: str) -> dict:
     }
 
 
+FP8_HIDDEN, FP8_INTER = 256, 128  # whole 128 x 128 blocks (the fp8 scenario's own shapes)
+
+
+def block_fp8_experts():
+    """Every expert's block-FP8 weights as DeepSeek V3 / R1 FP8 stores them (e4m3 + fp32 weight_scale_inv per
+    128 x 128 block, gate_proj / up_proj / down_proj per expert): (ExpertWeights, checkpoint tensors)."""
+    from megamoe_backend.experts import ExpertWeights
+    from megamoe_backend.formats.block_fp8 import quantize_weight_blocks
+
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(EXPERTS, 2 * FP8_INTER, FP8_HIDDEN, generator=g) * 0.1
+    w2 = torch.randn(EXPERTS, FP8_HIDDEN, FP8_INTER, generator=g) * 0.1
+    (q13, s13), (q2, s2) = quantize_weight_blocks(w13, "w13"), quantize_weight_blocks(w2, "w2")
+    blocks = FP8_INTER // 128
+    ckpt = {}
+    for e in range(EXPERTS):
+        for proj, q, s in (("gate_proj", q13[e, :FP8_INTER], s13[e, :blocks]), ("up_proj", q13[e, FP8_INTER:], s13[e, blocks:]),
+                           ("down_proj", q2[e], s2[e])):
+            name = f"model.layers.3.mlp.experts.{e}.{proj}."
+            ckpt[name + "weight"], ckpt[name + "weight_scale_inv"] = q.contiguous(), s.contiguous()
+    return ExpertWeights(q13, q2, "fp8_block", "plain", s13, s2), ckpt
+
+
+def forward_block_fp8_scenario(rank: int, world: int) -> dict:
+    """SGLang's FusedMoE with SGLang's Fp8Config (the DeepSeek V3 FP8 fixture's quantization_config: block
+    128 x 128) -> SGLang's Fp8MoEMethod, its parameters and weight loader; forward via megamoe_ep."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    from megamoe_backend.knobs import Knobs
+    from megamoe_backend.layer import MegaMoELayer, fp32_reference_moe, rel_l2
+    from megamoe_backend.plan import build_plan
+    from megamoe_backend.spec import MoESpec
+
+    qc = json.loads((Path(__file__).parent.parent / "fixtures" / "deepseek_v3_fp8_config.json").read_text())
+    layer = FusedMoE(
+        num_experts=EXPERTS, top_k=TOPK, hidden_size=FP8_HIDDEN, intermediate_size=FP8_INTER, layer_id=3,
+        params_dtype=torch.bfloat16, reduce_results=False, quant_config=Fp8Config.from_config(qc["quantization_config"]),
+        prefix="model.layers.3.mlp.experts",
+    )
+    weights, ckpt = block_fp8_experts()
+    loaded = load_like_sglang(layer, ckpt)
+    released = all(p.numel() == 0 for p in layer.parameters())
+    t = 5 + rank
+    x = torch.randn(t, FP8_HIDDEN, generator=torch.Generator().manual_seed(10 + rank)).to(torch.bfloat16)
+    w, ids = torch.softmax(torch.randn(t, EXPERTS, generator=torch.Generator().manual_seed(20 + rank)), -1).topk(TOPK, -1)
+    out = layer.forward(x, StandardTopKOutput(w, ids.to(torch.int32), torch.zeros(t, EXPERTS)))
+    spec = MoESpec(hidden_size=FP8_HIDDEN, moe_intermediate_size=FP8_INTER, n_routed_experts=EXPERTS,
+                   num_experts_per_tok=TOPK, quant="fp8_block")
+    core = MegaMoELayer(build_plan(spec, Knobs.from_env(), 0, 1, device_type="cpu"), weights, group=None).forward(x, ids, w)
+    ref = fp32_reference_moe(x, ids, w, *weights.dequantized(), gate_up_layout="plain")
+    runtime = layer._megamoe_ep[1].runtime
+    return {
+        "quant_method": type(layer.quant_method).__name__,
+        "plan_quant": runtime.plan.math.quant,
+        "wire": runtime.plan.dispatch.name,
+        "startup_line": runtime.plan.startup_line() if hasattr(runtime.plan, "startup_line") else None,
+        "tensors_loaded": loaded,
+        "sglang_params_released": released,
+        "ep_rank": int(layer.moe_ep_rank),
+        "num_local_experts": layer.num_local_experts,
+        "transport": runtime.transport.name,
+        "equal_to_core_layer": bool(torch.equal(out, core)),
+        "rel_l2_vs_core_layer": rel_l2(out, core),
+        "rel_l2_vs_fp32_reference": rel_l2(out, ref),
+        "out_shape": list(out.shape),
+        "out_dtype": str(out.dtype),
+        "_tensors": {"out": out},
+    }
+
+
 EPLB_LAYER = 3
 
 
@@ -465,6 +537,7 @@ def bound_scenario(rank: int, world: int) -> dict:
 SCENARIOS = {
     "forward_bf16": lambda r, w: forward_scenario(r, w, "bf16"),
     "forward_mxfp4": lambda r, w: forward_scenario(r, w, "mxfp4"),
+    "forward_block_fp8": forward_block_fp8_scenario,
     "eplb_bf16": eplb_scenario,
     "eplb_mxfp4": lambda r, w: eplb_scenario(r, w, "mxfp4"),
     "bound": bound_scenario,

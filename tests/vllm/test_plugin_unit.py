@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -197,9 +198,61 @@ def test_expert_formats():
     v4 = type("Mxfp4MoEMethod", (), {"weight_dtype": "mxfp4"})()
     assert expert_format_of(v4, knobs).quant == "a4w4"
     assert expert_format_of(v4, Knobs(aiter_force_a8w4=True)).quant == "a8w4"
-    fp8 = type("Fp8MoEMethod", (), {})()
-    with pytest.raises(UnsupportedExpertsError, match="Fp8MoEMethod are not supported"):
-        expert_format_of(fp8, knobs)
+    odd = type("GPTQMarlinMoEMethod", (), {})()
+    with pytest.raises(UnsupportedExpertsError, match="GPTQMarlinMoEMethod are not supported"):
+        expert_format_of(odd, knobs)
+
+
+def _fp8_method(**attrs):
+    """vLLM's Fp8MoEMethod as its constructor leaves it (the attributes the plugin reads), uninitialised."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+
+    method = object.__new__(Fp8MoEMethod)
+    block = attrs.get("weight_block_size")
+    defaults = {"block_quant": block is not None, "weight_scale_refine": None, "moe_block_shape": block}
+    for k, v in {**defaults, **attrs}.items():
+        setattr(method, k, v)
+    return method
+
+
+def test_block_fp8_method_maps_to_fp8_block_and_refuses_what_it_cannot_read():
+    """Fp8MoEMethod with [128, 128] blocks -> fp8_block from *_weight_scale_inv (whatever AITER_FORCE_A8W4);
+    per-tensor scales, other blocks and TP-refined scales refused at layer construction, by name."""
+    for force in (None, True, False):
+        fmt = expert_format_of(_fp8_method(weight_block_size=[128, 128]), Knobs(aiter_force_a8w4=force))
+        assert (fmt.quant, fmt.weights, fmt.scale_param) == ("fp8_block", "fp8_block", "_scale_inv")
+        assert fmt.source == "Fp8MoEMethod(weight_block_size=[128, 128])"
+    for attrs, needle in (
+        ({"weight_block_size": None}, "without weight_block_size (per-tensor FP8 scales) is not served"),
+        ({"weight_block_size": [64, 64]}, "weight_block_size [64, 64] is not served"),
+        ({"weight_block_size": [128, 128], "weight_scale_refine": (2, 1), "moe_block_shape": [64, 128]},
+         "refined the block scales by (2, 1) for a tensor-parallel shard"),
+    ):
+        with pytest.raises(UnsupportedExpertsError, match=re.escape(needle)):
+            expert_format_of(_fp8_method(**attrs), Knobs())
+
+
+def test_block_fp8_params_as_vllm_loads_them_become_expert_weights():
+    """vLLM's Fp8MoEMethod layout ([w1 (gate); w3 (up)] rows, fp32 scale_inv per 128 x 128 block) -> ExpertWeights
+    with the same bytes and scales, plain rows: the dequantised experts equal the checkpoint's per projection."""
+    from megamoe_backend.formats.block_fp8 import dequantize_weight_blocks, quantize_weight_blocks
+
+    g = torch.Generator().manual_seed(3)
+    e, h, i = 2, 256, 128
+    gate, up, down = (torch.randn(e, i, h, generator=g), torch.randn(e, i, h, generator=g) * 2,
+                      torch.randn(e, h, i, generator=g))
+    (qg, sg), (qu, su), (qd, sd) = (quantize_weight_blocks(t) for t in (gate, up, down))
+    params = {"w13_weight": torch.cat((qg, qu), 1), "w13_weight_scale_inv": torch.cat((sg, su), 1),
+              "w2_weight": qd, "w2_weight_scale_inv": sd}
+    fmt = expert_format_of(_fp8_method(weight_block_size=[128, 128]), Knobs())
+    w = expert_weights_from_params(params, fmt)
+    assert (w.fmt, w.gate_up_layout) == ("fp8_block", "plain")
+    w1, w2 = w.dequantized()
+    assert torch.equal(w1[:, :i], dequantize_weight_blocks(qg, sg)) and torch.equal(w1[:, i:], dequantize_weight_blocks(qu, su))
+    assert torch.equal(w2, dequantize_weight_blocks(qd, sd))
+    per_tensor = {**params, "w13_weight_scale_inv": torch.ones(e, 2), "w2_weight_scale_inv": torch.ones(e)}
+    with pytest.raises(UnsupportedExpertsError, match=r"w1_scale_inv has shape \(2, 2\).*per-tensor FP8 scales"):
+        expert_weights_from_params(per_tensor, fmt)
 
 
 @pytest.mark.parametrize("strategy", ["linear", "round_robin"])

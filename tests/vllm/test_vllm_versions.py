@@ -56,8 +56,10 @@ OVERLAY_TESTS = (
     "tests/vllm/test_substituted_experts.py",  # 0.33+'s SubstitutedRoutedExperts refused (skips on 0.32)
     "tests/vllm/test_startup_engine.py",  # the start-up decision through that release's own layer and loader
 )
-# The real engine where the overlay runs one: the exact oracle on the bf16 checkpoint (one engine start).
-DEEPEST = {"0.33.0": ("tests/vllm/test_engine.py::test_engine_layer_calls_equal_core_layer[bf16]",), "0.34.0": ()}
+# The real engine where the overlay runs one: the exact oracle on the bf16 and the block-FP8 checkpoints (one
+# engine start each).
+DEEPEST = {"0.33.0": ("tests/vllm/test_engine.py::test_engine_layer_calls_equal_core_layer[bf16]",
+                      "tests/vllm/test_engine.py::test_engine_layer_calls_equal_core_layer[fp8_block]"), "0.34.0": ()}
 SKIPPED_IN_OVERLAY = (".so", ".h", ".hpp", ".cuh", ".inl", ".cu", ".cpp")  # install_vllm_overlay.sh
 PROBE = 'raise RuntimeError("vLLM on x86 CPUs requires Triton (triton-cpu).")'
 

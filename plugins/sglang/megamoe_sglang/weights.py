@@ -14,6 +14,9 @@ QuarkW4A4MXFp4MoE /            ``w13_weight`` [E, 2Ip, H/2] uint8 (e2m1 pairs, e
 QuarkW4A8MXFp4MoE              ``w13_weight_scale`` [E, 2Ip, H/32] uint8 E8M0, ``w2_weight``
 (Quark MXFP4 A4W4 / A8W4)      [E, H, Ip/2], ``w2_weight_scale`` [E, H, Ip/32]; Ip = I + padding
                                (``layer.intermediate_pad``, zero rows SGLang adds for aiter)
+Fp8MoEMethod, block FP8       ``w13_weight`` [E, 2I, H] float8_e4m3fn (gate rows, then up rows),
+(DeepSeek V3/R1 FP8,           ``w13_weight_scale_inv`` [E, 2I/128, H/128] fp32, one per 128x128
+weight_block_size [128, 128])  block; ``w2_weight`` [E, H, I], ``w2_weight_scale_inv`` [E, H/128, I/128]
 Fp8MoEMethod, fp4 experts      ``w13_weight`` [E, 2I, H/2] int8 (e2m1 pairs), scales in
 (DeepSeek V4 ``expert_dtype``  ``w13_weight_scale_inv`` [E, 2I, H/32] as float8_e8m0fnu (ROCm/XPU)
 fp4)                           or float32 powers of two (CUDA); same for ``w2_*``
@@ -37,6 +40,7 @@ from megamoe_backend.experts.loaded import (
     expert_format,
     expert_weights_from_params,
 )
+from megamoe_backend.formats.block_fp8 import BlockFP8Error, check_weight_block_size
 from megamoe_backend.knobs import Knobs
 from megamoe_backend.spec import EngineReading, SchemeChoice, choose_scheme, log_override
 
@@ -64,12 +68,27 @@ def declared_scheme(quant_method: object, scheme: object = None) -> tuple[str, s
             "MXFP4 weights with MXFP4 (A4W4) or FP8 (A8W4) activations"
         )
     if name == "Fp8MoEMethod":  # block FP8, or DeepSeek V4's fp4 experts under the fp8 config
-        fp4 = getattr(quant_method, "is_fp4_expert", False)
-        return ("a4w4" if fp4 else "fp8_block"), "_scale_inv", f"{name}({'fp4' if fp4 else 'fp8'} experts)"
+        if getattr(quant_method, "is_fp4_expert", False):
+            return "a4w4", "_scale_inv", f"{name}(fp4 experts)"
+        check_block_fp8_method(quant_method)
+        return "fp8_block", "_scale_inv", f"{name}(fp8 experts, weight_block_size={list(quant_method.weight_block_size)})"
     raise UnsupportedExpertsError(
-        f"{FLAG}: routed experts quantised with {name} are not supported; MegaMoE "
-        "serves bf16, Quark MXFP4 (A4W4 / A8W4) and DeepSeek V4 fp4 experts"
+        f"{FLAG}: routed experts quantised with {name} are not supported; MegaMoE serves bf16, block-FP8 "
+        "(DeepSeek V3 / R1 FP8, weight_block_size [128, 128]), Quark MXFP4 (A4W4 / A8W4) and DeepSeek V4 fp4 experts"
     )
+
+
+def check_block_fp8_method(quant_method: object) -> None:
+    """SGLang's ``Fp8MoEMethod`` for fp8 experts must hold 128 x 128 block scales: refuse (naming
+    ``weight_block_size``) per-tensor scales, another block size, or MXFP8 (``use_mxfp8``: E8M0 scales per
+    1x32, a different checkpoint format)."""
+    if getattr(quant_method, "use_mxfp8", False):
+        raise UnsupportedExpertsError(f"{FLAG}: SGLang's Fp8MoEMethod loads MXFP8 experts (use_mxfp8); MegaMoE serves "
+                                      "block-FP8 experts with weight_block_size [128, 128] and fp32 scales")
+    try:
+        check_weight_block_size(getattr(quant_method, "weight_block_size", None), f"{FLAG}: SGLang's Fp8MoEMethod")
+    except BlockFP8Error as exc:
+        raise UnsupportedExpertsError(str(exc)) from None
 
 
 def engine_reading(quant_method: object, layer: object = None) -> EngineReading | None:
@@ -109,5 +128,5 @@ def layer_scheme(layer: Any, knobs: Knobs) -> tuple[ExpertFormat, Knobs]:
     return expert_format(choice, source, scale_param), choice.knobs_for_layer(knobs)
 
 
-__all__ = ["ExpertFormat", "UnsupportedExpertsError", "declared_scheme", "e8m0_bytes", "engine_reading",
+__all__ = ["ExpertFormat", "UnsupportedExpertsError", "check_block_fp8_method", "declared_scheme", "e8m0_bytes", "engine_reading",
            "expert_format_of", "expert_weights_from_params", "layer_scheme", "scheme_choice_of"]

@@ -38,8 +38,10 @@ from .weights import ExpertFormat, expert_format_of, expert_weights_from_params
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-# vLLM parameter names the conversion reads (the rest of inner's parameters are left alone).
-_EXPERT_PARAMS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
+# vLLM parameter names the conversion reads (the rest of inner's parameters are left alone): MXFP4's E8M0
+# scales are ``*_weight_scale``, block-FP8's fp32 block scales ``*_weight_scale_inv`` (Fp8MoEMethod).
+_EXPERT_PARAMS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale", "w13_weight_scale_inv",
+                  "w2_weight_scale_inv")
 
 
 def check_deployment(moe_config: Any, knobs: Knobs | None = None) -> None:
@@ -209,7 +211,7 @@ class MegaMoEMethod:
         self.padded_ids = PaddedIds(self.plan.mtpr, moe.experts_per_token, weights.w1.device)
 
         if mpc.enable_eplb:
-            expose_for_eplb(layer, self.runtime)
+            expose_for_eplb(layer, self.runtime, self.fmt.scale_param)
         else:  # MegaMoE holds the weights now; drop vLLM's copies (they are not read again)
             for name in params:
                 getattr(layer, name).data = torch.empty(0, dtype=params[name].dtype, device=params[name].device)
@@ -248,11 +250,17 @@ class MegaMoEMethod:
             self.runtime, lambda: max_tokens_across_ranks(local_tokens, tp_split, self.moe, self.plan.mtpr))
 
 
-# ExpertWeights field -> the RoutedExperts parameter that carries it for vLLM's EPLB
+# ExpertWeights field -> the RoutedExperts parameter that carries it for vLLM's EPLB (the scales' suffix is
+# the ExpertFormat's scale_param: "_scale" for MXFP4, "_scale_inv" for block-FP8)
 EPLB_PARAMS = {"w1": "w13_weight", "w2": "w2_weight", "w1_scale": "w13_weight_scale", "w2_scale": "w2_weight_scale"}
 
 
-def expose_for_eplb(layer: Any, runtime: MegaMoELayer) -> None:
+def eplb_params(scale_param: str = "_scale") -> dict[str, str]:
+    """EPLB_PARAMS with the scales under the names vLLM's quant method registered them."""
+    return {**EPLB_PARAMS, "w1_scale": f"w13_weight{scale_param}", "w2_scale": f"w2_weight{scale_param}"}
+
+
+def expose_for_eplb(layer: Any, runtime: MegaMoELayer, scale_param: str = "_scale") -> None:
     """Make the layer's expert parameters *be* the tensors MegaMoE computes with.
 
     vLLM's EPLB moves every parameter of the layer as ``weight.view(local_experts, -1)``
@@ -261,7 +269,7 @@ def expose_for_eplb(layer: Any, runtime: MegaMoELayer) -> None:
     quant-method hook after a rearrangement, and none is needed: from ``expert_tensors()`` on,
     MegaMoE keeps no state derived from these tensors.
     """
-    expose_expert_tensors(layer, runtime, EPLB_PARAMS)
+    expose_expert_tensors(layer, runtime, eplb_params(scale_param))
 
 
 def _tp_position() -> tuple[int, int]:

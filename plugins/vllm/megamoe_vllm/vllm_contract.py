@@ -113,6 +113,9 @@ FIELDS: tuple[Fields, ...] = (
            "the layer MegaMoEMethod converts after loading"),
     Fields("vllm.model_executor.layers.quantization.mxfp4", "Mxfp4MoEMethod", ("activation_key", "weight_dtype"),
            "the engine's reading of MXFP4 experts (weights.py)"),
+    Fields("vllm.model_executor.layers.quantization.fp8", "Fp8MoEMethod",
+           ("weight_block_size", "weight_scale_refine", "moe_block_shape"),
+           "block-FP8 experts' block size and TP refinement (weights.check_block_fp8_method)"),
 )
 
 

@@ -4,7 +4,9 @@ Why convert *after* vLLM loaded them: vLLM's own quant method creates the parame
 weight loaders fill them from every checkpoint layout it knows (per-expert ``gate_proj/up_proj/
 down_proj``, fused ``gate_up_proj``, DeepSeek V4 ``w1/w3/w2``, EPLB replicas, TP/EP slicing). After
 loading, the layout is the one core maps (``megamoe_backend.experts.loaded``): ``w13_weight`` /
-``w2_weight`` (+ ``*_weight_scale`` E8M0 for MXFP4). This module only reads vLLM's quant-method
+``w2_weight`` (+ ``*_weight_scale`` E8M0 for MXFP4; + ``*_weight_scale_inv`` fp32 per 128x128 block for
+``Fp8MoEMethod``'s block-FP8, DeepSeek V3 / R1 FP8, whose w13 holds [w1 (gate); w3 (up)] rows as vLLM's
+loader fills shard ids w1 then w3). This module only reads vLLM's quant-method
 classes -- the scheme the checkpoint declares and, where vLLM's quant method names it, the
 activation format vLLM itself runs (the engine's reading: ``Mxfp4MoEMethod.activation_key``); which
 scheme and dispatch wire then run (the reading, ``AITER_FORCE_A8W4``, ``MEGA_DISPATCH_WIRE``) is core's
@@ -18,6 +20,7 @@ import torch
 from megamoe_backend.experts import ExpertWeights
 from megamoe_backend.experts.loaded import ExpertFormat, UnsupportedExpertsError, expert_format
 from megamoe_backend.experts.loaded import expert_weights_from_params as _from_params
+from megamoe_backend.formats.block_fp8 import BlockFP8Error, check_weight_block_size
 from megamoe_backend.knobs import Knobs
 from megamoe_backend.spec import EngineReading, SchemeChoice, choose_scheme
 
@@ -38,8 +41,9 @@ def declared_scheme(quant_method: object) -> str:
         return quant_method.quant
     if name == "UnquantizedFusedMoEMethod":
         return "bf16"
-    if name == "Fp8MoEMethod" and getattr(quant_method, "block_quant", False):
-        return "fp8_block"  # refused by core, with the message `megamoe info` and SGLang give (DeepSeek V3/R1 FP8)
+    if name == "Fp8MoEMethod":  # DeepSeek V3 / R1 FP8: 128 x 128 blocks only (per-tensor, other blocks refused)
+        check_block_fp8_method(quant_method)
+        return "fp8_block"
     if name == "Mxfp4MoEMethod":
         if getattr(quant_method, "weight_dtype", "mxfp4") != "mxfp4":
             raise UnsupportedExpertsError(f"{FLAG}: {name} with weights {quant_method.weight_dtype!r}")
@@ -54,8 +58,25 @@ def declared_scheme(quant_method: object) -> str:
         )
     raise UnsupportedExpertsError(
         f"{FLAG}: routed experts quantised with {name} are not supported; MegaMoE serves "
-        "bf16 checkpoints and Quark MXFP4 (A4W4 / A8W4). Serve this model with vLLM's default MoE backend."
+        "bf16 checkpoints, block-FP8 (DeepSeek V3 / R1 FP8, weight_block_size [128, 128]) and MXFP4 (Quark A4W4 / "
+        "A8W4, DeepSeek V4 fp4 experts). Serve this model with vLLM's default MoE backend."
     )
+
+
+def check_block_fp8_method(quant_method: object) -> None:
+    """vLLM's ``Fp8MoEMethod`` must hold the checkpoint's 128 x 128 block scales, as loaded: refuse (naming
+    ``weight_block_size``) per-tensor scales, another block size, or scales vLLM re-gridded for a TP shard
+    (``weight_scale_refine``; MegaMoE splits experts over EP, so a shard never cuts a block)."""
+    try:
+        check_weight_block_size(getattr(quant_method, "weight_block_size", None), f"{FLAG}: vLLM's Fp8MoEMethod")
+    except BlockFP8Error as exc:
+        raise UnsupportedExpertsError(str(exc)) from None
+    refine = getattr(quant_method, "weight_scale_refine", None)
+    if refine is not None:
+        raise UnsupportedExpertsError(
+            f"{FLAG}: vLLM's Fp8MoEMethod refined the block scales by {tuple(refine)} for a tensor-parallel shard "
+            f"(block {getattr(quant_method, 'moe_block_shape', '?')}); MegaMoE reads the checkpoint's [128, 128] "
+            "blocks: serve with --enable-expert-parallel, which keeps whole experts on each rank")
 
 
 def _activation_key_names() -> list[tuple[object, str, str]]:
@@ -91,9 +112,12 @@ def scheme_choice_of(quant_method: object, knobs: Knobs) -> SchemeChoice:
 def expert_format_of(quant_method: object, knobs: Knobs) -> ExpertFormat:
     """What MegaMoE runs for vLLM's quant method under the knobs (``scheme_choice_of``), as an ExpertFormat."""
     name = type(quant_method).__name__
+    choice = scheme_choice_of(quant_method, knobs)  # refuses first: what follows reads a served method
     scheme = getattr(quant_method, "quant", None) or getattr(quant_method, "ocp_mx_scheme", None)
+    if name == "Fp8MoEMethod":
+        scheme = f"weight_block_size={list(quant_method.weight_block_size)}"
     source = f"{name}({scheme})" if scheme else name
-    return expert_format(scheme_choice_of(quant_method, knobs), source)
+    return expert_format(choice, source, "_scale_inv" if choice.quant == "fp8_block" else "_scale")
 
 
 def expert_weights_from_params(params: dict[str, torch.Tensor], fmt: ExpertFormat) -> ExpertWeights:
@@ -101,5 +125,5 @@ def expert_weights_from_params(params: dict[str, torch.Tensor], fmt: ExpertForma
     return _from_params(params, fmt)
 
 
-__all__ = ["ExpertFormat", "UnsupportedExpertsError", "declared_scheme", "engine_reading", "expert_format_of",
+__all__ = ["ExpertFormat", "UnsupportedExpertsError", "check_block_fp8_method", "declared_scheme", "engine_reading", "expert_format_of",
            "expert_weights_from_params", "scheme_choice_of"]
