@@ -110,9 +110,9 @@ def test_block_fp8_runs_as_declared_whatever_aiter_force_a8w4(force) -> None:
     assert expert_quant_scheme("fp8_block", force, "--moe-backend megamoe_ep") == "fp8_block"
 
 
-def test_info_plans_the_r1_fp8_preset_on_cpu_and_refuses_a_gpu_naming_the_fix(capsys) -> None:
+def test_info_plans_the_r1_fp8_preset_on_cpu_and_cuda_and_refuses_the_p2p_forward(capsys, monkeypatch) -> None:
     """`megamoe info --preset r1-fp8`: the block-FP8 scheme, its weights' bytes (e4m3 + one fp32 per 128 x 128
-    block, not MXFP4's half byte), and on a GPU the refusal saying what to run instead."""
+    block, not MXFP4's half byte); on CUDA the Triton experts, and the device P2P forward refused naming the knob."""
     import json
 
     from megamoe_backend.cli.main import main
@@ -124,7 +124,8 @@ def test_info_plans_the_r1_fp8_preset_on_cpu_and_refuses_a_gpu_naming_the_fix(ca
     info = json.loads(capsys.readouterr().out)
     assert info["spec"]["quant"] == "fp8_block" and "quant=fp8_block " in info["startup_line"]
     assert info["memory_per_gpu"]["weights"] == 58 * 32 * expert_weight_bytes(7168, 2048, "fp8_block")
-    assert main(["info", "--preset", "r1-fp8", "--device", "cuda"]) == 2
-    out = capsys.readouterr().out
-    assert "block-FP8 experts (quant=fp8_block) run on the CPU torch path only" in out
-    assert "engine's own FP8 MoE backend" in out
+    assert main(["info", "--preset", "r1-fp8", "--device", "cuda", "--json"]) == 0
+    assert "quant=fp8_block experts_provider=triton" in json.loads(capsys.readouterr().out)["startup_line"]
+    monkeypatch.setenv("MEGA_DISPATCH", "ipc")
+    assert main(["info", "--preset", "r1-fp8", "--device", "cuda", "--ep-size", "8"]) == 2
+    assert "MEGA_DISPATCH" in capsys.readouterr().out
