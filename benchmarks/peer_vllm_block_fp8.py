@@ -7,6 +7,12 @@ runs for DeepSeek V3 / R1 FP8 experts when it serves them without expert paralle
 DeepGEMM / CUTLASS are absent. Its activation quantisation (per_token_group_quant_fp8) is inside the call, as is
 the route-weighted sum per token, so its figure covers one more stage (the top-k sum) than the project's experts.
 
+One departure, forced by the carried vLLM (.engine-gpu): vLLM prefers its CUDA op ``_C.per_token_group_fp8_quant``
+for that quantisation, and the bundle zeroes that op's sm_90 image (a launch fails with "CUDA error: unknown
+error" and poisons the context). The peer makes vLLM's own ``per_token_group_quant_fp8`` take its Triton fallback
+(``fp8_utils`` sees a platform that is not CUDA-alike, nothing else changes): the same scales up to one ulp in
+about half the groups (it multiplies by fp32(1/448)), a few µs of a different quantisation kernel.
+
 Optional: where vLLM cannot be imported the peer is skipped with the reason (``PeerResult.error``).
 """
 
@@ -55,10 +61,43 @@ def run(weights, x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, limi
             return fused_experts(x, weights.w1, weights.w2, route_w.float().contiguous(), ids32, quant_config=cfg,
                                  global_num_experts=weights.num_experts)
 
-        y = call()
-        r.relL2 = of_tokens(y)
-        fn, r.graph = graph_or_eager(call)
-        r.us, _ = time_fn(fn, use_graph=False)
+        with triton_group_quant():
+            y = call()
+            r.relL2 = of_tokens(y)
+            fn, r.graph = graph_or_eager(call)
+            r.us, _ = time_fn(fn, use_graph=False)
+        r.config += "; A quantisation: vLLM's Triton per_token_group_quant_fp8 fallback (its CUDA op is not carried)"
     except Exception as exc:  # noqa: BLE001 - a failing peer must not sink the project's sweep
         r.error = f"{type(exc).__name__}: {str(exc)[:400]}"
     return r
+
+
+class _NotCudaAlike:
+    """vLLM's platform with is_cuda_alike / is_xpu False: what fp8_utils.per_token_group_quant_fp8 asks before it
+    launches the CUDA op; every other question goes to the real platform."""
+
+    def __init__(self, platform) -> None:
+        self._platform = platform
+
+    def is_cuda_alike(self) -> bool:
+        return False
+
+    def is_xpu(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._platform, name)
+
+
+class triton_group_quant:
+    """While open, vLLM's per_token_group_quant_fp8 runs its Triton fallback (module docstring)."""
+
+    def __enter__(self):
+        from vllm.model_executor.layers.quantization.utils import fp8_utils
+
+        self._module, self._platform = fp8_utils, fp8_utils.current_platform
+        fp8_utils.current_platform = _NotCudaAlike(self._platform)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._module.current_platform = self._platform
