@@ -16,6 +16,7 @@ KnobError naming what is missing and the fix; never a silent fallback.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -27,12 +28,14 @@ HUMMING_BELOW = (0, 2)  # the 0.1 series: a 0.2 may change the API this adapter 
 HUMMING_SM = (9, 0)  # Hopper: humming's wgmma W4A8 path; on other GPUs its A8W4 numerics differ (block-scaled MMA)
 HUMMING_SCHEMES = ("a8w4",)  # FP8 activations on MXFP4 weights; A4W4 needs fp4 MMA (sm_120), bf16 is W4A16
 INSTALL_FIX = "pip install 'megamoe-backend[humming]' (humming-kernels[cu13] >= 0.1.19, < 0.2)"
-# Whether auto runs humming where it can serve. Its GEMMs were measured faster than the Triton experts at prefill
-# (issue 58, H100) and the provider matched the Triton one on an H100 (tests/experts_humming/test_gpu_humming.py,
-# 2026-12-07), but the provider's whole forward (its SwiGLU pass over bf16 gate/up rows, its first-use compile of
-# 131 kernels, ~21 s) was not yet timed beside Triton: auto keeps Triton until `megamoe bench experts --humming`
-# shows the provider faster on the card; then this flips, and every answer below follows.
-AUTO_PICKS_HUMMING = False
+# Where auto runs humming where it can serve: the forwards it was measured faster on, by ep_size ("ep1": the
+# ep_size-1 device forward; "ep": the device P2P forward of an EP rank). Set from the benches' records
+# (docs/performance.md, "Who runs the expert GEMMs"); a forward not listed keeps the Triton GEMMs under auto.
+AUTO_HUMMING_FORWARDS: tuple[str, ...] = ()
+# auto never spends more than this share of the GPU's memory on humming's scratch (its GEMMs hold rows per pair of
+# capacity, experts/humming/footprint.py: 12.1 GB a rank at EP 8, MTPR 8192, DSV4-Pro, fp8 wire): that memory is the engine's
+# KV cache. MEGA_EXPERTS_GEMM=humming runs it anyway (megamoe info counts it and warns).
+HUMMING_SCRATCH_SHARE = 0.05
 GEMMS = ("triton", "humming", "pending")
 
 
@@ -59,6 +62,9 @@ class GemmFacts:
     interpreting: bool = False  # TRITON_INTERPRET=1: the kernels run on the CPU interpreter
     humming_version: str | None = None  # the installed distribution's version, None: not installed
     humming_error: str | None = None
+    ep_size: int = 1  # which forward runs the experts: the ep_size-1 device forward, or an EP rank's
+    scratch_bytes: int | None = None  # humming's scratch at the layer's capacity (footprint.py); None: not sized
+    gpu_bytes: int | None = None  # the GPU's memory; None: unknown (no such GPU in this process)
 
 
 @dataclass(frozen=True)
@@ -76,15 +82,10 @@ def choose_experts_gemm(f: GemmFacts) -> GemmChoice:
     if f.knob == "triton":
         return GemmChoice("triton", "MEGA_EXPERTS_GEMM=triton: the project's Triton GEMMs")
     missing = _humming_missing(f)
-    if f.knob == "auto" and not AUTO_PICKS_HUMMING:
-        if missing is not None:
-            could = f"could not serve here anyway: {missing[0]}"
-        elif f.capability is None:
-            could = "would serve on an sm_90 GPU where installed; MEGA_EXPERTS_GEMM=humming runs it"
-        else:
-            could = f"{f.humming_version} could serve here; MEGA_EXPERTS_GEMM=humming runs it"
-        return GemmChoice("triton", "the project's Triton GEMMs (MEGA_EXPERTS_GEMM=auto keeps them until the humming "
-                          f"provider is measured faster: bench experts --humming; humming-kernels {could})")
+    if f.knob == "auto":
+        held_back = _auto_holds_back(f, missing)
+        if held_back is not None:
+            return GemmChoice("triton", f"the project's Triton GEMMs (MEGA_EXPERTS_GEMM=auto: {held_back})")
     if missing is None and f.capability is None:  # no such GPU in this process: what is installed here says nothing
         return GemmChoice("pending", "decided on the GPU host: humming-kernels on an sm_90 GPU where it is installed "
                           f"({HUMMING_DIST} {_range()}), else "
@@ -96,6 +97,29 @@ def choose_experts_gemm(f: GemmFacts) -> GemmChoice:
     if f.knob == "humming":
         raise KnobError(f"MEGA_EXPERTS_GEMM=humming cannot be served: {missing[0]}. {missing[1]}")
     return GemmChoice("triton", f"the project's Triton GEMMs (MEGA_EXPERTS_GEMM=auto; humming-kernels not used: {missing[0]})")
+
+
+def forward_kind(ep_size: int) -> str:
+    """AUTO_HUMMING_FORWARDS' name of the forward a layer of ``ep_size`` runs its experts in."""
+    return "ep1" if ep_size == 1 else "ep"
+
+
+def _auto_holds_back(f: GemmFacts, missing: tuple[str, str] | None) -> str | None:
+    """Why auto keeps the Triton GEMMs although humming-kernels may serve, or None where auto runs humming."""
+    if missing is not None:
+        return f"humming-kernels not used: {missing[0]}"
+    kind = forward_kind(f.ep_size)
+    if kind not in AUTO_HUMMING_FORWARDS:
+        where = "at ep_size 1" if kind == "ep1" else f"on an EP rank (ep_size {f.ep_size})"
+        could = (f"{f.humming_version} could serve here" if f.capability is not None else
+                 "would serve on an sm_90 GPU where installed")
+        return (f"the humming provider was not measured faster {where} (docs/performance.md); humming-kernels {could}, "
+                "MEGA_EXPERTS_GEMM=humming runs it")
+    if f.scratch_bytes is not None and f.gpu_bytes and f.scratch_bytes > HUMMING_SCRATCH_SHARE * f.gpu_bytes:
+        return (f"humming-kernels' scratch would take {f.scratch_bytes / 1e9:.1f} GB, more than "
+                f"{HUMMING_SCRATCH_SHARE:.0%} of this GPU's {f.gpu_bytes / 1e9:.0f} GB, at this MEGA_MAX_TOKENS_PER_RANK "
+                "x top-k x ep_size; lower MEGA_MAX_TOKENS_PER_RANK, or MEGA_EXPERTS_GEMM=humming runs it anyway")
+    return None
 
 
 def _humming_missing(f: GemmFacts) -> tuple[str, str] | None:
@@ -128,11 +152,13 @@ def _range() -> str:
     return f">= {lo}, < {hi}"
 
 
-def gemm_facts(knob: str, device, quant: str, probe=None) -> GemmFacts:
+def gemm_facts(knob: str, device, quant: str, probe=None, *, ep_size: int = 1,
+               scratch_bytes: int | None = None) -> GemmFacts:
     """This process's facts for a layer on ``device`` (a torch device, or a kind "cuda" | "rocm" | "cpu" to
-    plan for). humming-kernels is imported (``probe``: experts/humming/library.probe) only where it could
-    serve and may be picked: an sm_90 CUDA GPU here, A8W4, MEGA_EXPERTS_GEMM=humming (or auto where it picks
-    humming); elsewhere its installed version alone is read."""
+    plan for) at ``ep_size``, whose humming scratch would be ``scratch_bytes`` (layer/memory.py sizes it from
+    the plan). humming-kernels is imported (``probe``: experts/humming/library.probe) only where it could
+    serve and may be picked: an sm_90 CUDA GPU here, A8W4, MEGA_EXPERTS_GEMM=humming (or auto on a forward
+    it runs humming on); elsewhere its installed version alone is read."""
     import importlib.metadata
     import os
 
@@ -141,21 +167,23 @@ def gemm_facts(knob: str, device, quant: str, probe=None) -> GemmFacts:
     kind = getattr(device, "type", str(device).split(":")[0])
     if kind == "cuda" and torch.version.hip is not None:
         kind = "rocm"
-    capability = None
+    capability = gpu_bytes = None
     if kind == "cuda" and torch.cuda.is_available():
-        capability = tuple(torch.cuda.get_device_capability(None if isinstance(device, str) else device))
+        index = None if isinstance(device, str) else device
+        capability = tuple(torch.cuda.get_device_capability(index))
+        gpu_bytes = int(torch.cuda.get_device_properties(index).total_memory)
     try:
         version = importlib.metadata.version(HUMMING_DIST)
     except importlib.metadata.PackageNotFoundError:
         version = None
     facts = GemmFacts(check_experts_gemm(knob), kind, quant, capability, os.environ.get("TRITON_INTERPRET") == "1",
-                      version)
-    asked = knob == "humming" or (knob == "auto" and AUTO_PICKS_HUMMING)
+                      version, None, ep_size, scratch_bytes, gpu_bytes)
+    asked = knob == "humming" or (knob == "auto" and forward_kind(ep_size) in AUTO_HUMMING_FORWARDS)
     if asked and capability == HUMMING_SM and quant in HUMMING_SCHEMES and humming_version_accepted(version):
         if probe is None:
             from .humming.library import probe
-        facts = GemmFacts(facts.knob, kind, quant, capability, facts.interpreting, version, probe(device))
+        facts = dataclasses.replace(facts, humming_error=probe(device))
     return facts
 
 
-__all__ = ["AUTO_PICKS_HUMMING", "GEMMS", "GemmChoice", "GemmFacts", "choose_experts_gemm", "gemm_facts", "humming_version_accepted"]
+__all__ = ["AUTO_HUMMING_FORWARDS", "HUMMING_SCRATCH_SHARE", "forward_kind", "GEMMS", "GemmChoice", "GemmFacts", "choose_experts_gemm", "gemm_facts", "humming_version_accepted"]

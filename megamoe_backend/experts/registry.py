@@ -20,20 +20,22 @@ PROVIDERS = {
 
 
 def make_provider(name: str, capacity: int | None = None, knobs: Knobs | None = None, device=None,
-                  quant: str | None = None) -> ExpertsProvider:
+                  quant: str | None = None, *, ep_size: int = 1, humming_scratch: int | None = None) -> ExpertsProvider:
     """``capacity``: most (row, expert) pairs a forward may carry (MTPR x top-k x ep_size); the GPU
     providers size their static, CUDA-graph-capturable layout by it and refuse more.
     ``knobs``: the operator's choices (the layer passes its plan's), so the environment is read once, by
     Knobs.from_env; None: the defaults. For "triton", MEGA_EXPERTS_GEMM and the facts of ``device`` (the
     layer's; None: "cpu") and ``quant`` (the experts' scheme; None: unknown, which humming does not serve)
-    decide whether humming-kernels runs the GEMMs (gemm_choice)."""
+    decide whether humming-kernels runs the GEMMs (gemm_choice), with ``ep_size`` (which forward runs them) and
+    ``humming_scratch`` (its scratch at ``capacity``: layer/memory.humming_scratch_of)."""
     try:
         target = PROVIDERS[name]
     except KeyError:
         raise ValueError(f"unknown experts provider {name!r}; available: {', '.join(PROVIDERS)}") from None
     knobs = knobs or Knobs()
     if name == "triton":  # KnobError where MEGA_EXPERTS_GEMM=humming cannot be served (no silent fallback)
-        choice = choose_experts_gemm(gemm_facts(knobs.experts_gemm, device if device is not None else "cpu", quant or ""))
+        choice = choose_experts_gemm(gemm_facts(knobs.experts_gemm, device if device is not None else "cpu", quant or "",
+                                                ep_size=ep_size, scratch_bytes=humming_scratch))
         if choice.gemm == "humming":
             name, target = "humming", PROVIDERS["humming"]
     module_name, cls_name = target.split(":")
@@ -45,11 +47,12 @@ def make_provider(name: str, capacity: int | None = None, knobs: Knobs | None = 
     return cls()
 
 
-def experts_gemm_choice(knob: str, device: str, quant: str) -> GemmChoice:
+def experts_gemm_choice(knob: str, device: str, quant: str, ep_size: int = 1,
+                        humming_scratch: int | None = None) -> GemmChoice:
     """gemm_choice's answer for a plan on a ``device`` kind, with a refusal of MEGA_EXPERTS_GEMM=humming as an
     answer ("refused") instead of an error: what ``megamoe info`` prints."""
     try:
-        return choose_experts_gemm(gemm_facts(knob, device, quant))
+        return choose_experts_gemm(gemm_facts(knob, device, quant, ep_size=ep_size, scratch_bytes=humming_scratch))
     except KnobError as exc:
         return GemmChoice("refused", str(exc))
 

@@ -31,6 +31,7 @@ from ..plan.forward_choice import ForwardChoice
 from ..plan.placement import PlacementError
 from ..transport import Transport
 from . import startup
+from .memory import humming_scratch_of
 from .forwards import DeviceForward, FusedForward, LayerForward, MoriForward, P2PForward, TorchForward
 
 
@@ -103,7 +104,8 @@ class MegaMoELayer:
             self.path: LayerForward = FusedForward(self, group, layer_id)
             return
         self.provider = provider or make_provider(plan.backends.provider, capacity=plan.mtpr * plan.topk * plan.ep_size,
-                                                  knobs=plan.knobs, device=self.device, quant=plan.math.quant)
+                                                  knobs=plan.knobs, device=self.device, quant=plan.math.quant,
+                                                  ep_size=plan.ep_size, humming_scratch=humming_scratch_of(plan))
         self.weights = self.provider.prepare_weights(weights, plan.math)
         self.path = build_forward(self.forward_choice.forward, self, group, transport)
 

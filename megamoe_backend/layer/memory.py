@@ -135,6 +135,18 @@ def gpu_memory(device: str) -> tuple[str, int]:
     return f"{name} (reference: no GPU here)", total
 
 
+def humming_scratch_of(plan: LayerPlan) -> int:
+    """Bytes of the humming provider's scratch for ``plan``'s layer (capacity MTPR x top-k x ep_size pairs; GEMM2
+    writes the combine rows in place on the ep_size-1 forward's bf16 combine wire): what ``megamoe info`` counts
+    and what gemm_choice weighs against the GPU's memory."""
+    from ..experts.humming.footprint import humming_scratch_bytes
+
+    spec = plan.spec
+    return humming_scratch_bytes(plan.mtpr * plan.topk * plan.ep_size, plan.mtpr * plan.ep_size, spec.hidden_size,
+                                 spec.moe_intermediate_size, bf16_rows_in=plan.dispatch.name == "bf16",
+                                 gemm2_in_place=plan.ep_size == 1 and plan.combine.name == "bf16")
+
+
 def layer_memory(plan: LayerPlan, device: str, gpu: tuple[str, int] | None = None,
                  transport: str | None = None, experts_gemm: str = "triton") -> LayerMemory:
     """The memory ``plan`` takes on its EP rank's GPU on ``device``; ``transport`` replaces the plan's
@@ -164,15 +176,11 @@ def layer_memory(plan: LayerPlan, device: str, gpu: tuple[str, int] | None = Non
         workspace, kind = None, f"{transport} torch forward: buffers allocated per forward (eager)"
     humming = None
     if experts_gemm in ("humming", "pending") and b.provider == "triton" and device == "cuda":
-        from ..experts.humming.footprint import humming_scratch_bytes
-
-        in_place = plan.ep_size == 1 and plan.combine.name == "bf16"  # the ep_size-1 forward's bf16 combine rows
-        humming = humming_scratch_bytes(plan.mtpr * plan.topk * plan.ep_size, plan.mtpr * plan.ep_size, spec.hidden_size,
-                                        spec.moe_intermediate_size, bf16_rows_in=plan.dispatch.name == "bf16",
-                                        gemm2_in_place=in_place)
+        humming = humming_scratch_of(plan)
     name, total = gpu or gpu_memory(device)
     return LayerMemory(per_layer, spec.num_moe_layers, workspace, kind, arena, total, name, plan.mtpr,
                        humming_scratch=humming)
 
 
-__all__ = ["REFERENCE_GPU", "WORKSPACE_SHARE_WARN", "LayerMemory", "expert_weight_bytes", "gpu_memory", "layer_memory"]
+__all__ = ["REFERENCE_GPU", "WORKSPACE_SHARE_WARN", "LayerMemory", "expert_weight_bytes", "gpu_memory", "humming_scratch_of",
+           "layer_memory"]

@@ -24,19 +24,50 @@ def facts(**over) -> GemmFacts:
     return GemmFacts(**{"knob": "auto", **HOPPER, **over})
 
 
-@pytest.fixture(params=[False, True], ids=["auto-keeps-triton", "auto-picks-humming"])
+@pytest.fixture(params=[(), ("ep1",)], ids=["auto-keeps-triton", "auto-picks-humming-at-ep1"])
 def auto_policy(request, monkeypatch):
-    """Both answers of AUTO_PICKS_HUMMING (gemm_choice's one policy switch): each test runs under both."""
-    monkeypatch.setattr(gemm_choice, "AUTO_PICKS_HUMMING", request.param)
-    return request.param
+    """Both answers of AUTO_HUMMING_FORWARDS for the ep_size-1 forward (gemm_choice's measured policy): each test
+    runs under both."""
+    monkeypatch.setattr(gemm_choice, "AUTO_HUMMING_FORWARDS", request.param)
+    return bool(request.param)
 
 
-def test_auto_keeps_triton_until_the_switch_says_humming_is_faster(auto_policy):
+def test_auto_runs_humming_on_the_forwards_it_was_measured_faster_on(auto_policy):
     choice = choose_experts_gemm(facts())
     assert choice.gemm == ("humming" if auto_policy else "triton")
     if not auto_policy:
-        assert "humming-kernels 0.1.20 could serve here; MEGA_EXPERTS_GEMM=humming runs it" in choice.why
+        assert "not measured faster at ep_size 1" in choice.why
+        assert "humming-kernels 0.1.20 could serve here, MEGA_EXPERTS_GEMM=humming runs it" in choice.why
         assert choose_experts_gemm(facts(capability=None)).gemm == "triton"  # auto's answer needs no GPU facts then
+    ep = choose_experts_gemm(facts(ep_size=8))  # an EP rank's forward is listed on its own
+    assert ep.gemm == "triton" and "on an EP rank (ep_size 8)" in ep.why
+
+
+@pytest.mark.parametrize("scratch, gemm", [(4 * 10**9, "humming"), (4 * 10**9 + 1, "triton"), (None, "humming")])
+def test_auto_spends_at_most_its_share_of_the_gpu_on_humming_scratch(scratch, gemm, monkeypatch):
+    """At 5 % of an 80 GB GPU (4 GB) the scratch is allowed, a byte more is not (the why names the knob that
+    shrinks it), and MEGA_EXPERTS_GEMM=humming runs it whatever its size."""
+    monkeypatch.setattr(gemm_choice, "AUTO_HUMMING_FORWARDS", ("ep1", "ep"))
+    f = facts(ep_size=8, scratch_bytes=scratch, gpu_bytes=80 * 10**9)
+    choice = choose_experts_gemm(f)
+    assert choice.gemm == gemm, choice
+    if gemm == "triton":
+        assert "4.0 GB, more than 5% of this GPU's 80 GB" in choice.why and "MEGA_MAX_TOKENS_PER_RANK" in choice.why
+    assert choose_experts_gemm(facts(knob="humming", ep_size=8, scratch_bytes=scratch, gpu_bytes=80 * 10**9)).gemm == \
+        "humming"
+
+
+def test_the_scratch_auto_weighs_is_what_megamoe_info_counts():
+    """One figure: at DSV4-Pro shapes, fp8 wire and MTPR 8192, 0.81 GB at ep_size 1 (bf16 combine rows written in
+    place), 12.1 GB on an EP 8 rank (footprint.py; megamoe info's memory)."""
+    from megamoe_backend.layer.memory import humming_scratch_of, layer_memory
+
+    ep1 = build_plan(preset("dsv4-pro"), Knobs(dispatch_wire="fp8"), 0, 1, device_type="cuda", quant="a8w4")
+    ep8 = build_plan(preset("dsv4-pro"), Knobs(dispatch_wire="fp8", transport="ipc"), 0, 8, device_type="cuda",
+                     quant="a8w4")
+    assert 0.81e9 < humming_scratch_of(ep1) < 0.82e9 and 12.1e9 < humming_scratch_of(ep8) < 12.2e9
+    assert layer_memory(ep8, "cuda", ("GPU", 80 * 10**9), experts_gemm="humming").humming_scratch == humming_scratch_of(ep8)
+    assert layer_memory(ep8, "cuda", ("GPU", 80 * 10**9), experts_gemm="triton").humming_scratch is None
 
 
 @pytest.mark.parametrize("over, gemm, says", [
@@ -58,11 +89,11 @@ def test_auto_keeps_triton_until_the_switch_says_humming_is_faster(auto_policy):
     ({"capability": None, "humming_version": None, "knob": "humming"}, "pending", "else refused"),
 ])
 def test_the_oracle_answers_each_platform(over, gemm, says, monkeypatch):
-    """Where auto picks humming (AUTO_PICKS_HUMMING); with the switch off auto answers triton everywhere."""
-    monkeypatch.setattr(gemm_choice, "AUTO_PICKS_HUMMING", True)
+    """Where auto picks humming (AUTO_HUMMING_FORWARDS lists the forward); with none listed auto answers triton."""
+    monkeypatch.setattr(gemm_choice, "AUTO_HUMMING_FORWARDS", ("ep1",))
     choice = choose_experts_gemm(facts(**over))
     assert choice.gemm == gemm and says in choice.why, choice
-    monkeypatch.setattr(gemm_choice, "AUTO_PICKS_HUMMING", False)
+    monkeypatch.setattr(gemm_choice, "AUTO_HUMMING_FORWARDS", ())
     if facts(**over).knob == "auto":
         assert choose_experts_gemm(facts(**over)).gemm == "triton"
 
