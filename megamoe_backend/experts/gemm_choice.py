@@ -5,13 +5,12 @@ answered in each place they would drift (the forward oracle's lesson, plan/forwa
 facts are plain values, gathered apart (``gemm_facts``), so CPU tests inject every platform.
 
 humming-kernels is what vLLM 0.33 / 0.34 run for MXFP4 MoE experts on Hopper. Its GEMMs on FP8 rows at one
-fp32 scale per row compute the project's A8W4 (frag8) numerics and were measured faster than the Triton
-experts at prefill (issue 58: 1.41x at 48 experts x 8192 tokens on an H100, about equal at 8 tokens). It can
-serve on an sm_90 GPU, for the A8W4 scheme, with humming-kernels 0.1.19 .. 0.1.x importable with the CUDA
-headers its NVRTC JIT compiles against; elsewhere (other GPUs, ROCm, the CPU interpreter, bf16 / A4W4
-experts) the Triton experts run. ``auto`` picks humming where it can serve once AUTO_PICKS_HUMMING says the
-provider was measured faster (below). ``MEGA_EXPERTS_GEMM=humming`` where humming cannot serve is a start-up
-KnobError naming what is missing and the fix; never a silent fallback.
+fp32 scale per row compute the project's A8W4 (frag8) numerics. It can serve on an sm_90 GPU, for the A8W4
+scheme, with humming-kernels 0.1.19 .. 0.1.x importable with the CUDA headers its NVRTC JIT compiles against;
+elsewhere (other GPUs, ROCm, the CPU interpreter, bf16 / A4W4 / block-FP8 experts) the Triton experts run.
+``auto`` picks humming where it can serve, on the forwards it was measured faster on (AUTO_HUMMING_FORWARDS)
+and while its scratch takes at most HUMMING_SCRATCH_SHARE of the GPU (below). ``MEGA_EXPERTS_GEMM=humming``
+where humming cannot serve is a start-up KnobError naming what is missing and the fix; never a silent fallback.
 """
 
 from __future__ import annotations
@@ -29,9 +28,12 @@ HUMMING_SM = (9, 0)  # Hopper: humming's wgmma W4A8 path; on other GPUs its A8W4
 HUMMING_SCHEMES = ("a8w4",)  # FP8 activations on MXFP4 weights; A4W4 needs fp4 MMA (sm_120), bf16 is W4A16
 INSTALL_FIX = "pip install 'megamoe-backend[humming]' (humming-kernels[cu13] >= 0.1.19, < 0.2)"
 # Where auto runs humming where it can serve: the forwards it was measured faster on, by ep_size ("ep1": the
-# ep_size-1 device forward; "ep": the device P2P forward of an EP rank). Set from the benches' records
-# (docs/performance.md, "Who runs the expert GEMMs"); a forward not listed keeps the Triton GEMMs under auto.
-AUTO_HUMMING_FORWARDS: tuple[str, ...] = ()
+# ep_size-1 device forward; "ep": the device P2P forward of an EP rank). One H100, 48 local experts, A8W4, same
+# runs for both providers (benchmarks/results/h100_layer_{triton,humming}.json, h100_emulated_ep{8,2}_*.json;
+# docs/performance.md "Who runs the expert GEMMs"): ep_size-1 layer 1.01 / 0.98 / 1.03 / 0.89x the Triton one at
+# 8 / 128 / 1024 / 8192 tokens; an emulated EP 8 rank 0.99 / 1.01 / 0.99x at 8 / 128 / 1024, an EP 2 rank 0.97x at
+# 8192. Prefill gains 3-11 %, decode is even, the 1024-token bucket at ep_size 1 costs 3 %: both forwards listed.
+AUTO_HUMMING_FORWARDS: tuple[str, ...] = ("ep1", "ep")
 # auto never spends more than this share of the GPU's memory on humming's scratch (its GEMMs hold rows per pair of
 # capacity, experts/humming/footprint.py: 12.1 GB a rank at EP 8, MTPR 8192, DSV4-Pro, fp8 wire): that memory is the engine's
 # KV cache. MEGA_EXPERTS_GEMM=humming runs it anyway (megamoe info counts it and warns).
