@@ -187,6 +187,34 @@ def verdicts(record: dict, model_dirs: dict[str, Path]) -> list[tuple[str, bool,
     return out
 
 
+# humming-kernels' GEMMs inside the engine: asked for by name (eager), and picked by MEGA_EXPERTS_GEMM=auto under
+# FULL decode graphs (no knob: gemm_choice's rule on the GPU's facts); each against the default backend on the twin.
+# `bash tests/gpu_engine/run_on_device.sh runs OUT 380 $(specs HUMMING_RUNS)` with humming-kernels in .whl.
+HUMMING_RUNS = {
+    "default-twin-eager": "twin:default:eager",
+    "hum-a8w4-eager": "a8w4:megamoe_ep:eager:MEGA_DISPATCH_WIRE=fp8,MEGA_EXPERTS_GEMM=humming",
+    "hum-a8w4-fdo": "a8w4:megamoe_ep:full_decode_only:MEGA_DISPATCH_WIRE=fp8",
+}
+
+
+def humming_verdicts(record: dict, model_dirs: dict[str, Path]) -> list[tuple[str, bool, str]]:
+    """(label, ok, line) for the HUMMING_RUNS record: each MegaMoE run within the A8W4 bound of the default
+    backend, served as its graph mode says, and its startup line naming the humming provider."""
+    runs, out = record["runs"], []
+    for name in ("hum-a8w4-eager", "hum-a8w4-fdo"):
+        try:
+            c = compare(runs, "default-twin-eager", name, "hum-a8w4-eager", model_dirs["a8w4"], "a8w4")
+            out.append((c.label, c.ok, c.line()))
+        except AssertionError as exc:
+            out.append((f"{name} vs default-twin-eager", False, str(exc)[:2000]))
+        problems = served_inside_capture(runs[name], graphs_of(name))
+        out.append((f"{name} served", not problems, "; ".join(problems) or "startup line and op calls as expected"))
+        lines = runs[name].get("startup_lines") or [""]
+        humming = all("experts_provider=humming" in line for line in lines)
+        out.append((f"{name} on humming-kernels", humming, lines[0][:300]))
+    return out
+
+
 # Start-up: the same engine with an empty Triton cache (cold: every kernel JIT-compiled) and with
 # the cache the matrix left (warm); and a knob the engine cannot serve, refused at start-up.
 STARTUP_RUNS = {

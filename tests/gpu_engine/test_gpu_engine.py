@@ -27,11 +27,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from gpu_engine_checks import MATRIX, dp_matches_ep1, peer_kill_ended, pending_of, verdicts  # noqa: E402
+from gpu_engine_checks import MATRIX, dp_matches_ep1, humming_verdicts, peer_kill_ended, pending_of, verdicts  # noqa: E402
 
 RECORD = ROOT / "benchmarks" / "results" / "gpu_engine_h100.json"
 DP_RECORD = ROOT / "benchmarks" / "results" / "gpu_engine_dp_h100.json"
 KILL_RECORD = ROOT / "benchmarks" / "results" / "gpu_engine_kill_h100.json"
+HUMMING_RECORD = ROOT / "benchmarks" / "results" / "gpu_engine_humming_h100.json"
 
 
 def _gpu_engine_skip_reason() -> str | None:
@@ -157,3 +158,20 @@ def test_kill_checks_fail_on_planted_mutations(mutation):
     else:
         record["ready_before_kill"] = False
     assert not all(ok for _, ok, _ in peer_kill_ended(record)), f"the planted {mutation} passed every check"
+
+
+def test_recorded_humming_runs_inside_the_engine(model_dirs):
+    """humming-kernels' GEMMs served inside vLLM on the GPU: named (eager) and picked by auto (FULL decode graphs)."""
+    _assert_all(humming_verdicts(json.loads(HUMMING_RECORD.read_text()), model_dirs))
+
+
+@pytest.mark.parametrize("mutation", ["auto-kept-triton", "logprobs-shifted"])
+def test_humming_checks_fail_on_planted_mutations(model_dirs, mutation):
+    record = json.loads(HUMMING_RECORD.read_text())
+    rec = record["runs"]["hum-a8w4-fdo"]
+    if mutation == "auto-kept-triton":
+        rec["startup_lines"] = [line.replace("experts_provider=humming", "experts_provider=triton")
+                                for line in rec["startup_lines"]]
+    else:
+        rec["result"]["forced"] = [[x - 0.5 for x in seq] for seq in rec["result"]["forced"]]
+    assert not all(ok for _, ok, _ in humming_verdicts(record, model_dirs))
