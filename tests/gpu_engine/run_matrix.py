@@ -5,7 +5,7 @@ Why a driver: one device call has minutes, and every vLLM configuration needs a 
 each configuration with a time limit, keeps its log, and writes everything the checks need
 (``gpu_engine_checks.py`` reads it, on the GPU machine or later on any CPU).
 
-A run is ``NAME=MODEL:BACKEND:GRAPHS[:VAR=VALUE,...]``: MODEL one of ``bf16 twin a8w4 a4w4``,
+A run is ``NAME=MODEL:BACKEND:GRAPHS[:VAR=VALUE,...]``: MODEL one of ``bf16 twin a8w4 a4w4 fp8 fp8twin``,
 BACKEND ``default`` or ``megamoe_ep``, GRAPHS a ``serve_one.GRAPH_MODES`` entry, then extra
 environment (e.g. ``MEGA_DISPATCH_WIRE=fp8``; ``TRITON_CACHE_DIR=fresh`` gives the run an empty
 Triton cache of its own, for cold start-up times).
@@ -29,7 +29,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "vllm"))
 
 MODELS = {"bf16": dict(quant="bf16"), "twin": dict(quant="bf16", mxfp4_values=True),
-          "a8w4": dict(quant="a8w4"), "a4w4": dict(quant="a4w4")}
+          "a8w4": dict(quant="a8w4"), "a4w4": dict(quant="a4w4"),
+          # DeepSeek V3 / R1 block-FP8 routed experts, and the bf16 checkpoint holding their dequantised values
+          "fp8": dict(quant="fp8_block"), "fp8twin": dict(quant="bf16", block_fp8_values=True)}
 STARTUP = "[megamoe] Created MegaMoE:"
 
 
