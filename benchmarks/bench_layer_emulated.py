@@ -46,7 +46,12 @@ NVLINK_BYTES_PER_S = 450e9  # H200 NVLink 4: 900 GB/s bidirectional per GPU, 450
 BARRIER_LATENCY_US = 3.0  # assumed: one system-scope flag store + poll across NVLink, both directions
 ZIPF_S = 1.0
 TIMED_STEPS = 5
-STEPS = ("dispatch", "signal 0", "wait 0", "experts", "signal 1", "wait 1", "top-k sum")  # P2PForward.steps, split barriers
+# The spans EmulatedEP.forward times per rank, in order: each next() of P2PForward.steps (the one that hands over a
+# barrier launches nothing) and each barrier's signal and wait launches. timed_steps refuses a forward whose span
+# count differs, so a change of the generator cannot shift the names onto other spans (it once labelled
+# "wait 0" as the experts).
+STEPS = ("dispatch", "barrier 0 handed", "signal 0", "wait 0", "experts", "barrier 1 handed", "signal 1", "wait 1",
+         "top-k sum")
 ROUTINGS = ("uniform", "zipf", "uneven")
 
 
@@ -188,6 +193,9 @@ def timed_steps(emu, inputs, bound, n: int = TIMED_STEPS):
         emu.forward(inputs, bound, timer=timer)
         torch.cuda.synchronize()
         spans = [[b.elapsed_time(e) * 1e3 for b, e in s] for s in timer.spans]
+        if any(len(s) != len(STEPS) for s in spans):
+            raise RuntimeError(f"emulated forward timed {[len(s) for s in spans]} spans per rank, STEPS names "
+                               f"{len(STEPS)}: P2PForward.steps changed, update STEPS")
         whole.append([sum(s) for s in spans])
         steps.append(spans)
     per_rank = [statistics.median(v) for v in zip(*whole)]
