@@ -19,7 +19,7 @@ from ..experts.base import A_OPERAND
 from ..experts.gemm_choice import GemmChoice
 from ..experts.registry import describe_experts_gemm, experts_gemm_choice
 from ..knobs import Knobs
-from ..layer.memory import LayerMemory, humming_scratch_of, layer_memory
+from ..layer.memory import LayerMemory, gpu_memory, humming_scratch_of, layer_memory
 from ..plan import ExpertPlacement, LayerPlan, build_plan, facts_for, initial_redundant_map
 from ..plan.forward_choice import ForwardChoice, ForwardFacts, choose_forward
 from ..plan.layer_plan import check_ep_position
@@ -193,7 +193,9 @@ def resolve(args: argparse.Namespace) -> InfoPlan:
     transport = None if forecast is None else (forecast.here or forecast.one_host)
     gpu = None if args.gpu_memory_gb is None else (f"GPU of {args.gpu_memory_gb:g} GB (--gpu-memory-gb)",
                                                    int(args.gpu_memory_gb * 1e9))
-    gemm = experts_gemm_choice(layer_knobs.experts_gemm, device, plan.math.quant, plan.ep_size, humming_scratch_of(plan))
+    gpu = gpu or gpu_memory(device)
+    gemm = experts_gemm_choice(layer_knobs.experts_gemm, device, plan.math.quant, plan.ep_size, humming_scratch_of(plan),
+                               gpu[1])
     memory = layer_memory(plan, device, gpu, transport, gemm.gemm)
     heap = None
     if plan.backends.fused:  # the fused AMD runtimes' symmetric memory (docs/rocm.md)

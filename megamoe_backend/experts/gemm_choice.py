@@ -155,12 +155,13 @@ def _range() -> str:
 
 
 def gemm_facts(knob: str, device, quant: str, probe=None, *, ep_size: int = 1,
-               scratch_bytes: int | None = None) -> GemmFacts:
+               scratch_bytes: int | None = None, planned_gpu_bytes: int | None = None) -> GemmFacts:
     """This process's facts for a layer on ``device`` (a torch device, or a kind "cuda" | "rocm" | "cpu" to
     plan for) at ``ep_size``, whose humming scratch would be ``scratch_bytes`` (layer/memory.py sizes it from
     the plan). humming-kernels is imported (``probe``: experts/humming/library.probe) only where it could
     serve and may be picked: an sm_90 CUDA GPU here, A8W4, MEGA_EXPERTS_GEMM=humming (or auto on a forward
-    it runs humming on); elsewhere its installed version alone is read."""
+    it runs humming on); elsewhere its installed version alone is read. ``planned_gpu_bytes``: the memory of
+    the GPU planned for where this process has none (``megamoe info``: --gpu-memory-gb or the reference GPU)."""
     import importlib.metadata
     import os
 
@@ -169,7 +170,7 @@ def gemm_facts(knob: str, device, quant: str, probe=None, *, ep_size: int = 1,
     kind = getattr(device, "type", str(device).split(":")[0])
     if kind == "cuda" and torch.version.hip is not None:
         kind = "rocm"
-    capability = gpu_bytes = None
+    capability, gpu_bytes = None, planned_gpu_bytes
     if kind == "cuda" and torch.cuda.is_available():
         index = None if isinstance(device, str) else device
         capability = tuple(torch.cuda.get_device_capability(index))

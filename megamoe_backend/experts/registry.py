@@ -48,11 +48,12 @@ def make_provider(name: str, capacity: int | None = None, knobs: Knobs | None = 
 
 
 def experts_gemm_choice(knob: str, device: str, quant: str, ep_size: int = 1,
-                        humming_scratch: int | None = None) -> GemmChoice:
+                        humming_scratch: int | None = None, gpu_bytes: int | None = None) -> GemmChoice:
     """gemm_choice's answer for a plan on a ``device`` kind, with a refusal of MEGA_EXPERTS_GEMM=humming as an
     answer ("refused") instead of an error: what ``megamoe info`` prints."""
     try:
-        return choose_experts_gemm(gemm_facts(knob, device, quant, ep_size=ep_size, scratch_bytes=humming_scratch))
+        return choose_experts_gemm(gemm_facts(knob, device, quant, ep_size=ep_size, scratch_bytes=humming_scratch,
+                                              planned_gpu_bytes=gpu_bytes))
     except KnobError as exc:
         return GemmChoice("refused", str(exc))
 

@@ -8,6 +8,7 @@ they cannot read) answers what that engine runs for the checkpoint.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping
 
 from .moe_spec import MoESpec
@@ -47,26 +48,9 @@ PRESETS: dict[str, MoESpec] = {
         norm_topk_prob=True,
         quant="a4w4",
     ),
-    # deepseek-ai/DeepSeek-R1 (and DeepSeek-V3, the same config): block-FP8 experts, weight_block_size [128, 128]
-    "r1-fp8": MoESpec(
-        name="r1-fp8",
-        model_type="deepseek_v3",
-        hidden_size=7168,
-        moe_intermediate_size=2048,
-        n_routed_experts=256,
-        num_experts_per_tok=8,
-        n_shared_experts=1,
-        first_k_dense_replace=3,
-        num_hidden_layers=61,
-        n_group=8,
-        topk_group=4,
-        scoring_func="sigmoid",
-        topk_method="noaux_tc",
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        quant="fp8_block",
-    ),
 }
+# deepseek-ai/DeepSeek-R1 (and DeepSeek-V3, the same config): R1's shapes, block-FP8 experts (weight_block_size [128, 128])
+PRESETS["r1-fp8"] = replace(PRESETS["r1-mxfp4"], name="r1-fp8", quant="fp8_block")
 
 
 # deepseek-ai/DeepSeek-V4-Pro: block-FP8 config, MXFP4 routed experts (expert_dtype fp4);

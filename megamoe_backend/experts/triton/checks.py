@@ -132,22 +132,8 @@ def received_rows(a: Activations, math: ExpertMath, hidden: int, device: torch.d
     if isinstance(a, GroupFP8Tensor):
         return _group_rows(a, math, hidden, device)
     if isinstance(a, MXTensor):
-        if a.fmt != math.a_format:
-            raise ValueError(
-                f"received {a.fmt} rows but quant={math.quant} needs A operand {math.a_format or 'bf16'} "
-                "(MEGA_DISPATCH_WIRE must match the expert GEMM's A operand)"
-            )
         payload = hidden if a.fmt == "fp8" else hidden // 2
-        for name, t, cols in (("received rows (data)", a.data, payload), ("received rows (scales)", a.scales, hidden // MX_BLOCK)):
-            if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != cols:
-                raise ValueError(f"{name}: expected uint8 [N, {cols}] for hidden={hidden}, got {tuple(t.shape)} {t.dtype}")
-            if t.stride(1) != 1:
-                raise ValueError(f"{name}: must be contiguous along the hidden dim, got strides {t.stride()}")
-            if t.device != device:
-                raise ValueError(f"{name}: on {t.device}, pairs on {device}")
-        if a.data.shape[0] != a.scales.shape[0]:
-            raise ValueError(f"received rows: data has {a.data.shape[0]} rows, scales {a.scales.shape[0]}")
-        return a
+        return _quantised_rows(a, math, hidden, device, (payload, torch.uint8), (hidden // MX_BLOCK, torch.uint8))
     if a.dim() != 2 or a.shape[1] != hidden:
         raise ValueError(f"received rows: expected [N, {hidden}], got {tuple(a.shape)}")
     if a.dtype != torch.bfloat16:
@@ -161,13 +147,20 @@ def received_rows(a: Activations, math: ExpertMath, hidden: int, device: torch.d
 
 def _group_rows(a: GroupFP8Tensor, math: ExpertMath, hidden: int, device: torch.device) -> GroupFP8Tensor:
     """Block-FP8 rows (e4m3 bytes, fp32 scales per 1 x 128 group): views of wire rows are fine (strided rows)."""
+    return _quantised_rows(a, math, hidden, device, (hidden, torch.uint8), (hidden // FP8_BLOCK, torch.float32))
+
+
+def _quantised_rows(a, math: ExpertMath, hidden: int, device: torch.device, data: tuple[int, torch.dtype],
+                    scales: tuple[int, torch.dtype]):
+    """Quantised received rows ``a`` (MXTensor / GroupFP8Tensor: .fmt, .data, .scales) checked against the experts'
+    A format and the (columns, dtype) their data and scales must have; rows may be strided views of wire rows."""
     if a.fmt != math.a_format:
         raise ValueError(f"received {a.fmt} rows but quant={math.quant} needs A operand {math.a_format or 'bf16'} "
                          "(MEGA_DISPATCH_WIRE must match the expert GEMM's A operand)")
-    for name, t, cols, dtype in (("received rows (data)", a.data, hidden, torch.uint8),
-                                 ("received rows (scales)", a.scales, hidden // FP8_BLOCK, torch.float32)):
+    for name, t, (cols, dtype) in (("received rows (data)", a.data, data), ("received rows (scales)", a.scales, scales)):
         if t.dtype != dtype or t.dim() != 2 or t.shape[1] != cols:
-            raise ValueError(f"{name}: expected {dtype} [N, {cols}] for hidden={hidden}, got {tuple(t.shape)} {t.dtype}")
+            raise ValueError(f"{name}: expected {str(dtype).replace('torch.', '')} [N, {cols}] for hidden={hidden}, got "
+                             f"{tuple(t.shape)} {t.dtype}")
         if t.stride(1) != 1:
             raise ValueError(f"{name}: must be contiguous along the hidden dim, got strides {t.stride()}")
         if t.device != device:

@@ -145,7 +145,8 @@ def _check_rows(x: torch.Tensor, fmt: str, name: str) -> None:
         raise ValueError(f"{name}: expected bf16/fp16/fp32 rows, got {x.dtype}")
     group = FP8_BLOCK if fmt == FP8_G128 else MX_BLOCK
     if x.shape[1] % group:
-        raise ValueError(f"{name}: K={x.shape[1]} is not a multiple of the {fmt} group ({group})")
+        what = "the fp8_g128 group" if fmt == FP8_G128 else "the MX block"
+        raise ValueError(f"{name}: K={x.shape[1]} is not a multiple of {what} ({group})")
     if x.stride(1) != 1:
         raise ValueError(f"{name}: rows must be contiguous along K (stride(1) == 1), got strides {x.stride()}")
 
