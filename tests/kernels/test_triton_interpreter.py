@@ -139,8 +139,10 @@ def test_quantize_rows_rejects_bad_input():
         K["quant"].quantize_rows(torch.randn(2, 48), "fp8")
     with pytest.raises(ValueError, match="contiguous along K"):
         K["quant"].quantize_rows(torch.randn(64, 2).T, "fp8")
-    with pytest.raises(ValueError, match="unknown MX format"):
+    with pytest.raises(ValueError, match="unknown A format 'fp6'; expected 'fp8', 'fp4' \\(MX\\) or 'fp8_g128'"):
         K["quant"].quantize_rows(torch.randn(2, 64), "fp6")
+    with pytest.raises(ValueError, match="multiple of the fp8_g128 group"):
+        K["quant"].quantize_rows(torch.randn(2, 64), "fp8_g128")
 
 
 # ------------------------------------------------------------------------------------------ layout
