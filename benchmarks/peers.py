@@ -3,14 +3,18 @@
 What a vLLM / SGLang user serving MXFP4 experts on Hopper gets when they do not pick ``megamoe_ep``:
 
 - ``flashinfer_humming``: FlashInfer's CUTLASS SM90 fused MoE, ``CutlassHummingConfig`` (MXFP4 weights x
-  FP8 activations quantised per token inside the call), through ``flashinfer.fused_moe.MoELayer``;
-- ``flashinfer_w4a16``: the same with ``CutlassW4A16Config`` (MXFP4 weights x bf16 activations);
+  FP8 activations quantised per token inside the call), through ``flashinfer.fused_moe.MoELayer``: SGLang
+  0.5.23's opt-in on Hopper (``--flashinfer-mxfp4-moe-precision fp8``), not vLLM's default;
+- ``flashinfer_w4a16``: the same with ``CutlassW4A16Config`` (MXFP4 weights x bf16 activations): SGLang
+  0.5.23's default on Hopper (``flashinfer_mxfp4``);
 - ``triton_kernels``: OpenAI triton_kernels ``matmul_ogs`` with its ragged routing metadata, as vLLM's
   Triton MXFP4 MoE path calls it (GEMM1 gathers the token rows and fuses the SwiGLU, GEMM2 scatters
   with the route weights, then the top-k reduce), on the Hopper value / scale swizzles;
 - ``vllm_humming``: vLLM 0.34's own Hopper MXFP4 experts path for DeepSeek V4 (humming-kernels'
   HummingIndexedExperts, block-FP8 group-128 activations), from the carried vLLM bundle
-  (benchmarks/peer_vllm_humming.py).
+  (benchmarks/peer_vllm_humming.py): vLLM 0.33 / 0.34's default on Hopper.
+
+benchmarks/engine_ratios.py names them the same way in the table a user reads.
 
 Each is timed the way its users run it: FlashInfer autotuned on the first call of each token bucket
 (``flashinfer.autotune(True)``, optionally with its tactic cache file), then captured in one CUDA graph
