@@ -27,7 +27,9 @@ require_interpreter("tests/kernels/test_gpu_ep.py")
 
 from megamoe_backend.experts import ExpertPairs  # noqa: E402
 from megamoe_backend.experts.triton import TritonExperts  # noqa: E402
-from megamoe_backend.formats import MXTensor, combine_wire, dispatch_wire, quantize_mx  # noqa: E402
+from megamoe_backend.formats import MXTensor, combine_wire, quantize_mx  # noqa: E402
+from megamoe_backend.formats.block_fp8 import quantize_groups  # noqa: E402
+from megamoe_backend.formats.wire import a_format_wire, encode_group_rows  # noqa: E402
 from megamoe_backend.knobs import Knobs  # noqa: E402
 from megamoe_backend.layer.device import p2p  # noqa: E402
 from megamoe_backend.layer.device.status import (  # noqa: E402
@@ -46,7 +48,7 @@ GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28}
 
 def two_rank_arenas(fmt: str, mtpr: int = 8, combine: str = "bf16", hidden: int = H) -> list[PeerArena]:
     """Two ranks' arenas as two halves of one tensor (one process: the kernels only see offsets)."""
-    row_bytes = dispatch_wire(fmt).row_bytes(hidden)
+    row_bytes = a_format_wire(None if fmt == "bf16" else fmt).row_bytes(hidden)
     lay = ArenaLayout.build(2, mtpr, K, row_bytes, combine_wire(combine).row_bytes(hidden))
     whole = torch.zeros(2 * lay.total, dtype=torch.uint8)
     halves = [whole[: lay.total], whole[lay.total :]]
@@ -58,6 +60,8 @@ def reference_dispatch(x, ids, weights, owner, slot, fmt, rows_per_src, arenas):
     t = x.shape[0]
     if fmt == "bf16":
         rows = x.to(torch.bfloat16).view(torch.uint8).view(t, 2 * x.shape[1])
+    elif fmt == "fp8_g128":  # block-FP8's A format: e4m3, then the fp32 scales' bytes (formats.block_fp8)
+        rows = encode_group_rows(quantize_groups(x.float()))
     else:
         q = quantize_mx(x.float(), fmt)
         rows = torch.cat([q.data, q.scales], dim=1)
@@ -81,7 +85,8 @@ def reference_dispatch(x, ids, weights, owner, slot, fmt, rows_per_src, arenas):
 # pieces: 16 blocks (two pieces, the last partial), 32 and 64 (one piece, 12 / 44 blocks masked)
 @pytest.mark.parametrize("fmt,hidden,blocks", [("bf16", H, None), ("fp8", H, None), ("fp4", H, None), ("bf16", 640, None),
                                                ("fp8", 640, None), ("fp4", 640, None), ("fp8", 640, 16), ("fp4", 640, 32),
-                                               ("bf16", 640, 32), ("fp8", 640, 64)])
+                                               ("bf16", 640, 32), ("fp8", 640, 64), ("fp8_g128", H, None),
+                                               ("fp8_g128", 640, None), ("fp8_g128", 640, 16), ("fp8_g128", 1152, 32)])
 def test_dispatch_kernel_writes_rows_entries_and_tables(fmt, hidden, blocks):
     g = torch.Generator().manual_seed(5)
     t, rows_per_src = 5, 8
@@ -148,22 +153,22 @@ def test_an_idle_rank_dispatches_its_header_only():
     assert status.word.tolist() == [0, 0, 0, 0]
 
 
-@pytest.mark.parametrize("hidden,nan_col", [(H, 17), (640, 600)])  # 600: the last piece of a 640-wide row
-def test_dispatch_reports_the_first_bad_id_and_a_nan_row(hidden, nan_col):
+@pytest.mark.parametrize("hidden,nan_col,fmt", [(H, 17, "fp8"), (640, 600, "fp8"), (640, 600, "fp8_g128")])  # 600: the last piece
+def test_dispatch_reports_the_first_bad_id_and_a_nan_row(hidden, nan_col, fmt):
     t = 4
     x = torch.randn(t, hidden)
     x[2, nan_col] = float("nan")
     ids = torch.zeros(t, K, dtype=torch.int64)
     ids[1, 3] = 8
-    arenas = two_rank_arenas("fp8", hidden=hidden)
+    arenas = two_rank_arenas(fmt, hidden=hidden)
     owner, slot = torch.tensor([0] * 4 + [1] * 4), torch.tensor([0, 1, 2, 3] * 2)
     status = InputStatus(torch.device("cpu"), 8)
     args = (torch.full((8 * K,), -1), status.word)
-    p2p.dispatch(x, ids, torch.rand(t, K), owner, slot, 8, arenas[0], "fp8", hidden, *args, 4)
+    p2p.dispatch(x, ids, torch.rand(t, K), owner, slot, 8, arenas[0], fmt, hidden, *args, 4)
     assert status.word.tolist() == [BAD_EXPERT_ID, 4, 8, 1]  # token 1's program runs before token 2's here
     status.word.zero_()
     ids[1, 3] = 0
-    p2p.dispatch(x, ids, torch.rand(t, K), owner, slot, 8, arenas[0], "fp8", hidden, *args, 4)
+    p2p.dispatch(x, ids, torch.rand(t, K), owner, slot, 8, arenas[0], fmt, hidden, *args, 4)
     assert status.word.tolist()[0] == NONFINITE_INPUT and status.word.tolist()[3] == 2
     with pytest.raises(ValueError, match="hidden_states row 2 holds NaN/Inf"):
         status.host.copy_(status.word)
