@@ -7,7 +7,8 @@ bad-id and NaN reports, in two "ranks" of one tensor; the barrier (passes when e
 signalled, times out naming the peer and phase when one did not, skips waiting after a timeout,
 detects ranks that disagree on rows per source); GEMM2 through a destination table (and one base
 per segment) equals GEMM2 in pair order, rows moved; EP 2 and 4 (an idle rank) bit-identical to the ep_size-1 device forward
-for every quant x wire, within the gates, both with max_tokens_across_ranks (5 rows per source region, as every
+for every quant x wire (block-FP8 included: fp8_g128 rows quantised by the sender, equal to
+formats.block_fp8.quantize_groups bit for bit, handed to the experts as views of the arena), within the gates, both with max_tokens_across_ranks (5 rows per source region, as every
 rank's header shows) and without it (MEGA_MAX_TOKENS_PER_RANK = 8 rows); a peer that dies after start-up ends the other's forward
 with PeerTimeoutError naming layer, rank and peer. GPU runs (2 and 4 ranks on one H200, graphs,
 sync-debug): tests/kernels/test_gpu_ep.py.
@@ -43,7 +44,9 @@ from megamoe_backend.transport.peer_arena import ArenaLayout, PeerArena  # noqa:
 SPEC = preset("dsv4-pro").scaled(hidden_size=128, moe_intermediate_size=128, n_routed_experts=8)
 K = SPEC.num_experts_per_tok
 H = SPEC.hidden_size
-GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28}
+# block-FP8 EP runs at hidden 256: two 1x128 groups a row, so a scale written at the wrong group changes the result
+SPEC_OF = {"fp8_block": SPEC.scaled(hidden_size=256)}
+GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28, "fp8_block": 0.06}  # fp8_block: docs/block-fp8.md's gate
 
 
 def two_rank_arenas(fmt: str, mtpr: int = 8, combine: str = "bf16", hidden: int = H) -> list[PeerArena]:
@@ -243,9 +246,10 @@ def _ep_worker(rank, world, quant, wire, combine, tokens, idle, mtpr):
     from megamoe_backend.workload import ProblemConfig, make_problem
     from megamoe_backend.workload.problem import local_weights
 
-    problem = make_problem(ProblemConfig(SPEC, tokens, world, seed=3, masked_fraction=0.2))
+    spec = SPEC_OF.get(quant, SPEC)
+    problem = make_problem(ProblemConfig(spec, tokens, world, seed=3, masked_fraction=0.2))
     knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, transport="ipc")
-    plan = build_plan(SPEC, knobs, rank, world, quant=quant, backends=("triton", "ipc"))
+    plan = build_plan(spec, knobs, rank, world, quant=quant, backends=("triton", "ipc"))
     weights = local_weights(problem.expert_weights(quant), plan.placement, rank)
     layer = MegaMoELayer(plan, weights, group=dist.group.WORLD, provider=TritonExperts(capacity=mtpr * K * world),
                          device_path=True)
@@ -253,6 +257,9 @@ def _ep_worker(rank, world, quant, wire, combine, tokens, idle, mtpr):
     hi = lo if rank in idle else lo + tokens
     inputs = (problem.x[lo:hi], problem.topk_ids[lo:hi], problem.topk_weights[lo:hi])
     arena = layer.workspace.arena
+    ws = layer.workspace
+    received = ws.wire.view(ws.recv_rows, spec.hidden_size)  # what the experts get: views of the arena rows, no copy per forward
+    views = getattr(received, "data", received).data_ptr() == ws.recv_rows.data_ptr()
     header = lambda: arena.view(arena.layout.header, 2 * world, torch.int64).tolist()  # noqa: E731  [B per source, T per source]
     out = layer(*inputs, max_tokens_across_ranks=tokens)
     layer.raise_if_bad_input()
@@ -261,7 +268,7 @@ def _ep_worker(rank, world, quant, wire, combine, tokens, idle, mtpr):
     unbounded = layer(*inputs)  # the same step sized by MEGA_MAX_TOKENS_PER_RANK
     layer.raise_if_bad_input()
     return {"out": out, "unbounded": unbounded, "bounded_header": bounded_header, "unbounded_header": header(),
-            "takes_token_bound": layer.takes_token_bound, "ws_type": type(layer.workspace).__name__, "arena": arena.name}
+            "takes_token_bound": layer.takes_token_bound, "views": views, "wire": ws.wire.mx, "ws_type": type(layer.workspace).__name__, "arena": arena.name}
 
 
 def _ep1(quant, wire, combine, tokens, world, idle, mtpr):
@@ -270,19 +277,23 @@ def _ep1(quant, wire, combine, tokens, world, idle, mtpr):
     from megamoe_backend.workload import ProblemConfig, make_problem
 
     clear_transport_cache()
-    problem = make_problem(ProblemConfig(SPEC, tokens, world, seed=3, masked_fraction=0.2))
-    plan = build_plan(SPEC, Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr * world), quant=quant)
+    spec = SPEC_OF.get(quant, SPEC)
+    problem = make_problem(ProblemConfig(spec, tokens, world, seed=3, masked_fraction=0.2))
+    plan = build_plan(spec, Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr * world), quant=quant)
     layer = MegaMoELayer(plan, problem.expert_weights(quant), provider=TritonExperts(capacity=mtpr * K * world), device_path=True)
     keep = torch.cat([torch.arange(r * tokens, (r + 1) * tokens) for r in range(world) if r not in idle])
     out = layer(problem.x[keep], problem.topk_ids[keep], problem.topk_weights[keep])
     ref = fp32_reference_moe(problem.x[keep], problem.topk_ids[keep], problem.topk_weights[keep],
-                             *problem.expert_weights(quant).dequantized(), "interleaved", SPEC.swiglu_limit)
+                             *problem.expert_weights(quant).dequantized(), "plain" if quant == "fp8_block" else "interleaved",
+                             spec.swiglu_limit)
     clear_transport_cache()
     return out, ref
 
 
 EP_CASES = [(2, ("bf16", "bf16", "bf16"), ()), (2, ("a8w4", "fp8", "fp8_blockwise_1x32"), ()),
-            (4, ("a4w4", "fp4", "bf16"), (1,)), (2, ("a8w4", "bf16", "bf16"), (0,))]
+            (4, ("a4w4", "fp4", "bf16"), (1,)), (2, ("a8w4", "bf16", "bf16"), (0,)),
+            # block-FP8: fp8_g128 rows quantised by the sender, on the fp8 wire and (the same rows) on the bf16 one
+            (2, ("fp8_block", "fp8", "bf16"), ()), (2, ("fp8_block", "bf16", "fp8_blockwise_1x32"), (1,))]
 
 
 @pytest.mark.parametrize("world,case,idle", EP_CASES, ids=[f"ep{w}-{'-'.join(c)}-idle{list(i)}" for w, c, i in EP_CASES])
@@ -292,6 +303,9 @@ def test_ep_forward_equals_the_ep1_device_forward(world, case, idle):
     tokens, mtpr = 5, 8  # max_tokens_across_ranks=5: the receive regions hold 5 rows per source, not 8
     results = spawn_ranks(world, _ep_worker, *case, tokens, idle, mtpr, timeout_s=900)
     assert all(r["ws_type"] == "P2PWorkspace" and r["arena"] == "ipc" and r["takes_token_bound"] for r in results)
+    assert all(r["views"] for r in results)
+    if case[0] == "fp8_block":  # the sender's fp8_g128 rows travel whatever MEGA_DISPATCH_WIRE says (bf16: the same bits)
+        assert all(r["wire"] == "fp8_g128" for r in results)
     sent = [0 if r in idle else tokens for r in range(world)]
     for r in results:  # every source sized its region by the bound, then by MTPR without it
         assert r["bounded_header"] == [tokens] * world + sent, r["bounded_header"]
