@@ -8,7 +8,8 @@ signalled, times out naming the peer and phase when one did not, skips waiting a
 detects ranks that disagree on rows per source); GEMM2 through a destination table (and one base
 per segment) equals GEMM2 in pair order, rows moved; EP 2 and 4 (an idle rank) bit-identical to the ep_size-1 device forward
 for every quant x wire (block-FP8 included: fp8_g128 rows quantised by the sender, equal to
-formats.block_fp8.quantize_groups bit for bit, handed to the experts as views of the arena), within the gates, both with max_tokens_across_ranks (5 rows per source region, as every
+formats.block_fp8.quantize_groups bit for bit, handed to the experts as views of the arena), within the
+gates, both with max_tokens_across_ranks (5 rows per source region, as every
 rank's header shows) and without it (MEGA_MAX_TOKENS_PER_RANK = 8 rows); a peer that dies after start-up ends the other's forward
 with PeerTimeoutError naming layer, rank and peer. GPU runs (2 and 4 ranks on one H200, graphs,
 sync-debug): tests/kernels/test_gpu_ep.py.
