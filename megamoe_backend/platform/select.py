@@ -153,20 +153,22 @@ def select_backends(facts: PlatformFacts, knobs, math, *, ep_size: int | None = 
 
 
 def _select_block_fp8(facts: PlatformFacts, knobs, ep_size: int | None, base: dict) -> Selection:
-    """Block-FP8 experts on a GPU: the Triton experts (decoder block_fp8) on CUDA; the ep_size-1 device forward
-    carries fp8_g128 rows, the P2P forward does not yet (its dispatch kernel quantises MX rows), so at ep_size > 1
-    the exchange is NCCL all_to_all (eager). ROCm is refused: the kernels use NVIDIA's e4m3fn FP8 MMA (MI300's
-    FP8 is e4m3fnuz) and were never run there, and aiter's fused runtimes do not take block-FP8 weights."""
+    """Block-FP8 experts on a GPU: the Triton experts (decoder block_fp8) on CUDA, over the same transports as the
+    MXFP4 Triton experts (the device forward at ep_size 1, the device P2P forward on one host: both carry fp8_g128
+    rows quantised once by the sender; NCCL otherwise). ROCm is refused, and with it mori / flydsl (ROCm
+    transports): the kernels use NVIDIA's e4m3fn FP8 MMA (MI300's FP8 is e4m3fnuz) and were never run there, and
+    aiter's fused runtimes do not take block-FP8 weights."""
     if facts.device != "cuda" or not facts.has("triton"):
         why = "triton is not importable here" if facts.device == "cuda" else f"no {facts.device} experts provider computes them"
         raise PlatformError(f"block-FP8 experts (quant=fp8_block) run on CUDA through the Triton experts or on the CPU torch "
                             f"path: {why}; plan for CUDA with Triton >= 3.4 or for the CPU (megamoe info --device cpu)")
-    if knobs.transport in ("symm", "ipc", "mori", "flydsl"):
-        raise PlatformError(f"MEGA_DISPATCH={knobs.transport}: block-FP8 experts (quant=fp8_block) do not run the device P2P "
-                            "forward yet (its dispatch kernel writes MX rows, not fp8_g128 ones); set MEGA_DISPATCH=nccl or auto")
-    why = ("ep_size 1: the device forward on this GPU" if ep_size == 1 else
-           "block-FP8: NCCL all_to_all, eager (the device P2P forward does not carry fp8_g128 rows yet)")
-    transport = "nccl"
+    if knobs.transport in ("mori", "flydsl"):
+        raise PlatformError(f"MEGA_DISPATCH={knobs.transport} is a ROCm transport and block-FP8 experts (quant=fp8_block) "
+                            "run on CUDA only; set MEGA_DISPATCH=auto, symm / ipc (the device P2P forward) or nccl")
+    if knobs.transport == "auto":
+        transport, why = cuda_auto_transport("triton", ep_size, facts.ep_topology)
+    else:
+        transport, why = knobs.transport, f"MEGA_DISPATCH={knobs.transport}"
     reasons = ("cuda: triton experts (block_fp8 decoder)", f"transport {transport} (MEGA_DISPATCH={knobs.transport}): {why}")
     return Selection("triton", transport, reasons=reasons, **base)
 

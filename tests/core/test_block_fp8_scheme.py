@@ -72,17 +72,31 @@ def test_sizes_not_in_128_blocks_are_refused() -> None:
 
 
 def test_gpu_plans_name_the_triton_experts_or_refuse() -> None:
-    """CUDA with Triton: the Triton experts (block_fp8 decoder) over NCCL, whatever MEGA_DISPATCH=auto would
-    pick for other schemes (the P2P forward does not carry fp8_g128 rows); symm / ipc refused naming the knob;
+    """CUDA with Triton: the Triton experts (block_fp8 decoder) over the transports the MXFP4 Triton experts take:
+    MEGA_DISPATCH=auto is the device P2P forward (symm / ipc) on one host with peer access, pending until the EP
+    group's topology is known, NCCL across hosts; symm / ipc / nccl as asked. mori / flydsl (ROCm transports),
     CUDA without Triton and ROCm refused at plan time."""
+    import dataclasses
+
     from megamoe_backend.platform.facts import PackageInfo, PlatformFacts
+    from megamoe_backend.platform.select import PENDING_EP_GROUP
+    from megamoe_backend.platform.topology import EpTopology, RankPlace
 
     cuda = PlatformFacts(device="cuda", torch_build="cuda", packages={"triton": PackageInfo("triton", True)})
-    for ep in (1, 8):
-        plan = build_plan(preset("dsv4-pro"), Knobs(), quant="fp8_block", ep_size=ep, facts=cuda, device_type="cuda")
-        assert (plan.backends.provider, plan.backends.transport) == ("triton", "nccl")
-    with pytest.raises(PlatformError, match="MEGA_DISPATCH=symm"):
-        build_plan(preset("dsv4-pro"), Knobs(transport="symm"), quant="fp8_block", ep_size=8, facts=cuda, device_type="cuda")
+    plan_for = lambda knobs, ep, facts=cuda: build_plan(preset("dsv4-pro"), knobs, quant="fp8_block",  # noqa: E731
+                                                         ep_size=ep, facts=facts, device_type="cuda").backends
+    assert (plan_for(Knobs(), 1).provider, plan_for(Knobs(), 1).transport) == ("triton", "nccl")
+    assert plan_for(Knobs(), 8).transport == PENDING_EP_GROUP
+    gpus = [f"gpu{r}" for r in range(8)]
+    one_host = EpTopology(tuple(RankPlace("h", g, tuple(gpus), symm_mem=True) for g in gpus))
+    two_hosts = EpTopology(tuple(RankPlace(f"h{r // 4}", g, tuple(gpus[r // 4 * 4:][:4])) for r, g in enumerate(gpus)))
+    assert plan_for(Knobs(), 8, dataclasses.replace(cuda, ep_topology=one_host)).transport == "symm"
+    assert plan_for(Knobs(), 8, dataclasses.replace(cuda, ep_topology=two_hosts)).transport == "nccl"
+    for transport in ("symm", "ipc", "nccl"):
+        assert plan_for(Knobs(transport=transport), 8).transport == transport
+    for transport in ("mori", "flydsl"):
+        with pytest.raises(PlatformError, match=f"MEGA_DISPATCH={transport}"):
+            plan_for(Knobs(transport=transport), 8)
     with pytest.raises(PlatformError, match="triton is not importable"):
         build_plan(preset("dsv4-pro"), Knobs(), quant="fp8_block", facts=PlatformFacts(device="cuda", torch_build="cuda"),
                    device_type="cuda")
@@ -110,9 +124,10 @@ def test_block_fp8_runs_as_declared_whatever_aiter_force_a8w4(force) -> None:
     assert expert_quant_scheme("fp8_block", force, "--moe-backend megamoe_ep") == "fp8_block"
 
 
-def test_info_plans_the_r1_fp8_preset_on_cpu_and_cuda_and_refuses_the_p2p_forward(capsys, monkeypatch) -> None:
+def test_info_plans_the_r1_fp8_preset_on_cpu_and_cuda(capsys, monkeypatch) -> None:
     """`megamoe info --preset r1-fp8`: the block-FP8 scheme, its weights' bytes (e4m3 + one fp32 per 128 x 128
-    block, not MXFP4's half byte); on CUDA the Triton experts, and the device P2P forward refused naming the knob."""
+    block, not MXFP4's half byte); on CUDA the Triton experts, over the device P2P forward with MEGA_DISPATCH=ipc,
+    and a ROCm transport refused naming the knob."""
     import json
 
     from megamoe_backend.cli.main import main
@@ -127,5 +142,8 @@ def test_info_plans_the_r1_fp8_preset_on_cpu_and_cuda_and_refuses_the_p2p_forwar
     assert main(["info", "--preset", "r1-fp8", "--device", "cuda", "--json"]) == 0
     assert "quant=fp8_block experts_provider=triton" in json.loads(capsys.readouterr().out)["startup_line"]
     monkeypatch.setenv("MEGA_DISPATCH", "ipc")
+    assert main(["info", "--preset", "r1-fp8", "--device", "cuda", "--ep-size", "8", "--json"]) == 0
+    assert "transport=device p2p over ipc" in json.loads(capsys.readouterr().out)["startup_line"]
+    monkeypatch.setenv("MEGA_DISPATCH", "mori")
     assert main(["info", "--preset", "r1-fp8", "--device", "cuda", "--ep-size", "8"]) == 2
-    assert "MEGA_DISPATCH" in capsys.readouterr().out
+    assert "MEGA_DISPATCH=mori" in capsys.readouterr().out

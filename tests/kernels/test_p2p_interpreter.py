@@ -7,7 +7,9 @@ bad-id and NaN reports, in two "ranks" of one tensor; the barrier (passes when e
 signalled, times out naming the peer and phase when one did not, skips waiting after a timeout,
 detects ranks that disagree on rows per source); GEMM2 through a destination table (and one base
 per segment) equals GEMM2 in pair order, rows moved; EP 2 and 4 (an idle rank) bit-identical to the ep_size-1 device forward
-for every quant x wire, within the gates, both with max_tokens_across_ranks (5 rows per source region, as every
+for every quant x wire (block-FP8 included: fp8_g128 rows quantised by the sender, equal to
+formats.block_fp8.quantize_groups bit for bit, handed to the experts as views of the arena), within the
+gates, both with max_tokens_across_ranks (5 rows per source region, as every
 rank's header shows) and without it (MEGA_MAX_TOKENS_PER_RANK = 8 rows); a peer that dies after start-up ends the other's forward
 with PeerTimeoutError naming layer, rank and peer. GPU runs (2 and 4 ranks on one H200, graphs,
 sync-debug): tests/kernels/test_gpu_ep.py.
@@ -27,7 +29,9 @@ require_interpreter("tests/kernels/test_gpu_ep.py")
 
 from megamoe_backend.experts import ExpertPairs  # noqa: E402
 from megamoe_backend.experts.triton import TritonExperts  # noqa: E402
-from megamoe_backend.formats import MXTensor, combine_wire, dispatch_wire, quantize_mx  # noqa: E402
+from megamoe_backend.formats import MXTensor, combine_wire, quantize_mx  # noqa: E402
+from megamoe_backend.formats.block_fp8 import quantize_groups  # noqa: E402
+from megamoe_backend.formats.wire import a_format_wire, encode_group_rows  # noqa: E402
 from megamoe_backend.knobs import Knobs  # noqa: E402
 from megamoe_backend.layer.device import p2p  # noqa: E402
 from megamoe_backend.layer.device.status import (  # noqa: E402
@@ -41,12 +45,14 @@ from megamoe_backend.transport.peer_arena import ArenaLayout, PeerArena  # noqa:
 SPEC = preset("dsv4-pro").scaled(hidden_size=128, moe_intermediate_size=128, n_routed_experts=8)
 K = SPEC.num_experts_per_tok
 H = SPEC.hidden_size
-GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28}
+# block-FP8 EP runs at hidden 256: two 1x128 groups a row, so a scale written at the wrong group changes the result
+SPEC_OF = {"fp8_block": SPEC.scaled(hidden_size=256)}
+GATES = {"bf16": 0.01, "a8w4": 0.10, "a4w4": 0.28, "fp8_block": 0.06}  # fp8_block: docs/block-fp8.md's gate
 
 
 def two_rank_arenas(fmt: str, mtpr: int = 8, combine: str = "bf16", hidden: int = H) -> list[PeerArena]:
     """Two ranks' arenas as two halves of one tensor (one process: the kernels only see offsets)."""
-    row_bytes = dispatch_wire(fmt).row_bytes(hidden)
+    row_bytes = a_format_wire(None if fmt == "bf16" else fmt).row_bytes(hidden)
     lay = ArenaLayout.build(2, mtpr, K, row_bytes, combine_wire(combine).row_bytes(hidden))
     whole = torch.zeros(2 * lay.total, dtype=torch.uint8)
     halves = [whole[: lay.total], whole[lay.total :]]
@@ -58,6 +64,8 @@ def reference_dispatch(x, ids, weights, owner, slot, fmt, rows_per_src, arenas):
     t = x.shape[0]
     if fmt == "bf16":
         rows = x.to(torch.bfloat16).view(torch.uint8).view(t, 2 * x.shape[1])
+    elif fmt == "fp8_g128":  # block-FP8's A format: e4m3, then the fp32 scales' bytes (formats.block_fp8)
+        rows = encode_group_rows(quantize_groups(x.float()))
     else:
         q = quantize_mx(x.float(), fmt)
         rows = torch.cat([q.data, q.scales], dim=1)
@@ -81,7 +89,8 @@ def reference_dispatch(x, ids, weights, owner, slot, fmt, rows_per_src, arenas):
 # pieces: 16 blocks (two pieces, the last partial), 32 and 64 (one piece, 12 / 44 blocks masked)
 @pytest.mark.parametrize("fmt,hidden,blocks", [("bf16", H, None), ("fp8", H, None), ("fp4", H, None), ("bf16", 640, None),
                                                ("fp8", 640, None), ("fp4", 640, None), ("fp8", 640, 16), ("fp4", 640, 32),
-                                               ("bf16", 640, 32), ("fp8", 640, 64)])
+                                               ("bf16", 640, 32), ("fp8", 640, 64), ("fp8_g128", H, None),
+                                               ("fp8_g128", 640, None), ("fp8_g128", 640, 16), ("fp8_g128", 1152, 32)])
 def test_dispatch_kernel_writes_rows_entries_and_tables(fmt, hidden, blocks):
     g = torch.Generator().manual_seed(5)
     t, rows_per_src = 5, 8
@@ -148,22 +157,22 @@ def test_an_idle_rank_dispatches_its_header_only():
     assert status.word.tolist() == [0, 0, 0, 0]
 
 
-@pytest.mark.parametrize("hidden,nan_col", [(H, 17), (640, 600)])  # 600: the last piece of a 640-wide row
-def test_dispatch_reports_the_first_bad_id_and_a_nan_row(hidden, nan_col):
+@pytest.mark.parametrize("hidden,nan_col,fmt", [(H, 17, "fp8"), (640, 600, "fp8"), (640, 600, "fp8_g128")])  # 600: the last piece
+def test_dispatch_reports_the_first_bad_id_and_a_nan_row(hidden, nan_col, fmt):
     t = 4
     x = torch.randn(t, hidden)
     x[2, nan_col] = float("nan")
     ids = torch.zeros(t, K, dtype=torch.int64)
     ids[1, 3] = 8
-    arenas = two_rank_arenas("fp8", hidden=hidden)
+    arenas = two_rank_arenas(fmt, hidden=hidden)
     owner, slot = torch.tensor([0] * 4 + [1] * 4), torch.tensor([0, 1, 2, 3] * 2)
     status = InputStatus(torch.device("cpu"), 8)
     args = (torch.full((8 * K,), -1), status.word)
-    p2p.dispatch(x, ids, torch.rand(t, K), owner, slot, 8, arenas[0], "fp8", hidden, *args, 4)
+    p2p.dispatch(x, ids, torch.rand(t, K), owner, slot, 8, arenas[0], fmt, hidden, *args, 4)
     assert status.word.tolist() == [BAD_EXPERT_ID, 4, 8, 1]  # token 1's program runs before token 2's here
     status.word.zero_()
     ids[1, 3] = 0
-    p2p.dispatch(x, ids, torch.rand(t, K), owner, slot, 8, arenas[0], "fp8", hidden, *args, 4)
+    p2p.dispatch(x, ids, torch.rand(t, K), owner, slot, 8, arenas[0], fmt, hidden, *args, 4)
     assert status.word.tolist()[0] == NONFINITE_INPUT and status.word.tolist()[3] == 2
     with pytest.raises(ValueError, match="hidden_states row 2 holds NaN/Inf"):
         status.host.copy_(status.word)
@@ -238,9 +247,10 @@ def _ep_worker(rank, world, quant, wire, combine, tokens, idle, mtpr):
     from megamoe_backend.workload import ProblemConfig, make_problem
     from megamoe_backend.workload.problem import local_weights
 
-    problem = make_problem(ProblemConfig(SPEC, tokens, world, seed=3, masked_fraction=0.2))
+    spec = SPEC_OF.get(quant, SPEC)
+    problem = make_problem(ProblemConfig(spec, tokens, world, seed=3, masked_fraction=0.2))
     knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, transport="ipc")
-    plan = build_plan(SPEC, knobs, rank, world, quant=quant, backends=("triton", "ipc"))
+    plan = build_plan(spec, knobs, rank, world, quant=quant, backends=("triton", "ipc"))
     weights = local_weights(problem.expert_weights(quant), plan.placement, rank)
     layer = MegaMoELayer(plan, weights, group=dist.group.WORLD, provider=TritonExperts(capacity=mtpr * K * world),
                          device_path=True)
@@ -248,6 +258,9 @@ def _ep_worker(rank, world, quant, wire, combine, tokens, idle, mtpr):
     hi = lo if rank in idle else lo + tokens
     inputs = (problem.x[lo:hi], problem.topk_ids[lo:hi], problem.topk_weights[lo:hi])
     arena = layer.workspace.arena
+    ws = layer.workspace
+    received = ws.wire.view(ws.recv_rows, spec.hidden_size)  # what the experts get: views of the arena rows, no copy per forward
+    views = getattr(received, "data", received).data_ptr() == ws.recv_rows.data_ptr()
     header = lambda: arena.view(arena.layout.header, 2 * world, torch.int64).tolist()  # noqa: E731  [B per source, T per source]
     out = layer(*inputs, max_tokens_across_ranks=tokens)
     layer.raise_if_bad_input()
@@ -256,7 +269,7 @@ def _ep_worker(rank, world, quant, wire, combine, tokens, idle, mtpr):
     unbounded = layer(*inputs)  # the same step sized by MEGA_MAX_TOKENS_PER_RANK
     layer.raise_if_bad_input()
     return {"out": out, "unbounded": unbounded, "bounded_header": bounded_header, "unbounded_header": header(),
-            "takes_token_bound": layer.takes_token_bound, "ws_type": type(layer.workspace).__name__, "arena": arena.name}
+            "takes_token_bound": layer.takes_token_bound, "views": views, "wire": ws.wire.mx, "ws_type": type(layer.workspace).__name__, "arena": arena.name}
 
 
 def _ep1(quant, wire, combine, tokens, world, idle, mtpr):
@@ -265,19 +278,23 @@ def _ep1(quant, wire, combine, tokens, world, idle, mtpr):
     from megamoe_backend.workload import ProblemConfig, make_problem
 
     clear_transport_cache()
-    problem = make_problem(ProblemConfig(SPEC, tokens, world, seed=3, masked_fraction=0.2))
-    plan = build_plan(SPEC, Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr * world), quant=quant)
+    spec = SPEC_OF.get(quant, SPEC)
+    problem = make_problem(ProblemConfig(spec, tokens, world, seed=3, masked_fraction=0.2))
+    plan = build_plan(spec, Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr * world), quant=quant)
     layer = MegaMoELayer(plan, problem.expert_weights(quant), provider=TritonExperts(capacity=mtpr * K * world), device_path=True)
     keep = torch.cat([torch.arange(r * tokens, (r + 1) * tokens) for r in range(world) if r not in idle])
     out = layer(problem.x[keep], problem.topk_ids[keep], problem.topk_weights[keep])
     ref = fp32_reference_moe(problem.x[keep], problem.topk_ids[keep], problem.topk_weights[keep],
-                             *problem.expert_weights(quant).dequantized(), "interleaved", SPEC.swiglu_limit)
+                             *problem.expert_weights(quant).dequantized(), "plain" if quant == "fp8_block" else "interleaved",
+                             spec.swiglu_limit)
     clear_transport_cache()
     return out, ref
 
 
 EP_CASES = [(2, ("bf16", "bf16", "bf16"), ()), (2, ("a8w4", "fp8", "fp8_blockwise_1x32"), ()),
-            (4, ("a4w4", "fp4", "bf16"), (1,)), (2, ("a8w4", "bf16", "bf16"), (0,))]
+            (4, ("a4w4", "fp4", "bf16"), (1,)), (2, ("a8w4", "bf16", "bf16"), (0,)),
+            # block-FP8: fp8_g128 rows quantised by the sender, on the fp8 wire and (the same rows) on the bf16 one
+            (2, ("fp8_block", "fp8", "bf16"), ()), (2, ("fp8_block", "bf16", "fp8_blockwise_1x32"), (1,))]
 
 
 @pytest.mark.parametrize("world,case,idle", EP_CASES, ids=[f"ep{w}-{'-'.join(c)}-idle{list(i)}" for w, c, i in EP_CASES])
@@ -287,6 +304,9 @@ def test_ep_forward_equals_the_ep1_device_forward(world, case, idle):
     tokens, mtpr = 5, 8  # max_tokens_across_ranks=5: the receive regions hold 5 rows per source, not 8
     results = spawn_ranks(world, _ep_worker, *case, tokens, idle, mtpr, timeout_s=900)
     assert all(r["ws_type"] == "P2PWorkspace" and r["arena"] == "ipc" and r["takes_token_bound"] for r in results)
+    assert all(r["views"] for r in results)
+    if case[0] == "fp8_block":  # the sender's fp8_g128 rows travel whatever MEGA_DISPATCH_WIRE says (bf16: the same bits)
+        assert all(r["wire"] == "fp8_g128" for r in results)
     sent = [0 if r in idle else tokens for r in range(world)]
     for r in results:  # every source sized its region by the bound, then by MTPR without it
         assert r["bounded_header"] == [tokens] * world + sent, r["bounded_header"]

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from ...experts.triton.config import interpreting
 from ...experts.triton.mxjit import round_bf16
-from ...experts.triton.quant import quantize_blocks
+from ...experts.triton.quant import quantize_blocks, quantize_g128
 from .status import BAD_EXPERT_ID, NONFINITE_INPUT, PEER_TIMEOUT, ROWS_MISMATCH
 
 PIECE_BLOCKS = (8, 16, 32)  # 32-element blocks quantised per program (a piece of a row), narrowest first
@@ -109,7 +109,11 @@ def _dispatch_kernel(
                 tl.store(arena_i64 + (off >> 3) + header_e + ep + me, n_tokens.to(tl.int64))
 
     # this program's piece of the row, quantised once, to each owning rank
-    if tl.sum(known.to(tl.int32), axis=0) > 0:
+    if FMT == "fp8_g128":
+        if tl.sum(known.to(tl.int32), axis=0) > 0:
+            _dispatch_groups(x_ptr, stride_x, t, piece, owner, known, ep, arena_u8, arena_f32, peer_off_ptr,
+                             rows_b + (me * rows_per_src + t) * row_bytes, status_ptr, layer_id, H, BLOCKS // 4, HW_CVT)
+    elif tl.sum(known.to(tl.int32), axis=0) > 0:
         row_at = rows_b + (me * rows_per_src + t) * row_bytes
         col = tl.arange(0, 32)
         blk = piece * BLOCKS + tl.arange(0, BLOCKS)
@@ -138,6 +142,28 @@ def _dispatch_kernel(
         if FMT != "bf16":
             if n_nan > 0:
                 _record(status_ptr, _NAN_ROW, layer_id, t * 0, t)
+
+
+@triton.jit
+def _dispatch_groups(x_ptr, stride_x, t, piece, owner, known, ep, arena_u8, arena_f32, peer_off_ptr, row_at, status_ptr,
+                     layer_id, H: tl.constexpr, GROUPS: tl.constexpr, HW_CVT: tl.constexpr):
+    """The block-FP8 A format (``fp8_g128``) for a piece of GROUPS x 128 columns (the piece of BLOCKS x 32 columns
+    the other formats take, so the grid is the same): e4m3 bytes at the row's columns, the groups' fp32 scales
+    after the H payload bytes, by the experts' own group quantiser (quant.quantize_g128: formats.block_fp8
+    bit for bit), to each owning rank. The scales' byte offset is a multiple of 4 (the arena's ALIGN, the
+    row stride H + H / 32 and H are, since H % 128 == 0), so they are stored as fp32 words."""
+    col = tl.arange(0, 128)
+    grp = piece * GROUPS + tl.arange(0, GROUPS)
+    gm = grp < H // 128
+    x = tl.load(x_ptr + t * stride_x + grp[:, None] * 128 + col[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+    payload, scales = quantize_g128(x, HW_CVT)
+    for r in range(ep):
+        if tl.sum((known & (owner == r)).to(tl.int32), axis=0) > 0:
+            off = tl.load(peer_off_ptr + r)
+            tl.store(arena_u8 + off + row_at + grp[:, None] * 128 + col[None, :], payload, mask=gm[:, None])
+            tl.store(arena_f32 + ((off + row_at + H) >> 2) + grp, scales, mask=gm)
+    if tl.sum(((scales != scales) & gm).to(tl.int32), axis=0) > 0:  # a group holding NaN / Inf: a NaN scale
+        _record(status_ptr, _NAN_ROW, layer_id, t * 0, t)
 
 
 @triton.jit
@@ -237,12 +263,16 @@ def blocks_per_program(tokens: int, hidden: int, widths: tuple[int, ...] = PIECE
 def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor,
              rows_per_src: int, arena, fmt: str, hidden: int, pair_live: torch.Tensor, status_word: torch.Tensor,
              layer_id: int, blocks: int | None = None) -> None:
-    """Launch the dispatch (module docstring); ``fmt``: the rows' format on the wire (bf16 | fp8 | fp4);
-    ``blocks``: 32-element blocks per program (default :func:`blocks_per_program`; a power of two)."""
+    """Launch the dispatch (module docstring); ``fmt``: the rows' format on the wire (bf16 | fp8 | fp4 MX |
+    fp8_g128, the block-FP8 A format: WireFormat.mx); ``blocks``: 32-element blocks per program (default
+    :func:`blocks_per_program`; a power of two; fp8_g128 takes them as blocks / 4 groups of 128, so at least 4)."""
     t, k = topk_ids.shape
     blocks = blocks or blocks_per_program(t, hidden)
     if blocks & (blocks - 1):
         raise ValueError(f"dispatch blocks per program must be a power of two, got {blocks}")
+    if fmt == "fp8_g128" and (blocks < 4 or hidden % 128):
+        raise ValueError(f"fp8_g128 dispatch needs hidden % 128 == 0 and >= 4 blocks (one 128 group) per program, "
+                         f"got hidden={hidden}, blocks={blocks}")
     lay = arena.layout
     local = arena.local
     _dispatch_kernel[(max(t, 1), triton.cdiv(hidden // 32, blocks) if t else 1)](

@@ -27,7 +27,6 @@ import math
 import torch
 
 from ...experts.scratch import ExpertsScratch
-from ...formats import dispatch_wire
 from ...formats.wire import a_format_wire
 from ...plan import LayerPlan
 from .status import InputStatus
@@ -53,10 +52,10 @@ def device_buffers(plan: LayerPlan) -> dict[str, Shape]:
 
 def p2p_arena_layout(plan: LayerPlan):
     """The peer arena of the device P2P forward (ep_size > 1): the A operand's rows travel (bf16, or fp8 /
-    fp4 quantised once by the sender), GEMM2's rows come back in the combine wire."""
+    fp4 MX or block-FP8's fp8_g128 quantised once by the sender), GEMM2's rows come back in the combine wire."""
     from ...transport.peer_arena import ArenaLayout
 
-    row_bytes = dispatch_wire(plan.math.a_format or "bf16").row_bytes(plan.hidden)
+    row_bytes = a_format_wire(plan.math.a_format).row_bytes(plan.hidden)
     return ArenaLayout.build(plan.ep_size, plan.mtpr, plan.topk, row_bytes, plan.combine.row_bytes(plan.hidden))
 
 
@@ -140,8 +139,9 @@ class P2PWorkspace(_Workspace):
 
         super().__init__(plan, device)
         self.ep = plan.ep_size
-        # what travels: the A operand's rows (bf16, or fp8 / fp4 quantised once by the sender)
-        self.wire = dispatch_wire(plan.math.a_format or "bf16")
+        # what travels: the A operand's rows (bf16, or fp8 / fp4 MX or fp8_g128 quantised once by the sender),
+        # whatever MEGA_DISPATCH_WIRE says: the bf16 wire's receiver quantisation gives the same bits
+        self.wire = a_format_wire(plan.math.a_format)
         row_bytes = self.wire.row_bytes(self.hidden)
         self.layout = p2p_arena_layout(plan)
         self.arena = make_arena(plan.backends.transport, self.layout, group, self.device)

@@ -75,7 +75,7 @@ class P2PForward(WorkspaceForward):
         word, index = ws.status.word, self.status_index
 
         dispatch(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), self.owner, self.slot, rows, ws.arena,
-                 ws.wire.name, hidden, ws.pair_live, word, index)
+                 ws.wire.mx or "bf16", hidden, ws.pair_live, word, index)
         yield "dispatch"
         yield self._barrier(0, rows, budget)
         pairs = ExpertPairs(row=ws.pair_row[:n_pairs], slot=ws.recv_slot[:n_pairs], weight=ws.recv_weight[:n_pairs],
