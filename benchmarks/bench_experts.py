@@ -550,11 +550,15 @@ def run(args: argparse.Namespace) -> int:
                     cases.append(c)
                     print_case(c)
                     save(args.json, meta, cases, variants)
+                    ids, route_w = pairs.slot.view(tokens, topk), pairs.weight.view(tokens, topk)
                     if block_peer is not None:
-                        r = block_peer.run(blk, x, pairs.slot.view(tokens, topk), pairs.weight.view(tokens, topk), limit,
-                                           tc.of_tokens)
-                        peer_results.append(r)
-                        save(args.json, meta, cases, variants, peer_results)
+                        peer_results.append(block_peer.run(blk, x, ids, route_w, limit, tc.of_tokens))
+                    block_peers = [peer for peer in ready_peers if peer.weights_fmt == "fp8_block"]
+                    if block_peers:
+                        shape = peer_bench.PeerShape(hidden, inter, topk, limit)
+                        peer_results += peer_bench.run_peers(block_peers, blk, shape, x, ids, route_w, tc.of_tokens,
+                                                             max_tokens=max(args.tokens))
+                    save(args.json, meta, cases, variants, peer_results)
                     continue
                 math = ExpertMath(quant, limit)
                 a_fmt = math.a_format
@@ -605,10 +609,11 @@ def run(args: argparse.Namespace) -> int:
                 cases.append(c)
                 print_case(c)
                 save(args.json, meta, cases, variants)
-            if ready_peers:
+            mxfp4_peers = [peer for peer in ready_peers if peer.weights_fmt == "mxfp4"]
+            if mxfp4_peers:
                 shape = peer_bench.PeerShape(hidden, inter, topk, limit)
                 ids, route_w = pairs.slot.view(tokens, topk), pairs.weight.view(tokens, topk)
-                for r in peer_bench.run_peers(ready_peers, fp4, shape, x, ids, route_w, tokens_check.of_tokens,
+                for r in peer_bench.run_peers(mxfp4_peers, fp4, shape, x, ids, route_w, tokens_check.of_tokens,
                                               max_tokens=max(args.tokens)):
                     peer_ratios(r, cases, meta["ceilings"], active, hidden, inter)
                     peer_results.append(r)

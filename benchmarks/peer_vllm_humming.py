@@ -46,6 +46,15 @@ Buffers are allocated once in ``bind`` (the shapes ``get_buffer_metas`` gives); 
 values (``valid_shape_m``, block sizes) are fixed there, so the call is capturable in one CUDA graph the
 way the bench times peers. Not covered: EP (vLLM then runs ``HummingGroupedExperts``, another GEMM type).
 
+Block-FP8 twin (``vllm_humming_block_fp8``, ``make_peer("fp8_block")``): the same six steps on a DeepSeek V3 / R1
+FP8 checkpoint's experts (e4m3, fp32 ``weight_scale_inv`` per 128 x 128 block, rows [gate; up]), with the weight
+schema ``_humming_fp8_weight_schema`` gives for them (``{"quant_method": "fp8", "weight_block_size": [128, 128]}``:
+humming repeats each block scale over its 128 rows, in bf16) and the same group-128 FP8 activations, i.e. humming's
+``(kFp8Static128BlockSym, kFp8Dynamic128Sym)`` pair. vLLM runs it with ``--moe-backend humming`` and an FP8 input
+config (``VLLM_HUMMING_INPUT_QUANT_CONFIG``; without one humming reads bf16 activations); its Hopper default for
+block-FP8 is Triton at ep_size 1 and FlashInfer CUTLASS under EP (``oracle/fp8.py``). It answers how fast
+humming's block-FP8 GEMMs run on these shapes, beside the project's and vLLM's Triton ones.
+
 Needs: the vLLM 0.34 bundle (``. .engine-gpu/setup_device.sh .engine-gpu``), humming-kernels (``.whl``),
 a CUDA sm_90 GPU; otherwise the peer is skipped with the reason.
 """
@@ -60,6 +69,9 @@ import torch
 from megamoe_backend.experts import ExpertWeights
 
 PEER = "vllm_humming"
+# weights fmt -> (peer name, humming weight schema config as vLLM builds it for that checkpoint)
+SCHEMES = {"mxfp4": (PEER, {"quant_method": "mxfp4"}),
+           "fp8_block": ("vllm_humming_block_fp8", {"quant_method": "fp8", "weight_block_size": [128, 128]})}
 GROUP = 128  # kFp8Dynamic128Sym: one fp32 scale per 128 activation columns
 DEFAULT_BLOCK = 64  # HummingIndexedExperts: "No tuning config found ... using default block_size=64"
 BUNDLE_FIX = ("on the GPU machine: . .engine-gpu/setup_device.sh .engine-gpu (vLLM 0.34 bundle) and "
@@ -96,10 +108,25 @@ def to_vllm_mxfp4(w: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return plain(w.w1), plain(w.w1_scale), w.w2.contiguous(), w.w2_scale.contiguous()
 
 
-def _unavailable(reason: str):
+def checkpoint_tensors(w: ExpertWeights) -> tuple[dict, dict]:
+    """The sublayers' checkpoint tensors as vLLM hands them to humming's schema: MXFP4 (``to_vllm_mxfp4``) ->
+    ``weight`` / ``weight_scale``; block-FP8 -> ``weight`` [E, N, K] e4m3 / ``weight_scale_inv`` [E, N/128, K/128]
+    fp32 (plain [gate; up] rows, as the checkpoint and the project's fp8_block weights hold them)."""
+    if w.fmt == "mxfp4":
+        w13, s13, w2, s2 = to_vllm_mxfp4(w)
+        return {"weight": w13, "weight_scale": s13}, {"weight": w2, "weight_scale": s2}
+    if w.fmt == "fp8_block":
+        if w.gate_up_layout != "plain":
+            raise ValueError(f"{SCHEMES['fp8_block'][0]}: block-FP8 weights must hold [gate; up] rows")
+        return ({"weight": w.w1.contiguous(), "weight_scale_inv": w.w1_scale.float().contiguous()},
+                {"weight": w.w2.contiguous(), "weight_scale_inv": w.w2_scale.float().contiguous()})
+    raise ValueError(f"{PEER}: weights fmt {w.fmt!r}; expected one of {tuple(SCHEMES)}")
+
+
+def _unavailable(reason: str, name: str = PEER):
     from .peers import PeerUnavailable
 
-    return PeerUnavailable(f"{PEER}: {reason}")
+    return PeerUnavailable(f"{name}: {reason}")
 
 
 def _import_stack() -> dict:
@@ -146,38 +173,40 @@ def _env_flag(envs, name: str) -> bool:
         return False
 
 
-def make_peer():
-    """The peer, or PeerUnavailable: imports first (the reason a CPU box gives), then the GPU. Any other
-    failure while making it is a skip with its reason too: the bench must not stop for this peer."""
+def make_peer(fmt: str = "mxfp4"):
+    """The peer for weights ``fmt`` (SCHEMES), or PeerUnavailable: imports first (the reason a CPU box gives),
+    then the GPU. Any other failure while making it is a skip with its reason too: the bench must not stop."""
     from .peers import PeerUnavailable
 
     try:
-        return _make_peer()
+        return _make_peer(fmt)
     except PeerUnavailable:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise _unavailable(f"could not be made ({type(exc).__name__}: {str(exc)[:300]})") from None
+        raise _unavailable(f"could not be made ({type(exc).__name__}: {str(exc)[:300]})", SCHEMES[fmt][0]) from None
 
 
-def _make_peer():
+def _make_peer(fmt: str):
     from .peers import Peer, _require_cuda
 
+    peer_name, schema_config = SCHEMES[fmt]
     stack = _import_stack()
     try:
         from megamoe_backend.experts.humming import library
     except Exception:  # noqa: BLE001
         library = None
-    device = _require_cuda(PEER)
+    device = _require_cuda(peer_name)
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
-        raise _unavailable(f"sm_{major}{minor}: the peer is vLLM's Hopper (sm_90) MXFP4 path")
+        raise _unavailable(f"sm_{major}{minor}: the peer is vLLM's Hopper (sm_90) humming path", peer_name)
     if library is not None:
         why = library.probe(device)
         if why:
-            raise _unavailable(why)
+            raise _unavailable(why, peer_name)
 
     class VllmHumming(Peer):
-        name = PEER
+        name = peer_name
+        weights_fmt = fmt
 
         def __init__(self) -> None:
             super().__init__()
@@ -187,7 +216,8 @@ def _make_peer():
             self.f16_accum = _env_flag(stack["envs"], "VLLM_HUMMING_USE_F16_ACCUM")
             self.compute = {"use_batch_invariant": self.batch_invariant, "use_f16_accum": self.f16_accum,
                             "gemm_type": stack["GemmType"].INDEXED.value}
-            self.config = (f"HummingIndexedExperts (no EP): MXFP4 weights (humming mxfp4 schema) x FP8 e4m3 group-128 "
+            self.config = (f"HummingIndexedExperts (no EP): {fmt} weights (humming schema {json.dumps(schema_config)}) x "
+                           f"FP8 e4m3 group-128 "
                            f"activations (kFp8Dynamic128Sym), compute {json.dumps(self.compute)}, tuning "
                            "get_heuristics_config (no autotuner); A quant: vLLM's Triton per_token_group_quant_fp8 "
                            "kernel (the bundle zeroes the CUDA op vLLM prefers); one CUDA graph")
@@ -200,10 +230,10 @@ def _make_peer():
             self.layers = None
             self.loaded_key = None
 
-        def _sublayer(self, name, weight, scale, shape_n, shape_k, stacks_n, num_experts):
+        def _sublayer(self, name, tensors, shape_n, shape_k, stacks_n, num_experts):
             s = self.s
-            weight_schema = s["BaseWeightSchema"].from_config({"quant_method": "mxfp4"})
-            tensors = {"weight": weight, "weight_scale": scale}
+            weight = tensors["weight"]
+            weight_schema = s["BaseWeightSchema"].from_config(dict(schema_config))
             wschema, tensors = weight_schema.convert_humming(
                 tensors=tensors, shape_n_stacks=stacks_n, shape_k_stacks=[shape_k], param_dtype=torch.bfloat16,
                 num_experts=num_experts)
@@ -223,7 +253,7 @@ def _make_peer():
                                                 gemm_type=s["GemmType"].INDEXED)
             mode = config.input_quant_mode
             if not (mode.should_quantize and mode.has_group_scale and config.input_scale_group_size == GROUP):
-                raise RuntimeError(f"{PEER} {name}: humming config is not FP8 group-{GROUP} input "
+                raise RuntimeError(f"{peer_name} {name}: humming config is not FP8 group-{GROUP} input "
                                    f"({mode}, group {config.input_scale_group_size})")
             return {"config": config, "tensors": out, "tuning": tuning, "tuning_str": json.dumps(tuning),
                     "hadamard": getattr(wschema, "hadamard_block_size", 1)}
@@ -232,20 +262,20 @@ def _make_peer():
             from .peers import weights_key
 
             if ep_size != 1:
-                raise RuntimeError(f"{PEER}: EP ranks not covered (vLLM runs HummingGroupedExperts under EP)")
+                raise RuntimeError(f"{peer_name}: EP ranks not covered (vLLM runs HummingGroupedExperts under EP)")
             key = weights_key(weights)
             self.experts, self.shape, self.ep_size, self.ep_rank = weights.num_experts, shape, 1, 0
             if key == self.loaded_key and self.layers is not None:
                 return
             self.release()
             torch.cuda.empty_cache()
-            w13, s13, w2, s2 = to_vllm_mxfp4(weights.to(self.device))
+            t13, t2 = checkpoint_tensors(weights.to(self.device))
             e, inter, hidden = weights.num_experts, shape.intermediate, shape.hidden
             with torch.cuda.device(self.device):
-                l13 = self._sublayer("w13", w13, s13, 2 * inter, hidden, [inter, inter], e)
-                del w13, s13
-                l2 = self._sublayer("w2", w2, s2, hidden, inter, [hidden], e)
-                del w2, s2
+                l13 = self._sublayer("w13", t13, 2 * inter, hidden, [inter, inter], e)
+                del t13
+                l2 = self._sublayer("w2", t2, hidden, inter, [hidden], e)
+                del t2
                 self.locks = self.s["create_humming_locks"](self.device)
             act_cfg = self.s["ApplyMoEActivationConfig"](clamp_limit=shape.swiglu_limit)
             self.activation = self.s["get_humming_activation"](self.s["MoEActivation"].SILU, act_cfg)
@@ -268,7 +298,7 @@ def _make_peer():
             t, k = ids.shape
             hidden, inter = self.shape.hidden, self.shape.intermediate
             if hidden % GROUP:
-                raise RuntimeError(f"{PEER}: hidden {hidden} is not a multiple of {GROUP}")
+                raise RuntimeError(f"{peer_name}: hidden {hidden} is not a multiple of {GROUP}")
             ids32, w32 = ids.to(torch.int32).contiguous(), weights.float().contiguous()
             vm = valid_shape_m(t, k, self.experts, self.experts)
             bs1 = pick_block_size(self.layers["w13"]["tuning"], vm)

@@ -14,6 +14,12 @@ What a vLLM / SGLang user serving MXFP4 experts on Hopper gets when they do not 
   HummingIndexedExperts, block-FP8 group-128 activations), from the carried vLLM bundle
   (benchmarks/peer_vllm_humming.py): vLLM 0.33 / 0.34's default on Hopper.
 
+For block-FP8 experts (``bench experts --schemes fp8_block``; weights_fmt "fp8_block"):
+
+- ``vllm_humming_block_fp8``: the same humming path on a DeepSeek V3 / R1 FP8 checkpoint's experts (128 x 128
+  weight blocks x group-128 FP8 activations), vLLM's ``--moe-backend humming`` (not its Hopper default, which
+  is Triton at ep_size 1: peer_vllm_block_fp8.py, run beside every fp8_block case).
+
 benchmarks/engine_ratios.py names them the same way in the table a user reads.
 
 Each is timed the way its users run it: FlashInfer autotuned on the first call of each token bucket
@@ -58,7 +64,8 @@ from .gpu_clock import ClockSampler
 from .peer_weights import to_flashinfer, to_triton_kernels
 from .timing import graph_or_eager, time_fn, time_isolated
 
-PEER_NAMES = ("flashinfer_humming", "flashinfer_w4a16", "triton_kernels", "vllm_humming")
+PEER_NAMES = ("flashinfer_humming", "flashinfer_w4a16", "triton_kernels", "vllm_humming")  # MXFP4 experts
+BLOCK_FP8_PEER_NAMES = ("vllm_humming_block_fp8",)  # block-FP8 experts (bench experts --schemes fp8_block)
 PEERS_README = "../shared/peers/README.md"
 HUMMING_EPILOGUE_COMPENSATION = 64.0  # FlashInfer: residual x 2^6 into quant-scale slots 1 / 4 (prepare.py)
 PREPARE_CHUNK_EXPERTS = 8  # Humming's payload rewrite widens codes to int64: bound its temporaries
@@ -115,8 +122,8 @@ class PeerResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--peers", nargs="*", choices=PEER_NAMES, default=None,
-                        help="also time the peers a user would run instead (all importable ones without names; "
+    parser.add_argument("--peers", nargs="*", choices=PEER_NAMES + BLOCK_FP8_PEER_NAMES, default=None,
+                        help="also time the peers a user would run instead (all importable MXFP4 ones without names; "
                              f"{PEERS_README} says how to carry them to the GPU); absent ones are listed as skipped")
     parser.add_argument("--peer-tune-cache", default=None, metavar="JSON",
                         help="FlashInfer's autotune cache file (flashinfer.autotune(cache=...)): read on entry, "
@@ -132,6 +139,7 @@ class Peer:
     version = ""
     config = ""
     scope = ""
+    weights_fmt = "mxfp4"  # the ExpertWeights fmt ``load`` takes: the bench hands each peer its scheme's weights
 
     def __init__(self) -> None:
         self.loaded_key = None
@@ -537,11 +545,11 @@ def make_peer(name: str, tune_cache: str | None = None) -> Peer:
         return FlashInferCutlass("w4a16", tune_cache)
     if name == "triton_kernels":
         return TritonKernelsOGS()
-    if name == "vllm_humming":  # vLLM 0.34's Hopper MXFP4 experts (humming, block-FP8 A): peer_vllm_humming.py
+    if name in ("vllm_humming", "vllm_humming_block_fp8"):  # vLLM 0.34's humming experts: peer_vllm_humming.py
         from .peer_vllm_humming import make_peer as make_vllm_humming
 
-        return make_vllm_humming()
-    raise ValueError(f"unknown peer {name!r}; expected one of {PEER_NAMES}")
+        return make_vllm_humming("mxfp4" if name == "vllm_humming" else "fp8_block")
+    raise ValueError(f"unknown peer {name!r}; expected one of {PEER_NAMES + BLOCK_FP8_PEER_NAMES}")
 
 
 def select(names: list[str] | None, tune_cache: str | None = None) -> tuple[list[Peer], list[Skipped]]:

@@ -92,6 +92,32 @@ def test_weights_in_vllm_checkpoint_layout_gate_then_up(layout):
     assert torch.equal(w2, ref.w2) and torch.equal(s2, ref.w2_scale)
 
 
+def test_block_fp8_checkpoint_tensors_are_the_checkpoints_own():
+    """The block-FP8 twin hands humming the checkpoint's tensors under the names its fp8 schema reads
+    (``weight`` / ``weight_scale_inv``), [gate; up] rows as they are; interleaved rows or another fmt refused."""
+    from benchmarks.bench_experts import make_block_fp8_weights
+
+    _, bf16 = make_weights(2, 256, 128, torch.device("cpu"), seed=4)
+    blk, _ = make_block_fp8_weights(bf16)
+    t13, t2 = pvh.checkpoint_tensors(blk)
+    assert set(t13) == set(t2) == {"weight", "weight_scale_inv"}
+    assert torch.equal(t13["weight"].view(torch.uint8), blk.w1.view(torch.uint8))
+    assert torch.equal(t13["weight_scale_inv"], blk.w1_scale) and t13["weight_scale_inv"].dtype == torch.float32
+    assert t13["weight_scale_inv"].shape == (2, 2, 2) and t2["weight_scale_inv"].shape == (2, 2, 1)
+    assert torch.equal(t2["weight"].view(torch.uint8), blk.w2.view(torch.uint8))
+    assert pvh.SCHEMES["fp8_block"][1] == {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match="gate; up"):
+        pvh.checkpoint_tensors(type(blk)(**{**blk.__dict__, "gate_up_layout": "interleaved"}))
+    with pytest.raises(ValueError, match="weights fmt 'bf16'"):
+        pvh.checkpoint_tensors(bf16)
+
+
+def test_the_block_fp8_twin_is_named_and_skipped_with_its_own_name(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    ready, skipped = peers.select(["vllm_humming_block_fp8"])
+    assert not ready and skipped[0].peer == "vllm_humming_block_fp8"
+
+
 def test_smoke_main_records_the_skip(tmp_path, monkeypatch):
     import json
 

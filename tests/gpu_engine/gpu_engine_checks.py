@@ -200,18 +200,44 @@ HUMMING_RUNS = {
 def humming_verdicts(record: dict, model_dirs: dict[str, Path]) -> list[tuple[str, bool, str]]:
     """(label, ok, line) for the HUMMING_RUNS record: each MegaMoE run within the A8W4 bound of the default
     backend, served as its graph mode says, and its startup line naming the humming provider."""
+    return served_runs_verdicts(record, "default-twin-eager", ("hum-a8w4-eager", "hum-a8w4-fdo"), model_dirs["a8w4"],
+                                "a8w4", ("on humming-kernels", "experts_provider=humming"))
+
+
+# A DeepSeek V3 / R1-style block-FP8 checkpoint served (issue 61): MegaMoE on the fp8 checkpoint, eager and under
+# FULL decode graphs, against vLLM's default backend on its bf16 twin (the same weight values, bf16 activations),
+# bounded at the fp8_block layer gate; the startup line must name the block-FP8 scheme.
+# `bash tests/gpu_engine/run_on_device.sh runs OUT 380 $(specs BLOCK_FP8_RUNS)`.
+BLOCK_FP8_RUNS = {
+    "default-fp8twin-eager": "fp8twin:default:eager",
+    "mega-fp8-eager": "fp8:megamoe_ep:eager:MEGA_DISPATCH_WIRE=fp8",
+    "mega-fp8-fdo": "fp8:megamoe_ep:full_decode_only:MEGA_DISPATCH_WIRE=fp8",
+}
+
+
+def block_fp8_verdicts(record: dict, model_dirs: dict[str, Path]) -> list[tuple[str, bool, str]]:
+    """(label, ok, line) for the BLOCK_FP8_RUNS record: each MegaMoE run within the fp8_block bound of the default
+    backend on the twin, served as its graph mode says, its startup line naming quant=fp8_block."""
+    return served_runs_verdicts(record, "default-fp8twin-eager", ("mega-fp8-eager", "mega-fp8-fdo"), model_dirs["fp8"],
+                                "fp8_block", ("on block-FP8 experts", "quant=fp8_block"))
+
+
+def served_runs_verdicts(record: dict, reference: str, megas: tuple[str, ...], model_dir: Path, quant: str,
+                         startup: tuple[str, str]) -> list[tuple[str, bool, str]]:
+    """(label, ok, line) per MegaMoE run of ``megas`` (the first is eager: its rhos bound them all): within
+    ``quant``'s bound of ``reference``, served as its graph mode says, and every startup line holding
+    ``startup[1]`` (reported as ``startup[0]``)."""
     runs, out = record["runs"], []
-    for name in ("hum-a8w4-eager", "hum-a8w4-fdo"):
+    for name in megas:
         try:
-            c = compare(runs, "default-twin-eager", name, "hum-a8w4-eager", model_dirs["a8w4"], "a8w4")
+            c = compare(runs, reference, name, megas[0], model_dir, quant)
             out.append((c.label, c.ok, c.line()))
         except AssertionError as exc:
-            out.append((f"{name} vs default-twin-eager", False, str(exc)[:2000]))
+            out.append((f"{name} vs {reference}", False, str(exc)[:2000]))
         problems = served_inside_capture(runs[name], graphs_of(name))
         out.append((f"{name} served", not problems, "; ".join(problems) or "startup line and op calls as expected"))
         lines = runs[name].get("startup_lines") or [""]
-        humming = all("experts_provider=humming" in line for line in lines)
-        out.append((f"{name} on humming-kernels", humming, lines[0][:300]))
+        out.append((f"{name} {startup[0]}", all(startup[1] in line for line in lines), lines[0][:300]))
     return out
 
 

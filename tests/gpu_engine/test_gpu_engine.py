@@ -27,12 +27,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from gpu_engine_checks import MATRIX, dp_matches_ep1, humming_verdicts, peer_kill_ended, pending_of, verdicts  # noqa: E402
+from gpu_engine_checks import (MATRIX, block_fp8_verdicts, dp_matches_ep1, humming_verdicts, peer_kill_ended,  # noqa: E402
+                               pending_of, verdicts)
 
 RECORD = ROOT / "benchmarks" / "results" / "gpu_engine_h100.json"
 DP_RECORD = ROOT / "benchmarks" / "results" / "gpu_engine_dp_h100.json"
 KILL_RECORD = ROOT / "benchmarks" / "results" / "gpu_engine_kill_h100.json"
 HUMMING_RECORD = ROOT / "benchmarks" / "results" / "gpu_engine_humming_h100.json"
+BLOCK_FP8_RECORD = ROOT / "benchmarks" / "results" / "gpu_engine_block_fp8_h100.json"
 
 
 def _gpu_engine_skip_reason() -> str | None:
@@ -54,7 +56,7 @@ def model_dirs(tmp_path_factory):
     sys.path.insert(0, str(ROOT / "tests" / "vllm"))
     from run_matrix import build_models
 
-    return build_models(tmp_path_factory.mktemp("gpu-engine-models"), {"bf16", "twin", "a8w4", "a4w4"})
+    return build_models(tmp_path_factory.mktemp("gpu-engine-models"), {"bf16", "twin", "a8w4", "a4w4", "fp8"})
 
 
 def _assert_all(results):
@@ -175,3 +177,22 @@ def test_humming_checks_fail_on_planted_mutations(model_dirs, mutation):
     else:
         rec["result"]["forced"] = [[x - 0.5 for x in seq] for seq in rec["result"]["forced"]]
     assert not all(ok for _, ok, _ in humming_verdicts(record, model_dirs))
+
+
+def test_recorded_block_fp8_runs_inside_the_engine(model_dirs):
+    """A block-FP8 (DeepSeek V3 / R1-style) checkpoint served by MegaMoE inside vLLM on the GPU, eager and under FULL
+    decode graphs, within the fp8_block bound of vLLM's default backend on the bf16 twin."""
+    _assert_all(block_fp8_verdicts(json.loads(BLOCK_FP8_RECORD.read_text()), model_dirs))
+
+
+@pytest.mark.parametrize("mutation", ["not-block-fp8", "logprobs-shifted", "never-captured"])
+def test_block_fp8_checks_fail_on_planted_mutations(model_dirs, mutation):
+    record = json.loads(BLOCK_FP8_RECORD.read_text())
+    rec = record["runs"]["mega-fp8-fdo"]
+    if mutation == "not-block-fp8":
+        rec["startup_lines"] = [line.replace("quant=fp8_block", "quant=bf16") for line in rec["startup_lines"]]
+    elif mutation == "logprobs-shifted":
+        rec["result"]["forced"] = [[x - 0.5 for x in seq] for seq in rec["result"]["forced"]]
+    else:
+        rec["result"]["op_calls"]["captured"] = 0
+    assert not all(ok for _, ok, _ in block_fp8_verdicts(record, model_dirs))

@@ -123,14 +123,15 @@ FRAG8_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
 # Block-FP8 (decoder "block_fp8": e4m3 weights in 128 x 128 blocks, A in 1 x 128 groups). The scales change every
 # 128 of K, so block_k is 128 (one weight block and one A group per K step, scales applied per step as vLLM's
 # Triton fused_moe does); block_n1 256 = 128 gate + 128 up rows, so GEMM1's epilogue holds whole 1 x 128 groups
-# of A2 (GEMM1's epilogue). Not tuned on a GPU yet: each K step's MMA result is a second accumulator-sized
-# tensor beside the accumulator (it is scaled before it is added), so the tiles keep both near 128 registers a
-# thread: decode BM 16, mid BM 32 (4 warps), prefill BM 64 (8 warps). vLLM's default block-FP8 config is
-# BM 64 x BN 128 x BK 128, 4 warps, 3 stages.
+# of A2 (GEMM1's epilogue). Each K step's MMA result is a second accumulator-sized tensor beside the accumulator (it
+# is scaled before it is added), so the tiles keep both near 128 registers a thread: decode BM 16, mid BM 32 (4 warps),
+# prefill BM 64 (8 warps). Prefill's GEMM2 takes BN 256 (a sweep on an H100, 32 DeepSeek V3 experts,
+# benchmarks/research/block_fp8_tiles.py -> benchmarks/results/h100_block_fp8_tiles.json: 8192 tokens 12474 -> 11281 µs,
+# 1024 tokens 1794 -> 1634 µs; BM 128 spills, 2.5-2.7x slower; BM 256 or BN1 512 exceed shared memory).
 BLOCK_FP8_BUCKETS: tuple[tuple[float, TileConfig], ...] = (
     (13.0, TileConfig(block_m=16, block_n1=256, block_n2=128, block_k=128, num_warps=4, num_stages=4)),
     (48.0, TileConfig(block_m=32, block_n1=256, block_n2=128, block_k=128, num_warps=4, num_stages=3)),
-    (float("inf"), TileConfig(block_m=64, block_n1=256, block_n2=128, block_k=128, num_warps=8, num_stages=3)),
+    (float("inf"), TileConfig(block_m=64, block_n1=256, block_n2=256, block_k=128, num_warps=8, num_stages=3)),
 )
 BLOCK_FP8_GROUP = 128  # the A group / weight block edge every block_fp8 tile config must step by
 # block_k 128 is shrunk to divide K (reduction_block), so it is also frag8's fixed K step where K allows
