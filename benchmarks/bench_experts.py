@@ -129,7 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "CUDA GEMMs are research code: benchmarks/research/cuda_gemms)")
     parser.add_argument("--humming", action="store_true",
                         help="also time the humming provider (experts/humming/: humming-kernels' GEMMs, what "
-                             "MEGA_EXPERTS_GEMM=humming runs) beside the Triton experts, A8W4 (needs sm_90 and humming-kernels)")
+                             "MEGA_EXPERTS_GEMM=humming runs) beside the Triton experts, A8W4 and fp8_block (needs sm_90 "
+                             "and humming-kernels)")
     parser.add_argument("--no-baseline", action="store_true", help="skip torch._grouped_mm")
     parser.add_argument("--no-block-fp8-peer", action="store_true",
                         help="with --schemes fp8_block: skip vLLM's Triton block-FP8 fused_experts (peer_vllm_block_fp8.py)")
@@ -486,16 +487,18 @@ def run(args: argparse.Namespace) -> int:
         return by_kind.setdefault(w.storage, w)
 
     mx_math, bf16_math = ExpertMath("a8w4", limit), ExpertMath("bf16", limit)
-    humming = {}  # experts -> (HummingExperts, its prepared weights): the layout fixes the expert count
+    humming = {}  # (experts, weights fmt) -> (HummingExperts, its prepared weights): the layout fixes the expert count
 
-    def humming_for(n_exp: int):
+    def humming_for(n_exp: int, fmt: str = "mxfp4"):
         from megamoe_backend.experts.humming.provider import HummingExperts
 
-        if n_exp not in humming:
+        if (n_exp, fmt) not in humming:
             prov = HummingExperts()
-            humming[n_exp] = (prov, prov.prepare_weights(slice_weights(fp4_all, n_exp), mx_math))
-            meta.setdefault("humming", {})[str(n_exp)] = {**prov.jit_report, "version": prov.library.version()}
-        return humming[n_exp]
+            src, math = (fp4_all, mx_math) if fmt == "mxfp4" else (blk_all, ExpertMath("fp8_block", limit))
+            humming[(n_exp, fmt)] = (prov, prov.prepare_weights(slice_weights(src, n_exp), math))
+            key = str(n_exp) if fmt == "mxfp4" else f"{n_exp} {fmt}"
+            meta.setdefault("humming", {})[key] = {**prov.jit_report, "version": prov.library.version()}
+        return humming[(n_exp, fmt)]
 
     fp4_prepared = {True: prepared(args.decoder, mx_math), False: prepared(args.decoder if args.decoder != "frag8" else "split", bf16_math)}
     if args.variants:  # the other fragment decoder, measured beside the default (docs/triton.md)
@@ -550,6 +553,19 @@ def run(args: argparse.Namespace) -> int:
                     cases.append(c)
                     print_case(c)
                     save(args.json, meta, cases, variants)
+                    if args.humming:  # humming's block-scaled GEMMs on the same weights (experts/humming/)
+                        c = Case(n_exp, tokens, p, scheme, "humming", "humming", "humming-kernels indexed, 128x128 blocks",
+                                 out=args.combine_wire, active_experts=active)
+                        try:
+                            hprov, hweights = humming_for(n_exp, "fp8_block")
+                            run_case(c, forward_call(hprov, a, pairs, hweights, math, args.combine_wire),
+                                     checker(math, args.combine_wire, blk_deq, tc))
+                        except Exception as exc:  # noqa: BLE001 - a missing humming must not sink the sweep
+                            c.error = f"{type(exc).__name__}: {str(exc)[:400]}"
+                        fill_metrics(c, hidden, inter, wfmt, math.a_format, meta["ceilings"])
+                        cases.append(c)
+                        print_case(c)
+                        save(args.json, meta, cases, variants)
                     ids, route_w = pairs.slot.view(tokens, topk), pairs.weight.view(tokens, topk)
                     if block_peer is not None:
                         peer_results.append(block_peer.run(blk, x, ids, route_w, limit, tc.of_tokens))

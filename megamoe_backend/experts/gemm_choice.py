@@ -5,9 +5,10 @@ answered in each place they would drift (the forward oracle's lesson, plan/forwa
 facts are plain values, gathered apart (``gemm_facts``), so CPU tests inject every platform.
 
 humming-kernels is what vLLM 0.33 / 0.34 run for MXFP4 MoE experts on Hopper. Its GEMMs on FP8 rows at one
-fp32 scale per row compute the project's A8W4 (frag8) numerics. It can serve on an sm_90 GPU, for the A8W4
-scheme, with humming-kernels 0.1.19 .. 0.1.x importable with the CUDA headers its NVRTC JIT compiles against;
-elsewhere (other GPUs, ROCm, the CPU interpreter, bf16 / A4W4 / block-FP8 experts) the Triton experts run.
+fp32 scale per row compute the project's A8W4 (frag8) numerics; its 128 x 128 block-scaled FP8 GEMMs compute the
+block-FP8 scheme (DeepSeek V3 / R1 FP8 checkpoints, A in 1 x 128 groups). It can serve on an sm_90 GPU, for those
+two schemes (HUMMING_SCHEMES), with humming-kernels 0.1.19 .. 0.1.x importable with the CUDA headers its NVRTC JIT
+compiles against; elsewhere (other GPUs, ROCm, the CPU interpreter, bf16 / A4W4 experts) the Triton experts run.
 ``auto`` picks humming where it can serve, on the forwards it was measured faster on (AUTO_HUMMING_FORWARDS)
 and while its scratch takes at most HUMMING_SCRATCH_SHARE of the GPU (below). ``MEGA_EXPERTS_GEMM=humming``
 where humming cannot serve is a start-up KnobError naming what is missing and the fix; never a silent fallback.
@@ -25,7 +26,11 @@ HUMMING_DIST = "humming-kernels"
 HUMMING_MIN = (0, 1, 19)  # what vLLM 0.34 installs (humming-kernels[cu13]==0.1.19)
 HUMMING_BELOW = (0, 2)  # the 0.1 series: a 0.2 may change the API this adapter calls (experts/humming/library.py)
 HUMMING_SM = (9, 0)  # Hopper: humming's wgmma W4A8 path; on other GPUs its A8W4 numerics differ (block-scaled MMA)
-HUMMING_SCHEMES = ("a8w4",)  # FP8 activations on MXFP4 weights; A4W4 needs fp4 MMA (sm_120), bf16 is W4A16
+# FP8 activations on MXFP4 weights, and 1 x 128 FP8 groups on 128 x 128 FP8 blocks; A4W4 needs fp4 MMA (sm_120),
+# bf16 is W4A16
+HUMMING_SCHEMES = ("a8w4", "fp8_block")
+HUMMING_NUMERICS = {"a8w4": "FP8 rows at one scale per row on MXFP4 weights",
+                    "fp8_block": "FP8 in 1 x 128 groups on 128 x 128 FP8 weight blocks"}
 INSTALL_FIX = "pip install 'megamoe-backend[humming]' (humming-kernels[cu13] >= 0.1.19, < 0.2)"
 # Where auto runs humming where it can serve: the forwards it was measured faster on, by ep_size ("ep1": the
 # ep_size-1 device forward; "ep": the device P2P forward of an EP rank). One H100, 48 local experts, A8W4, same
@@ -94,8 +99,7 @@ def choose_experts_gemm(f: GemmFacts) -> GemmChoice:
                           + ("refused (MEGA_EXPERTS_GEMM=humming)" if f.knob == "humming" else "the Triton GEMMs"))
     if missing is None:
         return GemmChoice("humming", f"{HUMMING_DIST} {f.humming_version} on sm_{f.capability[0]}{f.capability[1]}, "
-                          f"{f.quant.upper()} (MEGA_EXPERTS_GEMM={f.knob}): the GEMMs vLLM runs on Hopper, FP8 rows at "
-                          "one scale per row")
+                          f"{f.quant} (MEGA_EXPERTS_GEMM={f.knob}): humming's Hopper GEMMs, {HUMMING_NUMERICS[f.quant]}")
     if f.knob == "humming":
         raise KnobError(f"MEGA_EXPERTS_GEMM=humming cannot be served: {missing[0]}. {missing[1]}")
     return GemmChoice("triton", f"the project's Triton GEMMs (MEGA_EXPERTS_GEMM=auto; humming-kernels not used: {missing[0]})")
@@ -131,12 +135,12 @@ def _humming_missing(f: GemmFacts) -> tuple[str, str] | None:
         where = "the Triton interpreter (TRITON_INTERPRET=1)" if f.interpreting else f"device {f.device}"
         return f"it runs on NVIDIA Hopper GPUs (sm_90), this layer is on {where}", f"Run on an H100 / H200, {other}"
     if f.quant not in HUMMING_SCHEMES:
-        return (f"it serves A8W4 experts (fp8 activations on MXFP4 weights), these are {f.quant}",
+        return (f"it serves A8W4 experts (fp8 activations on MXFP4 weights) and block-FP8 ones, these are {f.quant}",
                 f"Serve an MXFP4 checkpoint as A8W4 (MEGA_DISPATCH_WIRE=fp8 or AITER_FORCE_A8W4=1), {other}")
     if f.capability is None:
         return None  # pending: decided where the GPU is
     if tuple(f.capability) != HUMMING_SM:
-        return (f"its A8W4 path here is Hopper's (sm_90); this GPU is sm_{f.capability[0]}{f.capability[1]}",
+        return (f"its FP8 paths here are Hopper's (sm_90); this GPU is sm_{f.capability[0]}{f.capability[1]}",
                 f"Run on an H100 / H200, {other}")
     if f.humming_version is None:
         return f"{HUMMING_DIST} is not installed", f"Install it: {INSTALL_FIX}, {other}"

@@ -21,7 +21,9 @@ MMA, ``as_fragments("fp8")``, the ``frag8`` decoder, which also keeps one fp32 p
 weight row in ``w1_row_scale`` [E, 2I] / ``w2_row_scale`` [E, H]); see experts/fragments.py. "humming":
 humming-kernels' repacked W4A8 layout (experts/humming/weights.py), whose block scales are folded into
 the weights relative to one scale per weight row (bf16, in humming's epilogue order) held in the same
-row-scale fields; its inverse is humming's, on the GPU, so it has no ``as_rowmajor()`` here.
+row-scale fields; its inverse is humming's, on the GPU, so it has no ``as_rowmajor()`` here. Block-FP8
+weights in "humming" storage are humming's repacked e4m3 bytes and its reordering of the fp32 block scales (the
+same shapes, plain gate/up rows, no row scales).
 Every storage keeps the tensor shapes above, so a layer holds one copy of its weights either way.
 """
 
@@ -38,6 +40,10 @@ WEIGHT_FORMATS = ("bf16", "mxfp4", "fp8_block")
 GATE_UP_LAYOUTS = ("interleaved", "plain")
 STORAGES = ("rowmajor", "fragments", "fragments_fp8", "humming")
 ROW_SCALED = ("fragments_fp8", "humming")  # storages that keep a scale per weight row (w1_row_scale, w2_row_scale)
+# (fmt, gate_up_layout) each storage but "rowmajor" holds: the fragment storages and humming's W4A8 layout hold
+# MXFP4 with interleaved gate/up rows; humming's block-FP8 layout holds the checkpoint's plain rows
+STORED_FORMS = {"fragments": (("mxfp4", "interleaved"),), "fragments_fp8": (("mxfp4", "interleaved"),),
+                "humming": (("mxfp4", "interleaved"), ("fp8_block", "plain"))}
 FRAGMENT_STORAGE = {"bf16": "fragments", "fp8": "fragments_fp8"}  # fragment kind -> storage name
 # the per-expert tensor fields, in the order expert_tensors() returns them
 EXPERT_FIELDS = ("w1", "w2", "w1_scale", "w2_scale", "w1_row_scale", "w2_row_scale")
@@ -60,13 +66,15 @@ class ExpertWeights:
             raise ValueError(f"ExpertWeights.storage={self.storage!r}; expected one of {STORAGES}")
         for name, rows in (("w1_row_scale", self.w1.shape[:2]), ("w2_row_scale", self.w2.shape[:2])):
             t = getattr(self, name)
-            if (t is not None) != (self.storage in ROW_SCALED):
-                raise ValueError(f"ExpertWeights.{name} is set exactly for storages {ROW_SCALED} (storage={self.storage!r})")
+            if (t is not None) != (self.storage in ROW_SCALED and self.fmt == "mxfp4"):
+                raise ValueError(f"ExpertWeights.{name} is set exactly for MXFP4 weights in storages {ROW_SCALED} "
+                                 f"(storage={self.storage!r}, fmt={self.fmt!r})")
             dtype = torch.float32 if self.storage == "fragments_fp8" else torch.bfloat16
             if t is not None and (t.dtype != dtype or tuple(t.shape) != tuple(rows)):
                 raise ValueError(f"ExpertWeights.{name}: expected {dtype} {tuple(rows)}, got {t.dtype} {tuple(t.shape)}")
-        if self.storage != "rowmajor" and (self.fmt != "mxfp4" or self.gate_up_layout != "interleaved"):
-            raise ValueError("fragment storage holds MXFP4 weights with interleaved gate/up rows only")
+        if self.storage != "rowmajor" and (self.fmt, self.gate_up_layout) not in STORED_FORMS[self.storage]:
+            raise ValueError(f"storage {self.storage!r} holds {STORED_FORMS[self.storage]} (fmt, gate/up layout) only, "
+                             f"not ({self.fmt!r}, {self.gate_up_layout!r})")
         if self.fmt not in WEIGHT_FORMATS:
             raise ValueError(f"ExpertWeights.fmt={self.fmt!r}; expected one of {WEIGHT_FORMATS}")
         if self.gate_up_layout not in GATE_UP_LAYOUTS:
@@ -150,6 +158,8 @@ class ExpertWeights:
         """(w1, w2) in fp32, same row order as stored (rowmajor, whatever the storage)."""
         if self.fmt == "bf16":
             return self.w1.float(), self.w2.float()
+        if self.storage != "rowmajor" and self.fmt == "fp8_block":
+            return self.as_rowmajor().dequantized()  # humming's bytes: it has no row-major form here (raises, naming it)
         if self.fmt == "fp8_block":
             return (dequantize_weight_blocks(self.w1, self.w1_scale, "w1"),
                     dequantize_weight_blocks(self.w2, self.w2_scale, "w2"))

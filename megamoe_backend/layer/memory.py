@@ -144,7 +144,8 @@ def humming_scratch_of(plan: LayerPlan) -> int:
     spec = plan.spec
     return humming_scratch_bytes(plan.mtpr * plan.topk * plan.ep_size, plan.mtpr * plan.ep_size, spec.hidden_size,
                                  spec.moe_intermediate_size, bf16_rows_in=plan.dispatch.name == "bf16",
-                                 gemm2_in_place=plan.ep_size == 1 and plan.combine.name == "bf16")
+                                 gemm2_in_place=plan.ep_size == 1 and plan.combine.name == "bf16",
+                                 block_fp8=plan.math.quant == "fp8_block")
 
 
 def layer_memory(plan: LayerPlan, device: str, gpu: tuple[str, int] | None = None,

@@ -71,7 +71,8 @@ def test_the_scratch_auto_weighs_is_what_megamoe_info_counts():
 
 
 @pytest.mark.parametrize("over, gemm, says", [
-    ({"knob": "humming"}, "humming", "humming-kernels 0.1.20 on sm_90, A8W4"),
+    ({"knob": "humming"}, "humming", "humming-kernels 0.1.20 on sm_90, a8w4"),
+    ({"quant": "fp8_block"}, "humming", "fp8_block (MEGA_EXPERTS_GEMM=auto): humming's Hopper GEMMs, FP8 in 1 x 128 groups"),
     ({"knob": "humming"}, "humming", "MEGA_EXPERTS_GEMM=humming"),
     ({"knob": "triton"}, "triton", "MEGA_EXPERTS_GEMM=triton"),
     ({"capability": (10, 0)}, "triton", "this GPU is sm_100"),

@@ -4,7 +4,8 @@ in torch: what the provider's CPU tests run in its place, and what the GPU test 
 The contract, in its own words: for each of the ``padded_rows[0]`` sorted rows r (tiles of BM rows, tile t
 with the weights of ``expert_ids[t]``), id = sorted_ids[r] read as uint32; when id < M * top_k (M = A's
 rows), C[id] = bf16(a_scale[id // top_k] * sum_k A[id // top_k, k] * W_e[n, k]); other rows of C are
-not written. The weights are the MXFP4 values exactly (humming folds them exactly within 11 binades of a
+not written (block-FP8: a_scale holds one scale per 1 x 128 group of A's row, each scaling its group's
+products; the weights are e4m3 times their 128 x 128 block scale). The weights are the MXFP4 values exactly (humming folds them exactly within 11 binades of a
 row's largest block scale: weights.HUMMING_WINDOW), so the emulation takes the dequantised row-major
 weights. ``walked`` counts the sorted rows each call walked (the work the provider asks for).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from megamoe_backend.formats import MXTensor, dequantize_mx
+from megamoe_backend.formats.block_fp8 import dequantize_weight_blocks
 
 
 class EmulatedSublayer:
@@ -30,7 +32,8 @@ class EmulatedSublayer:
         self.walked.append(rows)
         m = a.shape[0]
         ids = sorted_ids[:rows].to(torch.int64) & 0xFFFFFFFF  # uint32, as the kernel reads them
-        x = a.float().double() * a_scale.double().view(m, 1)
+        scale = a_scale.double().view(m, -1)
+        x = a.float().double() * scale.repeat_interleave(a.shape[1] // scale.shape[1], dim=1)
         for t in range(rows // self.bm):
             sel = ids[t * self.bm:(t + 1) * self.bm]
             sel = sel[sel < m * top_k]
@@ -53,6 +56,11 @@ class EmulatedLibrary:
         self.sublayers[name] = sub
         e, n = packed.shape[:2]
         return sub, packed.clone(), scales.clone(), torch.ones(e, n, dtype=torch.bfloat16, device=packed.device)
+
+    def transform_block_fp8(self, name: str, weight: torch.Tensor, scales: torch.Tensor):
+        sub = EmulatedSublayer(name, dequantize_weight_blocks(weight, scales, name), self.bm)
+        self.sublayers[name] = sub
+        return sub, weight.clone(), scales.clone(), None
 
     def jit(self, sublayers, device) -> tuple[int, float]:
         return 0, 0.0

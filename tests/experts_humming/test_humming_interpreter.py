@@ -33,13 +33,14 @@ if type(std._elementwise_max).__name__ != "InterpretedFunction":
                 "pytest tests/experts_humming)", allow_module_level=True)
 
 from emulation import EmulatedLibrary  # noqa: E402
-from twin import TWIN_TOL, twin_forward  # noqa: E402
+from twin import TWIN_TOL, twin_block_forward, twin_forward  # noqa: E402
 
 from megamoe_backend.experts import ExpertMath, ExpertPairs, TorchReferenceExperts, quantize_expert_weights  # noqa: E402
 from megamoe_backend.experts.humming.provider import HummingExperts  # noqa: E402
 from megamoe_backend.experts.live import LiveRows, SegmentDest  # noqa: E402
 from megamoe_backend.experts.scratch import ExpertsScratch  # noqa: E402
 from megamoe_backend.formats import quantize_mx  # noqa: E402
+from megamoe_backend.formats.block_fp8 import quantize_groups  # noqa: E402
 from megamoe_backend.formats.wire import combine_wire  # noqa: E402
 from megamoe_backend.layer.reference import rel_l2  # noqa: E402
 
@@ -173,7 +174,7 @@ def test_weights_from_elsewhere_are_refused():
     provider, prepared, weights, rows, _, pairs, math = problem()
     with pytest.raises(ValueError, match="must come from its prepare_weights"):
         HummingExperts(library=EmulatedLibrary()).forward(rows, pairs, prepared, math)
-    with pytest.raises(ValueError, match="run A8W4"):
+    with pytest.raises(ValueError, match="run a8w4 on mxfp4 weights"):
         provider.prepare_weights(weights, ExpertMath("a4w4"))
 
 
@@ -207,3 +208,108 @@ def test_the_layers_device_forward_equals_its_torch_forward(wire, combine):
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
     ref = fp32_reference_moe(p.x, p.topk_ids, p.topk_weights, *weights.dequantized(), "interleaved", spec.swiglu_limit)
     assert float(rel_l2(outs[0].float(), ref)) < 0.10
+
+
+# ----------------------------------------------------------------------------------------------- block-FP8
+HB, IB = 256, 256  # two 1 x 128 groups a row on both GEMMs: a scale written at the wrong group shows
+
+
+def block_problem(tokens=6, limit=None, seed=0, masked=0.0):
+    """The same problem with block-FP8 experts (plain rows, 128 x 128 blocks) and fp8_g128 rows."""
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(E, 2 * IB, HB, generator=g) / HB**0.5
+    w2 = torch.randn(E, HB, IB, generator=g) / IB**0.5
+    weights = quantize_expert_weights(w1, w2, "fp8_block", "plain")
+    x = (torch.randn(tokens, HB, generator=g) * 2).to(torch.bfloat16)
+    ids = torch.rand(tokens, E, generator=g).topk(K, dim=1).indices.reshape(-1)
+    if masked:
+        ids = torch.where(torch.rand(ids.shape, generator=g) < masked, -1, ids)
+    pairs = ExpertPairs(torch.arange(tokens).repeat_interleave(K), ids.contiguous(), torch.rand(tokens * K, generator=g),
+                        per_row=K)
+    math = ExpertMath("fp8_block", swiglu_limit=limit)
+    provider = HummingExperts(capacity=64 * K, library=EmulatedLibrary(block_m=16))
+    return provider, provider.prepare_weights(weights, math), weights, quantize_groups(x), x, pairs, math
+
+
+@pytest.mark.parametrize("limit", [None, 1.0], ids=["no-clamp", "clamp"])
+def test_block_fp8_rows_match_the_twin_and_the_reference(limit):
+    """Planted mutations, each failing here (run once, 2026-12-07): gate and up read swapped in swiglu_g128_kernel;
+    the route weight left out of the A2 group scales; A2's group scale written one group over."""
+    provider, prepared, weights, rows, _, pairs, math = block_problem(limit=limit)
+    assert prepared.storage == "humming" and prepared.fmt == "fp8_block" and prepared.w1_row_scale is None
+    got = provider.forward(rows, pairs, prepared, math)
+    assert_rows_near(got, twin_block_forward(rows, pairs, weights, math))
+    ref = TorchReferenceExperts().forward(rows, pairs, weights, math)
+    assert float(rel_l2(got, ref)) < 0.06  # the block-FP8 gate (the torch experts' own error to fp32 is ~0.04)
+
+
+@pytest.mark.parametrize("wire_name", ["bf16", "fp8_blockwise_1x32"])
+def test_block_fp8_wire_rows_and_bf16_rows_in(wire_name):
+    """Wire rows are the forward encoded; bf16 received rows are quantised to fp8_g128 on the receiver; a second
+    forward allocates nothing; pairs routed elsewhere are untouched."""
+    provider, prepared, weights, rows, x, pairs, math = block_problem(masked=0.3, seed=4)
+    wire = combine_wire(wire_name)
+    scratch = ExpertsScratch("cpu")
+    out = torch.full((len(pairs), wire.row_bytes(HB)), 0x7F, dtype=torch.uint8)
+    provider.forward_wire(x, pairs, prepared, math, wire, out=out, scratch=scratch)
+    allocated = scratch.allocations
+    provider.forward_wire(rows, pairs, prepared, math, wire, out=out, scratch=scratch)
+    assert scratch.allocations == allocated
+    masked = pairs.slot < 0
+    assert bool(masked.any()) and bool((out[masked] == 0x7F).all())
+    assert torch.equal(out[~masked], wire.encode(provider.forward(rows, pairs, prepared, math))[~masked])
+    want = wire.encode(twin_block_forward(rows, pairs, weights, math))
+    assert_rows_near(wire.decode_fp32(out[~masked], HB), wire.decode_fp32(want[~masked], HB))
+
+
+def test_block_fp8_scratch_is_what_megamoe_info_counts():
+    from megamoe_backend.experts.humming.footprint import humming_scratch_bytes
+
+    provider, prepared, _, rows, _, pairs, math = block_problem()
+    scratch = ExpertsScratch("cpu")
+    provider.forward_wire(rows, pairs, prepared, math, combine_wire("fp8_blockwise_1x32"), scratch=scratch)
+    want = humming_scratch_bytes(provider.capacity, provider.capacity // K, HB, IB, bf16_rows_in=False,
+                                 gemm2_in_place=False, block_fp8=True)
+    small = 2 * 16 + provider.library.locks("cpu").numel() * 4
+    got = scratch.bytes_named("humming.")
+    assert want <= got <= want + small + 16 * 8, (got, want)
+
+
+def test_block_fp8_schemes_are_not_mixed():
+    provider, prepared, weights, rows, _, pairs, _ = block_problem()
+    with pytest.raises(ValueError, match="run fp8_block on fp8_block weights"):
+        provider.prepare_weights(weights, ExpertMath("a8w4"))
+    with pytest.raises(ValueError, match="no row-major form"):
+        prepared.dequantized()
+
+
+@pytest.mark.parametrize("wire, combine", [("fp8", "bf16"), ("bf16", "fp8_blockwise_1x32")])
+def test_the_layers_block_fp8_device_forward_equals_its_torch_forward(wire, combine):
+    """MegaMoELayer on block-FP8 experts with the humming provider injected: the ep_size-1 device forward (the
+    sender's fp8_g128 workspace rows copied for humming, GEMM2 writing the combine rows or the finalize kernel) bit
+    for bit its torch forward, within the block-FP8 gate (0.06) of the fp32 reference."""
+    from megamoe_backend.knobs import Knobs
+    from megamoe_backend.layer import MegaMoELayer, fp32_reference_moe
+    from megamoe_backend.plan import build_plan
+    from megamoe_backend.spec import preset
+    from megamoe_backend.transport import clear_transport_cache
+    from megamoe_backend.workload import ProblemConfig, make_problem
+
+    spec = preset("dsv4-pro").scaled(hidden_size=HB, moe_intermediate_size=IB, n_routed_experts=8)
+    k = spec.num_experts_per_tok
+    p = make_problem(ProblemConfig(spec, 5, 1, seed=3, masked_fraction=0.2))
+    plan = build_plan(spec, Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=64), quant="fp8_block")
+    weights = p.expert_weights("fp8_block")
+    clear_transport_cache()
+    try:
+        outs = []
+        for device_path in (True, False):
+            provider = HummingExperts(capacity=64 * k, library=EmulatedLibrary())
+            layer = MegaMoELayer(plan, weights, provider=provider, device_path=device_path)
+            assert (layer.workspace is not None) == device_path and layer.weights.storage == "humming"
+            outs.append(layer(p.x, p.topk_ids, p.topk_weights))
+    finally:
+        clear_transport_cache()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    ref = fp32_reference_moe(p.x, p.topk_ids, p.topk_weights, *weights.dequantized(), "plain", spec.swiglu_limit)
+    assert float(rel_l2(outs[0].float(), ref)) < 0.06

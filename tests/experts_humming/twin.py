@@ -50,3 +50,31 @@ def twin_forward(rows: MXTensor, pairs: ExpertPairs, weights: ExpertWeights, mat
         y = (a2[0].double() @ w2[e].T) * float(rs2[0] * pairs.weight[q])
         out[q] = y.float().to(torch.bfloat16).float()
     return out
+
+
+def twin_block_forward(rows, pairs: ExpertPairs, weights: ExpertWeights, math: ExpertMath) -> torch.Tensor:
+    """fp32 [P, H] rows the humming provider computes for block-FP8 experts on fp8_g128 ``rows`` (GroupFP8Tensor):
+
+        h = bf16(sum over groups of s_a[g] * A_g . W1_e,g)     (humming GEMM1: 128 x 128 block-scaled, bf16 out)
+        act = silu(min(g, L)) * clamp(u, -L, L)                (g, u: h's first / second half: plain rows)
+        A2 = quantize_groups(act), each group scale x w        (swiglu_g128_kernel)
+        y = bf16(sum over groups of s_a2[g] * A2_g . W2_e,g)   (humming GEMM2)"""
+    from megamoe_backend.formats.block_fp8 import dequantize_groups, quantize_groups
+
+    w1, w2 = (w.double() for w in weights.dequantized())
+    a = dequantize_groups(rows).double()
+    inter = weights.intermediate
+    out = torch.zeros(len(pairs), weights.hidden)
+    limit = math.swiglu_limit
+    for q in range(len(pairs)):
+        r, e = int(pairs.row[q]), int(pairs.slot[q])
+        h = (a[r] @ w1[e].T).float().to(torch.bfloat16).float()
+        g, u = h[:inter], h[inter:]
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+        act = torch.nn.functional.silu(g) * u
+        a2 = quantize_groups(act[None])
+        a2 = type(a2)(a2.data, a2.scales * pairs.weight[q], a2.fmt)
+        y = dequantize_groups(a2)[0].double() @ w2[e].T
+        out[q] = y.float().to(torch.bfloat16).float()
+    return out

@@ -14,19 +14,25 @@ GEMM2 cannot write the combine rows in place) GEMM2's bf16 rows are held per pai
 from __future__ import annotations
 
 from ...formats import MX_BLOCK
+from ...formats.block_fp8 import FP8_BLOCK
 
 
 def humming_scratch_bytes(pairs: int, recv_rows: int, hidden: int, inter: int, *, bf16_rows_in: bool,
-                          gemm2_in_place: bool) -> int:
+                          gemm2_in_place: bool, block_fp8: bool = False) -> int:
     """Bytes of the provider's own buffers for ``pairs`` pairs over ``recv_rows`` received rows.
 
-    ``bf16_rows_in``: the received rows are bf16 (MEGA_DISPATCH_WIRE=bf16): quantised to MX fp8 on the
-    receiver first. ``gemm2_in_place``: GEMM2 writes the combine wire rows itself (ep_size 1, bf16
-    combine wire); else its bf16 rows go through a scratch to the finalize kernel."""
-    per_row = hidden + 4  # humming.a8 (e4m3) + humming.a_rs (fp32 row scale)
-    if bf16_rows_in:
-        per_row += hidden + hidden // MX_BLOCK  # humming.a_mx + humming.a_mx_scale
-    per_pair = 2 * (2 * inter) + inter + 4  # humming.h (bf16 gate/up) + humming.a2 (e4m3) + humming.a2_rs
+    ``bf16_rows_in``: the received rows are bf16 (MEGA_DISPATCH_WIRE=bf16): quantised on the receiver first (A8W4:
+    to MX fp8, then re-scaled; block-FP8: straight into the A operand). ``gemm2_in_place``: GEMM2 writes the
+    combine wire rows itself (ep_size 1, bf16 combine wire); else its bf16 rows go through a scratch to the
+    finalize kernel. ``block_fp8``: the experts are block-FP8 (A and A2 with one fp32 scale per 1 x 128 group)."""
+    if block_fp8:
+        per_row = hidden + 4 * (hidden // FP8_BLOCK)  # humming.a8 (e4m3) + humming.a_gs (fp32 group scales)
+        per_pair = 2 * (2 * inter) + inter + 4 * (inter // FP8_BLOCK)  # humming.h + humming.a2 + humming.a2_rs
+    else:
+        per_row = hidden + 4  # humming.a8 (e4m3) + humming.a_rs (fp32 row scale)
+        if bf16_rows_in:
+            per_row += hidden + hidden // MX_BLOCK  # humming.a_mx + humming.a_mx_scale
+        per_pair = 2 * (2 * inter) + inter + 4  # humming.h (bf16 gate/up) + humming.a2 (e4m3) + humming.a2_rs
     if not gemm2_in_place:
         per_pair += 2 * hidden  # humming.c (GEMM2's bf16 rows)
     return recv_rows * per_row + pairs * per_pair

@@ -11,6 +11,10 @@ goes through here, in the terms vLLM 0.34 uses it (``fused_moe/experts/fused_hum
   row's reference, and one scale per weight row ("channel" weight_scale_2) is applied in the epilogue.
   The channel form is forced (vLLM's transform picks it only when a tensor-wide range would round): every
   rank then holds the same layout, so an engine's EPLB can move an expert's rows between ranks.
+- block-FP8 weights (DeepSeek V3 / R1 FP8 checkpoints, ``transform_block_fp8``): e4m3 with humming's 128 x 128
+  block-scale type (fp32 scales, its SM90 policies overlap the per-block promotion with the next MMAs) and FP8 A
+  in 1 x 128 groups: vLLM's ``(kFp8Static128BlockSym, kFp8Dynamic128Sym)`` pair, without the per-row bf16
+  expansion of the scales vLLM's fp8 schema makes (so the layer keeps the checkpoint's scale tensors' shapes).
 - kernels: ``get_heuristics_config`` gives a list of (lo, hi, tuning) buckets of the valid row count M;
   ``HummingKernel.prepare_kernels`` compiles all of them (NVRTC, cached on disk) at once, at layer build;
   ``launch_kernel`` picks the bucket on the host from ``valid_shape_m`` at each call (a CUDA graph keeps
@@ -122,36 +126,77 @@ def transform(name: str, packed: torch.Tensor, scales: torch.Tensor, chunk: int 
     same bytes: 4 bits a weight, 1 byte a block) and the bf16 [E, N] row scales. ``chunk`` experts at a
     time (each row's transform is its own in the channel form), so the peak beside the result is a chunk's
     temporaries, not the layer's."""
-    _, dtypes, _, _, InputSchema, WeightSchema, prepare_layer_config, transform_tensors, heuristics = _humming()
-    e, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
-    device = packed.device
+    _, dtypes, _, _, InputSchema, WeightSchema, *_ = _humming()
     weight_schema = WeightSchema(b_dtype=dtypes.float4e2m1, bs_dtype=dtypes.float8e8m0, weight_scale_group_size=32,
                                  weight_scale_2_type="channel")
     input_schema = InputSchema(a_dtype=dtypes.float8e4m3, input_quant_mode="dynamic_token")
+
+    def check(full):
+        if not full.use_fused_e8m0_scale:  # the W4A8 path this adapter is written for (humming's Hopper FP8 path)
+            raise RuntimeError(f"humming {name}: expected its fused-E8M0 W4A8 layout on this GPU (sm_{full.sm_version})")
+
+    return _transform(name, packed, packed.shape[2] * 2, {"weight": packed, "weight_scale": scales.view(torch.float8_e8m0fnu)},
+                      scales, weight_schema, input_schema, check, chunk, row_scales=True)
+
+
+def transform_block_fp8(name: str, weight: torch.Tensor, scales: torch.Tensor, chunk: int = 8):
+    """Block-FP8 e4m3 [E, N, K] + fp32 [E, N/128, K/128] (one scale per 128 x 128 block, the checkpoint's) ->
+    (Sublayer, weight, scale, None): humming's repacked e4m3 bytes and its order of the block scales, in the
+    input shapes and dtypes (one copy). humming's schema for DeepSeek V3 / R1 FP8 experts with FP8 activations
+    in 1 x 128 groups (vLLM's ``(kFp8Static128BlockSym, kFp8Dynamic128Sym)``): e4m3 weights, fp32 block scales
+    (``weight_scale_type`` block, 128 x 128), e4m3 A with one dynamic fp32 scale per 1 x 128 group."""
+    _, dtypes, _, _, InputSchema, WeightSchema, *_ = _humming()
+    weight_schema = WeightSchema(b_dtype=dtypes.float8e4m3, bs_dtype=dtypes.float32, weight_scale_group_size=128,
+                                 weight_scale_group_size_n=128, weight_scale_type="block")
+    input_schema = InputSchema(a_dtype=dtypes.float8e4m3, input_scale_group_size=128, input_scale_dtype=dtypes.float32,
+                               input_quant_mode="dynamic_group")
+
+    def check(full):
+        if not full.is_block_weight_scale:
+            raise RuntimeError(f"humming {name}: expected its 128 x 128 block-scale layout, got {full.weight_scale_type}")
+
+    scales = scales.float()
+    return _transform(name, weight, weight.shape[2], {"weight": weight, "weight_scale": scales}, scales, weight_schema,
+                      input_schema, check, chunk, row_scales=False)
+
+
+def _transform(name, weight, k: int, tensors: dict, scales, weight_schema, input_schema, check, chunk: int,
+               row_scales: bool):
+    """The sublayer's tensors through humming's transform, ``chunk`` experts at a time, written back into tensors
+    of the shapes and dtypes of ``weight`` and ``scales`` (humming's layouts keep their byte counts; a transform that changes them is
+    an error, not a second copy); (Sublayer, weight, scale, bf16 [E, N] row scales or None)."""
+    *_, prepare_layer_config, transform_tensors, heuristics = _humming()
+    e, n = weight.shape[0], weight.shape[1]
+    device = weight.device
     with torch.cuda.device(device):
         def config(experts: int):
             return prepare_layer_config(shape_n=n, shape_k=k, weight_schema=weight_schema, input_schema=input_schema,
                                         num_experts=experts, torch_dtype=torch.bfloat16, device=device)
 
         full = config(e)
-        if not full.use_fused_e8m0_scale:  # the W4A8 path this adapter is written for (humming's Hopper FP8 path)
-            raise RuntimeError(f"humming {name}: expected its fused-E8M0 W4A8 layout on this GPU (sm_{full.sm_version})")
-        weight = torch.empty_like(packed)
-        scale = torch.empty_like(scales)
-        scale2 = torch.empty(e, n, dtype=torch.bfloat16, device=device)
-        part = None
+        check(full)
+        w_out = torch.empty_like(weight)
+        s_out = torch.empty_like(scales)
+        scale2 = torch.empty(e, n, dtype=torch.bfloat16, device=device) if row_scales else None
+        part = out = None
         for e0 in range(0, e, chunk):
             e1 = min(e, e0 + chunk)
             part = part if part is not None and part.num_experts == e1 - e0 else config(e1 - e0)
-            out = transform_tensors(part, {"weight": packed[e0:e1].contiguous().view(torch.int32),
-                                           "weight_scale": scales[e0:e1].contiguous().view(torch.float8_e8m0fnu)})
-            weight[e0:e1].view(-1).copy_(out["weight"].reshape(-1).view(torch.uint8))
-            scale[e0:e1].view(-1).copy_(out["weight_scale"].reshape(-1).view(torch.uint8))
-            scale2[e0:e1].copy_(out["weight_scale_2"].reshape(e1 - e0, n))
+            out = transform_tensors(part, {"weight": tensors["weight"][e0:e1].contiguous().view(torch.int32),
+                                           "weight_scale": tensors["weight_scale"][e0:e1].contiguous()})
+            for got, dst, what in ((out["weight"], w_out, "weight"), (out["weight_scale"], s_out, "weight_scale")):
+                if got.numel() * got.element_size() != dst[e0:e1].numel() * dst.element_size():
+                    raise RuntimeError(f"humming {name}: its {what} layout has {got.numel() * got.element_size()} bytes "
+                                       f"for {e1 - e0} experts, the input {dst[e0:e1].numel() * dst.element_size()}")
+                dst[e0:e1].view(-1).view(torch.uint8).copy_(got.reshape(-1).view(torch.uint8))
+            if row_scales:
+                scale2[e0:e1].copy_(out["weight_scale_2"].reshape(e1 - e0, n))
+            elif out.get("weight_scale_2") is not None:
+                raise RuntimeError(f"humming {name}: unexpected weight_scale_2 for block scales")
         tuning = heuristics(full, gemm_type="indexed", device=device)
     layer = Sublayer(name, full.to_str(), [list(t) for t in tuning], (e, *out["weight"].shape[1:]),
                      (e, *out["weight_scale"].shape[1:]), out["weight_scale"].dtype)
-    return layer, weight, scale, scale2
+    return layer, w_out, s_out, scale2
 
 
 def jit(sublayers, device: torch.device) -> tuple[int, float]:

@@ -1,4 +1,4 @@
-"""HummingExperts: the experts on humming-kernels' grouped GEMMs (NVIDIA Hopper, A8W4).
+"""HummingExperts: the experts on humming-kernels' grouped GEMMs (NVIDIA Hopper, A8W4 and block-FP8).
 
 Same contract as every provider (experts/base.py); the numerics are the frag8 path's: A as e4m3 over one
 power-of-two fp32 scale per row (re-expressed from the MX fp8 wire rows), MXFP4 weights, SwiGLU (+ clamp)
@@ -16,6 +16,11 @@ A forward, all on the current stream with no host synchronisation (capturable fo
   3. GEMM1 (humming, indexed: reads A row pair // k, writes row pair), then ``swiglu_a2_kernel``;
   4. GEMM2 (humming, indexed, top-k 1) into the combine wire rows themselves (bf16 wire, rows in pair order),
      else into a bf16 scratch and ``finalize_kernel`` writes them (fp32 rows, a destination, the fp8 wire).
+Block-FP8 experts (quant fp8_block: DeepSeek V3 / R1 FP8 checkpoints) run the same order on humming's 128 x 128
+block-scaled GEMMs: A is the fp8_g128 rows themselves (copied into contiguous tensors, humming's launcher takes no
+row stride; a bf16 wire is quantised to fp8_g128 on the receiver), GEMM1 writes bf16 [gate; up] rows (the
+checkpoint's plain order), ``swiglu_g128_kernel`` quantises A2 in 1 x 128 groups with the route weight folded into
+each group scale, GEMM2 and the finalize as above.
 The host picks humming's kernel from ``valid_shape_m``: the bound the layer passes (LiveRows.config_pairs,
 the engine's DP-padded tokens x k), else this forward's pair count. Its kernels are compiled at
 prepare_weights (the layer's build, before any bounded wait) and the time is logged.
@@ -35,6 +40,7 @@ import torch
 import triton
 
 from ...formats import MXTensor
+from ...formats.block_fp8 import FP8_BLOCK, GroupFP8Tensor
 from ...formats.wire import WireFormat
 from ..base import Activations, ExpertMath, ExpertPairs, ExpertsProvider
 from ..live import LiveRows, SegmentDest
@@ -48,6 +54,7 @@ from ..triton.layout import ExpertLayout, build_layout
 from .weights import to_humming
 
 FINALIZE_BN = 1024  # columns per finalize step (a multiple of 32: whole fp8 wire blocks)
+QUANT_OF_FMT = {"mxfp4": "a8w4", "fp8_block": "fp8_block"}  # the weights' format -> the scheme humming runs on it
 log = logging.getLogger("megamoe")
 
 
@@ -72,15 +79,15 @@ class HummingExperts(ExpertsProvider):
     @classmethod
     def supports(cls, device: torch.device, math: ExpertMath, weights_fmt: str) -> bool:
         device = torch.device(device)
-        return (weights_fmt == "mxfp4" and math.quant == "a8w4" and device.type == "cuda" and torch.version.hip is None
+        return (QUANT_OF_FMT.get(weights_fmt) == math.quant and device.type == "cuda" and torch.version.hip is None
                 and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0))
 
     def prepare_weights(self, weights: ExpertWeights, math: ExpertMath | None = None) -> ExpertWeights:
-        """MXFP4 weights -> humming's layout (in their place: one copy), then every kernel compiled: the
-        first-use cost is paid here, at the layer's build, and logged (humming caches the compiled kernels
+        """MXFP4 or block-FP8 weights -> humming's layout (in their place: one copy), then every kernel compiled:
+        the first-use cost is paid here, at the layer's build, and logged (humming caches the compiled kernels
         on disk, so a later process loads them)."""
-        if math is not None and math.quant != "a8w4":
-            raise ValueError(f"humming experts run A8W4 (fp8 activations on MXFP4 weights), not {math.quant}")
+        if math is not None:
+            _check_scheme(weights.fmt, math)
         if weights.storage == "humming":
             self._sublayers(weights)
             return weights
@@ -123,8 +130,7 @@ class HummingExperts(ExpertsProvider):
              dest=None, live: LiveRows | None = None, scratch: ExpertsScratch | None = None) -> torch.Tensor:
         """The forward (module docstring); ``out`` is GEMM2's destination in ``out_fmt`` ("f32" or the wire's
         "bf16" / "fp8"), or with ``dest`` the base its byte offsets count from."""
-        if math.quant != "a8w4":
-            raise ValueError(f"humming experts run A8W4, not {math.quant}")
+        _check_scheme(weights.fmt, math)
         w13, w2 = self._sublayers(weights)
         device, p = pairs.weight.device, len(pairs)
         check_pairs(pairs)
@@ -135,10 +141,11 @@ class HummingExperts(ExpertsProvider):
         if p == 0:
             return out
         x, top_k = self._rows_per_pair(x, pairs, live)
-        n_recv = (x.data if isinstance(x, MXTensor) else x).shape[0]
+        n_recv = (x if isinstance(x, torch.Tensor) else x.data).shape[0]
         bufs = ForwardBuffers(scratch, device, p, n_recv, self.capacity)
         valid_m = live.config_pairs if live is not None and live.config_pairs else p
-        a8, a_rs = self._a_operand(x, bufs, live)
+        block = weights.fmt == "fp8_block"
+        a8, a_rs = self._group_operand(x, bufs, live) if block else self._a_operand(x, bufs, live)
         hidden, inter, e = weights.hidden, weights.intermediate, weights.num_experts
         locks = self._locks_for(device, scratch)
 
@@ -149,8 +156,8 @@ class HummingExperts(ExpertsProvider):
         w13.gemm(a8, a_rs, weights.w1, weights.w1_scale, weights.w1_row_scale, h, lay1.sorted_pair, lay1.tile_expert,
                  rows1, locks, top_k, valid_m)
         a2 = bufs.per_pair("humming.a2", (p, inter), torch.uint8)
-        a2_rs = bufs.per_pair("humming.a2_rs", (p, 1), torch.float32)
-        self._swiglu_a2(lay1, h, pairs.weight, a2, a2_rs, inter, math.swiglu_limit)
+        a2_rs = bufs.per_pair("humming.a2_rs", (p, inter // FP8_BLOCK if block else 1), torch.float32)
+        (self._swiglu_g128 if block else self._swiglu_a2)(lay1, h, pairs.weight, a2, a2_rs, inter, math.swiglu_limit)
 
         bm2 = w2.block_m(valid_m)
         lay2 = lay1 if bm2 == bm1 else build_layout(pairs.slot, e, bm2, self.capacity, live=live, all_tiles=False,
@@ -168,14 +175,14 @@ class HummingExperts(ExpertsProvider):
     def _rows_per_pair(x, pairs: ExpertPairs, live: LiveRows | None):
         """(rows GEMM1 reads, k) with pair q reading row q // k: the received rows as they are for row-major
         pairs (the layer's device forwards; LiveRows implies them), else the rows gathered per pair (k = 1)."""
-        n_recv = (x.data if isinstance(x, MXTensor) else x).shape[0]
+        n_recv = (x if isinstance(x, torch.Tensor) else x.data).shape[0]
         k = pairs.per_row or (len(pairs) // n_recv if live is not None else 0)
         if k:
             if n_recv * k != len(pairs):
                 raise ValueError(f"pairs.per_row={k}: {len(pairs)} pairs are not {k} per received row ({n_recv} rows)")
             return x, k
-        if isinstance(x, MXTensor):
-            return MXTensor(x.data[pairs.row].contiguous(), x.scales[pairs.row].contiguous(), x.fmt), 1
+        if isinstance(x, (MXTensor, GroupFP8Tensor)):
+            return type(x)(x.data[pairs.row].contiguous(), x.scales[pairs.row].contiguous(), x.fmt), 1
         return x[pairs.row].contiguous(), 1
 
     def _a_operand(self, x, bufs: ForwardBuffers, live: LiveRows | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,6 +210,29 @@ class HummingExperts(ExpertsProvider):
         )
         return a8.view(torch.float8_e4m3fn), a_rs
 
+    def _group_operand(self, x, bufs: ForwardBuffers, live: LiveRows | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Received rows -> (e4m3 [N, H], fp32 [N, H / 128]) contiguous, as humming's launcher takes A and its group
+        scales: fp8_g128 rows copied (the live ones only with ``live``), bf16 rows quantised into them."""
+        from ..triton.layout_kernels import live_rows_args
+        from ..triton.quant import quantize_rows
+        from .kernels import group_rows_kernel
+
+        device = bufs.device
+        n, hidden = (x if isinstance(x, torch.Tensor) else x.data).shape
+        groups = hidden // FP8_BLOCK
+        a8 = bufs.per_received_row("humming.a8", (n, hidden), torch.uint8)
+        a_s = bufs.per_received_row("humming.a_gs", (n, groups), torch.float32)
+        programs = persistent_grid(device)
+        if isinstance(x, torch.Tensor):  # the bf16 wire: quantised on the receiver, as the Triton path does
+            quantize_rows(x, "fp8_g128", name="received rows", out=(a8, a_s), live=live,
+                          programs=None if live is None else programs)
+        else:
+            walk = {} if live is None else live_rows_args(live)
+            group_rows_kernel[(n if live is None else min(n, programs),)](
+                x.data, x.data.stride(0), x.scales, x.scales.stride(0), a8, a_s, hidden, groups, BK=1024,
+                NG=triton.next_power_of_2(groups), num_warps=4, **walk)
+        return a8.view(torch.float8_e4m3fn), a_s
+
     @staticmethod
     def _padded_rows(layout: ExpertLayout, bufs: ForwardBuffers, name: str) -> torch.Tensor:
         """int32 [1] = live_tiles x BM on the device: humming's num_tokens_padded (its kernels walk those rows)."""
@@ -229,6 +259,17 @@ class HummingExperts(ExpertsProvider):
         )
 
     @staticmethod
+    def _swiglu_g128(layout: ExpertLayout, h, route_w, a2, a2_s, inter: int, limit: float | None) -> None:
+        from .kernels import swiglu_g128_kernel
+
+        device = h.device
+        swiglu_g128_kernel[(persistent_grid(device),)](
+            layout.sorted_pair, layout.live_tiles, layout.block_m, h, h.stride(0), route_w, a2, a2.stride(0), a2_s,
+            a2_s.stride(0), inter, float(limit) if limit is not None else 0.0, HAS_LIMIT=limit is not None,
+            HW_CVT=device.type == "cuda" and not interpreting(), num_warps=4,
+        )
+
+    @staticmethod
     def _finalize(layout: ExpertLayout, c: torch.Tensor, out: torch.Tensor, out_fmt: str, dest) -> None:
         from .kernels import finalize_kernel
 
@@ -243,6 +284,16 @@ class HummingExperts(ExpertsProvider):
             c.shape[1], OUT_FMT=out_fmt, DEST=mode, BN=FINALIZE_BN, HW_CVT=c.device.type == "cuda" and not interpreting(),
             num_warps=4,
         )
+
+
+def _check_scheme(weights_fmt: str, math: ExpertMath) -> None:
+    """humming runs A8W4 on MXFP4 weights and block-FP8 on block-FP8 weights (QUANT_OF_FMT); anything else is named."""
+    want = QUANT_OF_FMT.get(weights_fmt)
+    if want is None:
+        raise ValueError(f"humming experts take MXFP4 or block-FP8 weights, not {weights_fmt}")
+    if math.quant != want:
+        raise ValueError(f"humming experts run {want} on {weights_fmt} weights (A8W4: fp8 activations on MXFP4 weights; "
+                         f"fp8_block: 1 x 128 FP8 groups on 128 x 128 FP8 blocks), not quant={math.quant}")
 
 
 __all__ = ["HummingExperts"]

@@ -1,4 +1,4 @@
-"""A layer's MXFP4 experts in humming-kernels' layout, as the one copy the layer keeps.
+"""A layer's MXFP4 or block-FP8 experts in humming-kernels' layout, as the one copy the layer keeps.
 
 Why in place of the row-major weights, not beside them: the weights are most of a layer's memory (DSV4-Pro,
 48 experts: 1.6 GB a layer). humming's repacked bytes (4 bits a weight), its folded scale offsets (1 byte
@@ -51,11 +51,20 @@ def rounded_block(name: str, packed: torch.Tensor, scales: torch.Tensor) -> str 
 
 
 def to_humming(weights: ExpertWeights, library) -> tuple[ExpertWeights, tuple]:
-    """MXFP4 ExpertWeights (any storage but humming's; gate/up interleaved first) -> (ExpertWeights in storage
-    "humming", (w13, w2) library.Sublayer). Warns once per tensor where humming rounds a block."""
-    if weights.fmt != "mxfp4":
-        raise ValueError(f"humming experts take MXFP4 weights, these are {weights.fmt}")
+    """MXFP4 ExpertWeights (any storage but humming's; gate/up interleaved first) or block-FP8 ones (plain rows)
+    -> (ExpertWeights in storage "humming", (w13, w2) library.Sublayer). Warns once per tensor where humming
+    rounds an MXFP4 block (block-FP8 values are humming's exactly: e4m3 weights, fp32 block scales)."""
+    if weights.fmt not in ("mxfp4", "fp8_block"):
+        raise ValueError(f"humming experts take MXFP4 or block-FP8 weights, these are {weights.fmt}")
     check_shape(weights.hidden, weights.intermediate)
+    if weights.fmt == "fp8_block":
+        subs, out = [], []
+        for name, w, s in (("w13", weights.w1, weights.w1_scale), ("w2", weights.w2, weights.w2_scale)):
+            sub, hw, hs, _ = library.transform_block_fp8(name, w.contiguous(), s.contiguous())
+            subs.append(sub)
+            out.append((hw, hs))
+        (w1h, s1h), (w2h, s2h) = out
+        return ExpertWeights(w1h, w2h, "fp8_block", "plain", s1h, s2h, "humming"), tuple(subs)
     src = weights.as_rowmajor()
     w1, s1 = src.w1, src.w1_scale
     if src.gate_up_layout == "plain":

@@ -1,0 +1,126 @@
+"""The humming provider on block-FP8 experts (DeepSeek V3 / R1 FP8 checkpoints) on an NVIDIA Hopper GPU with
+humming-kernels installed: its 128 x 128 block-scaled GEMMs for real.
+
+Checked: every pair row near the provider's torch twin (twin.twin_block_forward) and within the block-FP8 gate
+(relL2 < 0.06) of fp32 on the dequantised weights, with and without the SwiGLU clamp; near the Triton block-FP8
+experts on the same inputs; fp8_g128 rows and bf16 rows in (quantised on the receiver) giving the same bits; the
+combine wire rows of a captured CUDA graph equal to eager bit for bit (bf16 written by GEMM2, fp8 by the finalize
+kernel) with a scratch a replay does not grow; live rows through a per-segment destination.
+
+Timing is the bench's: ``python -m benchmarks.bench_experts --experts 32 --tokens 8 128 1024 8192 --schemes fp8_block
+--hidden 7168 --intermediate 2048 --topk 8 --humming``. Skips without CUDA, sm_90 or humming-kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (test_humming_interpreter.py covers the provider on CPU)", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("humming's FP8 paths here are Hopper's (sm_90)", allow_module_level=True)
+pytest.importorskip("triton")
+pytest.importorskip("humming", reason="humming-kernels not installed (pip install 'megamoe-backend[humming]')")
+
+from benchmarks.timing import capture_graph  # noqa: E402
+from twin import TWIN_TOL, twin_block_forward  # noqa: E402
+
+from megamoe_backend.experts import ExpertMath, ExpertPairs, quantize_expert_weights  # noqa: E402
+from megamoe_backend.experts.humming.provider import HummingExperts  # noqa: E402
+from megamoe_backend.experts.live import LiveRows, SegmentDest  # noqa: E402
+from megamoe_backend.experts.scratch import ExpertsScratch  # noqa: E402
+from megamoe_backend.experts.triton import TritonExperts  # noqa: E402
+from megamoe_backend.formats.block_fp8 import quantize_groups  # noqa: E402
+from megamoe_backend.formats.wire import combine_wire  # noqa: E402
+from megamoe_backend.layer.reference import fp32_reference_moe, rel_l2  # noqa: E402
+
+DEV = torch.device("cuda")
+E, H, INTER, K = 6, 512, 256, 4
+_CACHE: dict = {}
+
+
+def problem(tokens=32, limit=10.0, seed=0):
+    """(prepared humming weights, provider, checkpoint weights, fp8_g128 rows, bf16 rows, pairs, math)."""
+    if "w" not in _CACHE:
+        g = torch.Generator().manual_seed(11)
+        w1 = torch.randn(E, 2 * INTER, H, generator=g) / H**0.5
+        w2 = torch.randn(E, H, INTER, generator=g) / INTER**0.5
+        weights = quantize_expert_weights(w1, w2, "fp8_block", "plain").to(DEV)
+        provider = HummingExperts(capacity=256 * K)
+        _CACHE["w"] = (provider.prepare_weights(weights, ExpertMath("fp8_block")), provider, weights)
+    prepared, provider, weights = _CACHE["w"]
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(tokens, H, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    ids = torch.rand(tokens, E, generator=g).topk(K, dim=1).indices.reshape(-1).to(DEV)
+    pairs = ExpertPairs(torch.arange(tokens, device=DEV).repeat_interleave(K), ids.contiguous(),
+                        torch.rand(tokens * K, generator=g).to(DEV), per_row=K)
+    return prepared, provider, weights, quantize_groups(x), x, pairs, ExpertMath("fp8_block", swiglu_limit=limit)
+
+
+def worst_row(got, want) -> float:
+    return max(float(rel_l2(got[q].float().cpu(), want[q].float().cpu())) for q in range(got.shape[0]))
+
+
+@pytest.mark.parametrize("limit", [None, 10.0, 0.5], ids=["no-clamp", "clamp10", "clamp0.5"])
+def test_rows_match_the_twin_the_gate_and_triton(limit):
+    prepared, provider, weights, rows, x, pairs, math = problem(limit=limit)
+    got = provider.forward(rows, pairs, prepared, math)
+    rows_cpu = type(rows)(rows.data.cpu(), rows.scales.cpu(), rows.fmt)
+    pairs_cpu = ExpertPairs(pairs.row.cpu(), pairs.slot.cpu(), pairs.weight.cpu(), per_row=K)
+    assert worst_row(got, twin_block_forward(rows_cpu, pairs_cpu, weights.to("cpu"), math)) < TWIN_TOL
+    w1, w2 = weights.dequantized()
+    n = x.shape[0]
+    ref = fp32_reference_moe(x.cpu(), pairs.slot.view(n, K).cpu(), pairs.weight.view(n, K).cpu(), w1.cpu(), w2.cpu(),
+                             "plain", limit)
+    mine = got.view(n, K, H).sum(dim=1).cpu()
+    assert float(rel_l2(mine, ref)) < 0.06
+    tri = TritonExperts(capacity=256 * K).forward(rows, pairs, weights, math)
+    assert float(rel_l2(got.cpu(), tri.cpu())) < 0.03
+    # bf16 rows in: quantised on the receiver into the same fp8_g128 bits
+    assert torch.equal(provider.forward(x, pairs, prepared, math), got)
+
+
+@pytest.mark.parametrize("wire_name", ["bf16", "fp8_blockwise_1x32"])
+def test_graph_replay_equals_eager_and_allocates_nothing(wire_name):
+    prepared, provider, _, rows, _, pairs, math = problem(tokens=64, seed=1)
+    wire = combine_wire(wire_name)
+    scratch = ExpertsScratch(DEV)
+    out = torch.zeros(len(pairs), wire.row_bytes(H), dtype=torch.uint8, device=DEV)
+
+    def fn():
+        return provider.forward_wire(rows, pairs, prepared, math, wire, out=out, scratch=scratch)
+
+    fn()
+    torch.cuda.synchronize()
+    eager = out.clone()
+    allocated = scratch.allocations
+    graph = capture_graph(fn)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and scratch.allocations == allocated
+    assert torch.equal(eager, wire.encode(provider.forward(rows, pairs, prepared, math)))
+
+
+def test_live_rows_reach_their_segments():
+    """Two segments of 16 rows, 5 and 2 live: the live pairs' rows land at their segment's destination, the rest
+    of the output keeps its fill."""
+    prepared, provider, weights, rows, _, pairs, math = problem(tokens=32, seed=2)
+    wire = combine_wire("bf16")
+    rb, seg_rows = wire.row_bytes(H), 16
+    counts = torch.tensor([5, 2], device=DEV)
+    base = torch.tensor([0, 80 * rb], device=DEV)
+    out = torch.full((160 * rb,), 0x7F, dtype=torch.uint8, device=DEV)
+    dest = SegmentDest(base, seg_rows * K, rb, align=16)
+    provider.forward_wire(rows, pairs, prepared, math, wire, out=out, dest=dest, live=LiveRows(counts, seg_rows, None))
+    want = wire.encode(provider.forward(rows, pairs, prepared, math)).cpu()
+    out = out.cpu()
+    for q in range(len(pairs)):
+        seg, within = q // (seg_rows * K), q % (seg_rows * K)
+        at = int(base[seg]) + within * rb
+        row = out[at:at + rb]
+        if within // K < int(counts[seg]):
+            assert torch.equal(row, want[q]), f"pair {q}"
+        else:
+            assert bool((row == 0x7F).all()), f"pair {q} is not live but was written"
