@@ -254,7 +254,8 @@ def build(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(MAIN / ".fi074"), help="folder of part1 .. partN (default: %(default)s)")
-    ap.add_argument("--chunk-mib", type=float, default=60.0, help="largest part in MiB (default: %(default)s)")
+    ap.add_argument("--chunk-mib", type=float, default=50.0,
+                    help="largest part in MiB (default: %(default)s: with the ~10 MiB working tree, under a call's 64 MiB)")
     ap.add_argument("--flashinfer", default=DEFAULTS["flashinfer"], help="the flashinfer-python 0.7.4 wheel")
     ap.add_argument("--wheels", nargs="+", default=DEFAULTS["wheels"], help="the other wheels (globs, one match each)")
     ap.add_argument("--aot", default=DEFAULTS["aot"], help="tar holding flashinfer/data/aot/fused_moe_90/")
