@@ -69,8 +69,8 @@ import time
 
 import torch
 
-from .peer_weights import to_flashinfer_megamoe
 from . import peers
+from .peer_weights import to_flashinfer_megamoe
 from .peers import Peer, PeerUnavailable, weights_key
 
 PEER = "flashinfer_megamoe_sm90"

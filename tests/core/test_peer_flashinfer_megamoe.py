@@ -29,7 +29,7 @@ H, I, E = 256, 128, 3  # noqa: E741 - hidden, intermediate (multiples of FlashIn
 
 # ----------------------------------------------------------------------------------------- skips
 def test_the_peer_is_listed_and_made_by_name():
-    assert PEER in peers.PEER_NAMES and peers.PEER_NAMES[-1] == PEER  # last: its drop edits sys.path at load
+    assert PEER in peers.PEER_NAMES and peers.PEER_NAMES[-1] == PEER  # last: its kernel drop puts its src/ first on sys.path
     assert "flashinfer_megamoe_sm90" in __import__("benchmarks.engine_ratios").engine_ratios.ENGINE_PEERS
 
 
