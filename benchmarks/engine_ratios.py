@@ -21,6 +21,8 @@ ENGINE_PEERS = {
     "flashinfer_w4a16": ("SGLang default", "SGLang 0.5.23 on Hopper: FlashInfer CUTLASS MXFP4 x BF16 (W4A16)"),
     "flashinfer_humming": ("SGLang opt-in", "SGLang's --flashinfer-mxfp4-moe-precision fp8: FlashInfer CUTLASS MXFP4 x FP8"),
     "triton_kernels": ("triton_kernels", "OpenAI triton_kernels matmul_ogs (vLLM's Triton MXFP4 path)"),
+    "flashinfer_megamoe_sm90": ("FlashInfer MegaMoE", "FlashInfer 0.7.4's fused SM90 MXFP4 x FP8 MegaMoE (moe_ep): "
+                                "no engine enables it on Hopper yet"),
 }
 PROVIDERS = {"triton": "MegaMoE (Triton GEMMs)", "humming": "MegaMoE (humming-kernels GEMMs)"}
 

@@ -18,6 +18,13 @@ EVEN element in the LOW nibble; E8M0 scales ``[E, rows, K/32]`` row-major; GEMM1
   (``prepare._quantize_mxfp4_linear``) packs the even element in the low nibble and writes linear
   row-major ``[rows, K/32]`` UE8M0 bytes (exponent + 127). Same nibble order and scale bytes as the
   project: only the GEMM1 rows move. Humming's E8M0 range clamp and both SM90 interleaves run on top.
+- FlashInfer 0.7.4's SM90 MXFP4 x FP8 fused MegaMoE (``flashinfer.moe_ep``, backend
+  ``fp8_mxfp4_bf16_pull_cutedsl``): ``PrequantizedMoEWeights`` with the raw packed E2M1 payload and raw
+  K32 E8M0 exponent bytes, FC1 rows "gate followed by up" (its config's docstring; its weights.py then
+  interleaves them in groups of 8, ``_interleave_gate_up_8``, before Humming's preprocessing), the even
+  element in the low nibble (its tests pack ``codes[0::2] | codes[1::2] << 4``). Only the GEMM1 rows
+  move; FlashInfer's own ``preprocess_weights`` (the Humming range clamp, the fold, the SM90 interleave)
+  runs on top when the layer is built.
 - triton_kernels (``matmul_ogs``, Triton 3.6's snapshot), as vLLM's ``_swizzle_mxfp4`` feeds it: the
   checkpoint tensors ``[E, N, K/2]`` / ``[E, N, K/32]`` transposed to ``[E, K/2, N]`` / ``[E, K/32, N]``
   (quantisation axis on dim 1, ``mx_axis=1``), GEMM1 columns gate/up interleaved (its fused SwiGLU
@@ -32,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from megamoe_backend.experts import ExpertWeights
-from megamoe_backend.experts.weights import interleave_gate_up
+from megamoe_backend.experts.weights import deinterleave_gate_up, interleave_gate_up
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,16 @@ class FlashInferMxfp4:
 
     w1: torch.Tensor  # uint8 [E, 2I, H/2], rows [up; gate]
     w1_scale: torch.Tensor  # uint8 E8M0 [E, 2I, H/32]
+    w2: torch.Tensor  # uint8 [E, H, I/2]
+    w2_scale: torch.Tensor  # uint8 E8M0 [E, H, I/32]
+
+
+@dataclass(frozen=True)
+class FlashInferMegaMxfp4:
+    """Raw MXFP4 as FlashInfer's SM90 MegaMoE takes it in ``PrequantizedMoEWeights`` (module docstring)."""
+
+    w13: torch.Tensor  # uint8 [E, 2I, H/2], rows [gate; up]
+    w13_scale: torch.Tensor  # uint8 E8M0 [E, 2I, H/32]
     w2: torch.Tensor  # uint8 [E, H, I/2]
     w2_scale: torch.Tensor  # uint8 E8M0 [E, H, I/32]
 
@@ -77,6 +94,18 @@ def to_flashinfer(w: ExpertWeights) -> FlashInferMxfp4:
     w = _rowmajor_mxfp4(w, "FlashInfer")
     return FlashInferMxfp4(_up_then_gate(w.w1, w.gate_up_layout), _up_then_gate(w.w1_scale, w.gate_up_layout),
                            w.w2.contiguous(), w.w2_scale.contiguous())
+
+
+def _gate_then_up(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """GEMM1 rows [E, 2I, ...] in the project's ``layout`` -> [gate; up], contiguous."""
+    return (deinterleave_gate_up(t) if layout == "interleaved" else t).contiguous()
+
+
+def to_flashinfer_megamoe(w: ExpertWeights) -> FlashInferMegaMxfp4:
+    """The project's MXFP4 weights as FlashInfer's MegaMoE raw ABI (bytes unchanged, GEMM1 rows [gate; up])."""
+    w = _rowmajor_mxfp4(w, "FlashInfer MegaMoE")
+    return FlashInferMegaMxfp4(_gate_then_up(w.w1, w.gate_up_layout), _gate_then_up(w.w1_scale, w.gate_up_layout),
+                               w.w2.contiguous(), w.w2_scale.contiguous())
 
 
 def to_triton_kernels(w: ExpertWeights) -> TritonKernelsMxfp4:

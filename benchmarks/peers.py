@@ -12,7 +12,11 @@ What a vLLM / SGLang user serving MXFP4 experts on Hopper gets when they do not 
   with the route weights, then the top-k reduce), on the Hopper value / scale swizzles;
 - ``vllm_humming``: vLLM 0.34's own Hopper MXFP4 experts path for DeepSeek V4 (humming-kernels'
   HummingIndexedExperts, block-FP8 group-128 activations), from the carried vLLM bundle
-  (benchmarks/peer_vllm_humming.py): vLLM 0.33 / 0.34's default on Hopper.
+  (benchmarks/peer_vllm_humming.py): vLLM 0.33 / 0.34's default on Hopper;
+- ``flashinfer_megamoe_sm90``: FlashInfer 0.7.4's fused SM90 MegaMoE (``flashinfer.moe_ep``, MXFP4 weights x
+  FP8 activations, one CuTe DSL kernel: dispatch + FC1 + SwiGLU + FC2 + combine) at ep_size 1, through its
+  ``MoEEpLayer`` (benchmarks/peer_flashinfer_megamoe.py): no engine's default yet (neither vLLM 0.34 nor
+  SGLang 0.5.23 enables it on Hopper); it needs the FlashInfer 0.7.4 bundle, not the 0.7.2 one above.
 
 For block-FP8 experts (``bench experts --schemes fp8_block``; weights_fmt "fp8_block"):
 
@@ -64,7 +68,8 @@ from .gpu_clock import ClockSampler
 from .peer_weights import to_flashinfer, to_triton_kernels
 from .timing import graph_or_eager, time_fn, time_isolated
 
-PEER_NAMES = ("flashinfer_humming", "flashinfer_w4a16", "triton_kernels", "vllm_humming")  # MXFP4 experts
+PEER_NAMES = ("flashinfer_humming", "flashinfer_w4a16", "triton_kernels", "vllm_humming",  # MXFP4 experts
+              "flashinfer_megamoe_sm90")
 BLOCK_FP8_PEER_NAMES = ("vllm_humming_block_fp8",)  # block-FP8 experts (bench experts --schemes fp8_block)
 PEERS_README = "../shared/peers/README.md"
 HUMMING_EPILOGUE_COMPENSATION = 64.0  # FlashInfer: residual x 2^6 into quant-scale slots 1 / 4 (prepare.py)
@@ -549,6 +554,10 @@ def make_peer(name: str, tune_cache: str | None = None) -> Peer:
         from .peer_vllm_humming import make_peer as make_vllm_humming
 
         return make_vllm_humming("mxfp4" if name == "vllm_humming" else "fp8_block")
+    if name == "flashinfer_megamoe_sm90":  # FlashInfer 0.7.4's fused SM90 MegaMoE: peer_flashinfer_megamoe.py
+        from .peer_flashinfer_megamoe import make_peer as make_flashinfer_megamoe
+
+        return make_flashinfer_megamoe()
     raise ValueError(f"unknown peer {name!r}; expected one of {PEER_NAMES + BLOCK_FP8_PEER_NAMES}")
 
 
