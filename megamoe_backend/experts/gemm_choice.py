@@ -39,6 +39,12 @@ INSTALL_FIX = "pip install 'megamoe-backend[humming]' (humming-kernels[cu13] >= 
 # 8 / 128 / 1024 / 8192 tokens; an emulated EP 8 rank 0.99 / 1.01 / 0.99x at 8 / 128 / 1024, an EP 2 rank 0.97x at
 # 8192. Prefill gains 3-11 %, decode is even, the 1024-token bucket at ep_size 1 costs 3 %: both forwards listed.
 AUTO_HUMMING_FORWARDS: tuple[str, ...] = ("ep1", "ep")
+# The same for block-FP8 experts (DeepSeek V3 / R1 FP8). One H100, 32 DeepSeek V3 experts, the experts bench in one
+# run (benchmarks/results/h100_block_fp8_r2.json): humming 458 / 551 / 1188 / 7959 µs against the Triton experts'
+# 477 / 540 / 1596 / 11003 at 8 / 128 / 1024 / 8192 tokens (1.04 / 0.98 / 1.34 / 1.38x), relL2 to fp32 0.0437-0.0449
+# (Triton 0.0436-0.0450). That is the ep_size-1 forward's experts; an EP rank's humming block-FP8 forward has not run
+# on a GPU, so it keeps the Triton GEMMs (GPU-tested over the device P2P forward).
+AUTO_HUMMING_BLOCK_FP8_FORWARDS: tuple[str, ...] = ("ep1",)
 # auto never spends more than this share of the GPU's memory on humming's scratch (its GEMMs hold rows per pair of
 # capacity, experts/humming/footprint.py: 12.1 GB a rank at EP 8, MTPR 8192, DSV4-Pro, fp8 wire): that memory is the engine's
 # KV cache. MEGA_EXPERTS_GEMM=humming runs it anyway (megamoe info counts it and warns).
@@ -105,6 +111,11 @@ def choose_experts_gemm(f: GemmFacts) -> GemmChoice:
     return GemmChoice("triton", f"the project's Triton GEMMs (MEGA_EXPERTS_GEMM=auto; humming-kernels not used: {missing[0]})")
 
 
+def auto_forwards(quant: str) -> tuple[str, ...]:
+    """The forwards auto runs humming on for the experts' scheme ``quant`` (measured, above)."""
+    return AUTO_HUMMING_BLOCK_FP8_FORWARDS if quant == "fp8_block" else AUTO_HUMMING_FORWARDS
+
+
 def forward_kind(ep_size: int) -> str:
     """AUTO_HUMMING_FORWARDS' name of the forward a layer of ``ep_size`` runs its experts in."""
     return "ep1" if ep_size == 1 else "ep"
@@ -115,7 +126,7 @@ def _auto_holds_back(f: GemmFacts, missing: tuple[str, str] | None) -> str | Non
     if missing is not None:
         return f"humming-kernels not used: {missing[0]}"
     kind = forward_kind(f.ep_size)
-    if kind not in AUTO_HUMMING_FORWARDS:
+    if kind not in auto_forwards(f.quant):
         where = "at ep_size 1" if kind == "ep1" else f"on an EP rank (ep_size {f.ep_size})"
         could = (f"{f.humming_version} could serve here" if f.capability is not None else
                  "would serve on an sm_90 GPU where installed")
@@ -185,7 +196,7 @@ def gemm_facts(knob: str, device, quant: str, probe=None, *, ep_size: int = 1,
         version = None
     facts = GemmFacts(check_experts_gemm(knob), kind, quant, capability, os.environ.get("TRITON_INTERPRET") == "1",
                       version, None, ep_size, scratch_bytes, gpu_bytes)
-    asked = knob == "humming" or (knob == "auto" and forward_kind(ep_size) in AUTO_HUMMING_FORWARDS)
+    asked = knob == "humming" or (knob == "auto" and forward_kind(ep_size) in auto_forwards(quant))
     if asked and capability == HUMMING_SM and quant in HUMMING_SCHEMES and humming_version_accepted(version):
         if probe is None:
             from .humming.library import probe
@@ -193,4 +204,4 @@ def gemm_facts(knob: str, device, quant: str, probe=None, *, ep_size: int = 1,
     return facts
 
 
-__all__ = ["AUTO_HUMMING_FORWARDS", "HUMMING_SCRATCH_SHARE", "forward_kind", "GEMMS", "GemmChoice", "GemmFacts", "choose_experts_gemm", "gemm_facts", "humming_version_accepted"]
+__all__ = ["AUTO_HUMMING_BLOCK_FP8_FORWARDS", "AUTO_HUMMING_FORWARDS", "auto_forwards", "HUMMING_SCRATCH_SHARE", "forward_kind", "GEMMS", "GemmChoice", "GemmFacts", "choose_experts_gemm", "gemm_facts", "humming_version_accepted"]

@@ -43,6 +43,16 @@ def test_auto_runs_humming_on_the_forwards_it_was_measured_faster_on(auto_policy
     assert ep.gemm == "triton" and "on an EP rank (ep_size 8)" in ep.why
 
 
+def test_block_fp8_auto_runs_humming_where_it_was_measured_and_keeps_triton_on_ep_ranks():
+    """Block-FP8 has its own measured forwards (AUTO_HUMMING_BLOCK_FP8_FORWARDS: the ep_size-1 forward); an EP rank
+    keeps Triton under auto, and runs humming when asked by name; MXFP4's list does not apply to it."""
+    assert gemm_choice.auto_forwards("fp8_block") == ("ep1",)
+    assert choose_experts_gemm(facts(quant="fp8_block")).gemm == "humming"
+    ep = choose_experts_gemm(facts(quant="fp8_block", ep_size=8))
+    assert ep.gemm == "triton" and "on an EP rank (ep_size 8)" in ep.why
+    assert choose_experts_gemm(facts(quant="fp8_block", ep_size=8, knob="humming")).gemm == "humming"
+
+
 @pytest.mark.parametrize("scratch, gemm", [(4 * 10**9, "humming"), (4 * 10**9 + 1, "triton"), (None, "humming")])
 def test_auto_spends_at_most_its_share_of_the_gpu_on_humming_scratch(scratch, gemm, monkeypatch):
     """At 5 % of an 80 GB GPU (4 GB) the scratch is allowed, a byte more is not (the why names the knob that
@@ -91,10 +101,12 @@ def test_the_scratch_auto_weighs_is_what_megamoe_info_counts():
 ])
 def test_the_oracle_answers_each_platform(over, gemm, says, monkeypatch):
     """Where auto picks humming (AUTO_HUMMING_FORWARDS lists the forward); with none listed auto answers triton."""
-    monkeypatch.setattr(gemm_choice, "AUTO_HUMMING_FORWARDS", ("ep1",))
+    for name in ("AUTO_HUMMING_FORWARDS", "AUTO_HUMMING_BLOCK_FP8_FORWARDS"):
+        monkeypatch.setattr(gemm_choice, name, ("ep1",))
     choice = choose_experts_gemm(facts(**over))
     assert choice.gemm == gemm and says in choice.why, choice
-    monkeypatch.setattr(gemm_choice, "AUTO_HUMMING_FORWARDS", ())
+    for name in ("AUTO_HUMMING_FORWARDS", "AUTO_HUMMING_BLOCK_FP8_FORWARDS"):
+        monkeypatch.setattr(gemm_choice, name, ())
     if facts(**over).knob == "auto":
         assert choose_experts_gemm(facts(**over)).gemm == "triton"
 

@@ -1,11 +1,21 @@
 """The humming provider on block-FP8 experts (DeepSeek V3 / R1 FP8 checkpoints) on an NVIDIA Hopper GPU with
 humming-kernels installed: its 128 x 128 block-scaled GEMMs for real.
 
-Checked: every pair row near the provider's torch twin (twin.twin_block_forward) and within the block-FP8 gate
+Checked: the pair rows near the provider's torch twin (twin.twin_block_forward; BLOCK_TWIN_TOL below) and within the block-FP8 gate
 (relL2 < 0.06) of fp32 on the dequantised weights, with and without the SwiGLU clamp; near the Triton block-FP8
 experts on the same inputs; fp8_g128 rows and bf16 rows in (quantised on the receiver) giving the same bits; the
 combine wire rows of a captured CUDA graph equal to eager bit for bit (bf16 written by GEMM2, fp8 by the finalize
 kernel) with a scratch a replay does not grow; live rows through a per-segment destination.
+
+Run on an H100 80GB HBM3 (2026-12-07, humming-kernels 0.1.20): with the per-row TWIN_TOL of the MXFP4 tests the rows
+test failed (worst row 0.040); the same problem's figures (benchmarks/research/block_fp8_twin_spread.py,
+benchmarks/results/h100_block_fp8_twin_spread.json) were: humming vs the twin 0.0175 over all rows, 0.040 worst row;
+the Triton block-FP8 experts vs the twin 0.0142 / 0.035; humming vs Triton 0.0178; bf16 rows in and a second forward
+bit-identical. Block-FP8 A2 is re-quantised to e4m3 from GEMM1's rows, so a last-bit difference in a row (bf16 h here,
+fp32 in Triton's epilogue, the FP8 MMA's accumulation order) moves some A2 values by one e4m3 step (6-12 %): that, not
+a wrong step, is the spread (a wrong step fails the CPU tests far past it: test_humming_interpreter.py's planted
+mutations). The tolerances below are set from those figures; the test with them and the live-rows test's near-equality
+(stream-K sums in another order when fewer tiles are live) have not run on a GPU yet.
 
 Timing is the bench's: ``python -m benchmarks.bench_experts --experts 32 --tokens 8 128 1024 8192 --schemes fp8_block
 --hidden 7168 --intermediate 2048 --topk 8 --humming``. Skips without CUDA, sm_90 or humming-kernels.
@@ -24,7 +34,7 @@ pytest.importorskip("triton")
 pytest.importorskip("humming", reason="humming-kernels not installed (pip install 'megamoe-backend[humming]')")
 
 from benchmarks.timing import capture_graph  # noqa: E402
-from twin import TWIN_TOL, twin_block_forward  # noqa: E402
+from twin import twin_block_forward  # noqa: E402
 
 from megamoe_backend.experts import ExpertMath, ExpertPairs, quantize_expert_weights  # noqa: E402
 from megamoe_backend.experts.humming.provider import HummingExperts  # noqa: E402
@@ -36,6 +46,8 @@ from megamoe_backend.formats.wire import combine_wire  # noqa: E402
 from megamoe_backend.layer.reference import fp32_reference_moe, rel_l2  # noqa: E402
 
 DEV = torch.device("cuda")
+BLOCK_TWIN_TOL = 0.03  # relL2 over all pair rows vs the twin (measured 0.0175; the Triton experts 0.0142)
+BLOCK_ROW_TOL = 0.06  # the worst single row (measured 0.040; Triton 0.035): e4m3 steps of A2, docstring
 E, H, INTER, K = 6, 512, 256, 4
 _CACHE: dict = {}
 
@@ -68,7 +80,8 @@ def test_rows_match_the_twin_the_gate_and_triton(limit):
     got = provider.forward(rows, pairs, prepared, math)
     rows_cpu = type(rows)(rows.data.cpu(), rows.scales.cpu(), rows.fmt)
     pairs_cpu = ExpertPairs(pairs.row.cpu(), pairs.slot.cpu(), pairs.weight.cpu(), per_row=K)
-    assert worst_row(got, twin_block_forward(rows_cpu, pairs_cpu, weights.to("cpu"), math)) < TWIN_TOL
+    twin = twin_block_forward(rows_cpu, pairs_cpu, weights.to("cpu"), math)
+    assert float(rel_l2(got.cpu(), twin)) < BLOCK_TWIN_TOL and worst_row(got, twin) < BLOCK_ROW_TOL
     w1, w2 = weights.dequantized()
     n = x.shape[0]
     ref = fp32_reference_moe(x.cpu(), pairs.slot.view(n, K).cpu(), pairs.weight.view(n, K).cpu(), w1.cpu(), w2.cpu(),
@@ -76,7 +89,7 @@ def test_rows_match_the_twin_the_gate_and_triton(limit):
     mine = got.view(n, K, H).sum(dim=1).cpu()
     assert float(rel_l2(mine, ref)) < 0.06
     tri = TritonExperts(capacity=256 * K).forward(rows, pairs, weights, math)
-    assert float(rel_l2(got.cpu(), tri.cpu())) < 0.03
+    assert float(rel_l2(got.cpu(), tri.cpu())) < BLOCK_TWIN_TOL
     # bf16 rows in: quantised on the receiver into the same fp8_g128 bits
     assert torch.equal(provider.forward(x, pairs, prepared, math), got)
 
@@ -104,7 +117,8 @@ def test_graph_replay_equals_eager_and_allocates_nothing(wire_name):
 
 
 def test_live_rows_reach_their_segments():
-    """Two segments of 16 rows, 5 and 2 live: the live pairs' rows land at their segment's destination, the rest
+    """Two segments of 16 rows, 5 and 2 live: the live pairs' rows land at their segment's destination (near the full
+    forward's rows: humming's stream-K splits fewer live tiles differently, so the sums' order may differ), the rest
     of the output keeps its fill."""
     prepared, provider, weights, rows, _, pairs, math = problem(tokens=32, seed=2)
     wire = combine_wire("bf16")
@@ -121,6 +135,7 @@ def test_live_rows_reach_their_segments():
         at = int(base[seg]) + within * rb
         row = out[at:at + rb]
         if within // K < int(counts[seg]):
-            assert torch.equal(row, want[q]), f"pair {q}"
+            got = wire.decode_fp32(row[None], H)[0]
+            assert float(rel_l2(got, wire.decode_fp32(want[q][None], H)[0])) < BLOCK_ROW_TOL, f"pair {q}"
         else:
             assert bool((row == 0x7F).all()), f"pair {q} is not live but was written"
