@@ -69,9 +69,9 @@ import time
 
 import torch
 
-from . import peers
+from . import peer_api as peers
 from .peer_weights import to_flashinfer_megamoe
-from .peers import Peer, PeerUnavailable, weights_key
+from .peer_api import Peer, PeerUnavailable, weights_key
 
 PEER = "flashinfer_megamoe_sm90"
 KERNEL = "sm90_fp8_mxfp4_bf16_pull_cutedsl"
@@ -144,7 +144,7 @@ def make_peer():
 
 def _make_peer():
     stack = _import_stack()
-    device = peers._require_cuda(PEER)
+    device = peers.require_cuda(PEER)
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         raise _unavailable(f"sm_{major}{minor}: the {KERNEL} kernel is compiled for sm_90 (Hopper) only")
@@ -302,19 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     [--experts 48] [--tokens 8 1024]``; DSV4-Pro expert shapes, the bench's weights / routing / per-token
     relL2 (bench experts' TokenCheck), timed by peers.time_peer (warm, relL2, CUDA graph). Writes the JSON
     after every step; each step's failure is recorded with its traceback, never raised."""
-    import argparse
     import sys
     import traceback
     from dataclasses import asdict
 
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.peer_flashinfer_megamoe")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--experts", type=int, default=48)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8, 1024])
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--intermediate", type=int, default=3072)
-    ap.add_argument("--topk", type=int, default=6)
-    ap.add_argument("--swiglu-limit", type=float, default=10.0)
+
+    ap = peers.smoke_parser("peer_flashinfer_megamoe")
     args = ap.parse_args(argv)
     t0 = time.time()
     rec: dict = {"args": vars(args), "steps": [], "results": []}
@@ -351,7 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     state: dict = {}
 
     def select():
-        ready, skipped = peers.select([PEER])
+        try:
+            ready, skipped = [make_peer()], []
+        except PeerUnavailable as exc:
+            ready, skipped = [], [peers.Skipped(PEER, str(exc))]
         rec["peers"] = peers.describe(ready, skipped)
         state["peer"] = ready[0] if ready else None
         return rec["peers"]
@@ -362,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
         print(json.dumps({k: v for k, v in rec.items() if k != "steps"}, default=str)[:6000])
         return 0
-    from .bench_experts import TokenCheck, make_routing, make_weights
+    from .bench_data import TokenCheck, make_routing, make_weights
     from .references import check_tokens
 
     dev = torch.device("cuda", torch.cuda.current_device())

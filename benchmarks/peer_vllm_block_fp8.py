@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .peers import PeerResult
+from .peer_api import PeerResult
 from .timing import graph_or_eager, time_fn
 
 NAME = "vllm_triton_block_fp8"

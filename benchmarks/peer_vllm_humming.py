@@ -124,7 +124,7 @@ def checkpoint_tensors(w: ExpertWeights) -> tuple[dict, dict]:
 
 
 def _unavailable(reason: str, name: str = PEER):
-    from .peers import PeerUnavailable
+    from .peer_api import PeerUnavailable
 
     return PeerUnavailable(f"{name}: {reason}")
 
@@ -176,7 +176,7 @@ def _env_flag(envs, name: str) -> bool:
 def make_peer(fmt: str = "mxfp4"):
     """The peer for weights ``fmt`` (SCHEMES), or PeerUnavailable: imports first (the reason a CPU box gives),
     then the GPU. Any other failure while making it is a skip with its reason too: the bench must not stop."""
-    from .peers import PeerUnavailable
+    from .peer_api import PeerUnavailable
 
     try:
         return _make_peer(fmt)
@@ -187,7 +187,7 @@ def make_peer(fmt: str = "mxfp4"):
 
 
 def _make_peer(fmt: str):
-    from .peers import Peer, _require_cuda
+    from .peer_api import Peer, require_cuda
 
     peer_name, schema_config = SCHEMES[fmt]
     stack = _import_stack()
@@ -195,7 +195,7 @@ def _make_peer(fmt: str):
         from megamoe_backend.experts.humming import library
     except Exception:  # noqa: BLE001
         library = None
-    device = _require_cuda(peer_name)
+    device = require_cuda(peer_name)
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         raise _unavailable(f"sm_{major}{minor}: the peer is vLLM's Hopper (sm_90) humming path", peer_name)
@@ -259,7 +259,7 @@ def _make_peer(fmt: str):
                     "hadamard": getattr(wschema, "hadamard_block_size", 1)}
 
         def load(self, weights, shape, *, max_tokens, ep_size=1, ep_rank=0):
-            from .peers import weights_key
+            from .peer_api import weights_key
 
             if ep_size != 1:
                 raise RuntimeError(f"{peer_name}: EP ranks not covered (vLLM runs HummingGroupedExperts under EP)")
@@ -359,18 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     [--tokens 8 1024]``; DSV4-Pro expert shapes, the bench's weights / routing / per-token relL2 (bench
     experts' TokenCheck), timed by peers.time_peer (warm, relL2, CUDA graph). Writes JSON after each step;
     a skip or an error is recorded, never raised."""
-    import argparse
     import time
     import traceback
 
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.peer_vllm_humming")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--experts", type=int, default=48)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8, 1024])
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--intermediate", type=int, default=3072)
-    ap.add_argument("--topk", type=int, default=6)
-    ap.add_argument("--swiglu-limit", type=float, default=10.0)
+    from . import peer_api as peers
+    from .peer_api import smoke_parser
+
+    ap = smoke_parser("peer_vllm_humming")
     args = ap.parse_args(argv)
     t0 = time.time()
     rec: dict = {"args": vars(args), "results": []}
@@ -382,9 +377,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from dataclasses import asdict
 
-    from . import peers
-
-    ready, skipped = peers.select([PEER])
+    try:
+        ready, skipped = [make_peer()], []
+    except peers.PeerUnavailable as exc:
+        ready, skipped = [], [peers.Skipped(PEER, str(exc))]
     rec["peers"] = peers.describe(ready, skipped)
     save()
     if not ready:
@@ -392,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     peer = ready[0]
     try:
-        from .bench_experts import TokenCheck, make_routing, make_weights
+        from .bench_data import TokenCheck, make_routing, make_weights
         from .references import check_tokens
 
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from benchmarks import peer_flashinfer_megamoe as pfm
-from benchmarks import peers
+from benchmarks import peer_api, peers
 from benchmarks.bench_experts import make_weights
 from benchmarks.peer_weights import to_flashinfer_megamoe
 from benchmarks.references import token_reference
@@ -250,7 +250,7 @@ def test_the_peer_calls_flashinfers_api_in_order(weights, monkeypatch):
     log: list = []
     Recorder.log = log
     monkeypatch.setattr(pfm, "_import_stack", lambda: _stack(log))
-    monkeypatch.setattr(peers, "_require_cuda", lambda name: torch.device("cpu"))
+    monkeypatch.setattr(peer_api, "require_cuda", lambda name: torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
@@ -296,7 +296,7 @@ def test_no_limit_turns_flashinfers_default_clamp_off(weights, monkeypatch):
     log: list = []
     Recorder.log = log
     monkeypatch.setattr(pfm, "_import_stack", lambda: _stack(log))
-    monkeypatch.setattr(peers, "_require_cuda", lambda name: torch.device("cpu"))
+    monkeypatch.setattr(peer_api, "require_cuda", lambda name: torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     pfm.make_peer().load(weights[0], peers.PeerShape(H, I, 2, None), max_tokens=8)

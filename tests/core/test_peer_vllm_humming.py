@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks import peer_vllm_humming as pvh
-from benchmarks import peers
+from benchmarks import peer_api, peers
 from benchmarks.bench_experts import make_weights
 from megamoe_backend.experts.weights import deinterleave_gate_up
 
@@ -214,7 +214,7 @@ def test_the_call_runs_vllms_steps_in_order_with_fixed_buffers(monkeypatch):
              "quant_key_to_input_schema": lambda key: Schema(), "get_fp8_min_max": lambda: (-448.0, 448.0),
              "kFp8Dynamic128Sym": "k"}
     monkeypatch.setattr(pvh, "_import_stack", lambda: stack)
-    monkeypatch.setattr(peers, "_require_cuda", lambda name: torch.device("cpu"))
+    monkeypatch.setattr(peer_api, "require_cuda", lambda name: torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(library, "probe", lambda d: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
