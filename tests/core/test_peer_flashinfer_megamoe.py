@@ -246,13 +246,18 @@ def _stack(log: list) -> dict:
     return stack
 
 
-def test_the_peer_calls_flashinfers_api_in_order(weights, monkeypatch):
-    log: list = []
-    Recorder.log = log
+def fake_hopper(monkeypatch, log: list) -> None:
+    """FlashInfer's API replaced by recorders (``_stack``) on a CPU that answers as an sm_90 GPU."""
     monkeypatch.setattr(pfm, "_import_stack", lambda: _stack(log))
     monkeypatch.setattr(peer_api, "require_cuda", lambda name: torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_the_peer_calls_flashinfers_api_in_order(weights, monkeypatch):
+    log: list = []
+    Recorder.log = log
+    fake_hopper(monkeypatch, log)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.delenv("MEGA_NO_DIST", raising=False)
     fp4, _ = weights
@@ -295,10 +300,7 @@ def test_no_limit_turns_flashinfers_default_clamp_off(weights, monkeypatch):
     """FlashInfer's config defaults gate_up_clamp to 10.0: a model without a limit must pass None."""
     log: list = []
     Recorder.log = log
-    monkeypatch.setattr(pfm, "_import_stack", lambda: _stack(log))
-    monkeypatch.setattr(peer_api, "require_cuda", lambda name: torch.device("cpu"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fake_hopper(monkeypatch, log)
     pfm.make_peer().load(weights[0], peers.PeerShape(H, I, 2, None), max_tokens=8)
     made = dict((n, kw) for n, kw in log if isinstance(kw, dict))
     assert made["Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig"]["gate_up_clamp"] is None

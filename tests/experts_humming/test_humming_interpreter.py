@@ -140,21 +140,28 @@ def test_bf16_rows_are_quantised_on_the_receiver():
     assert_rows_near(got, twin_forward(quantize_mx(x, "fp8"), pairs, weights, math))
 
 
-def test_a_second_forward_allocates_nothing_and_masked_pairs_are_untouched():
-    provider, prepared, weights, rows, _, pairs, math = problem(masked=0.3, seed=4)
+@pytest.mark.parametrize("fmt, wire_name", [("mxfp4", "fp8_blockwise_1x32"), ("fp8_block", "bf16"),
+                                           ("fp8_block", "fp8_blockwise_1x32")])
+def test_a_second_forward_allocates_nothing_and_masked_pairs_are_untouched(fmt, wire_name):
+    """A second forward allocates nothing; pairs routed elsewhere are untouched; the live rows are the forward's
+    encoded and near the twin. Block-FP8's first forward takes bf16 rows (quantised to fp8_g128 on the receiver):
+    the same bits as its fp8_g128 rows."""
+    block = fmt == "fp8_block"
+    provider, prepared, weights, rows, x, pairs, math = problem(masked=0.3, seed=4, fmt=fmt)
+    hidden = HB if block else H
     scratch = ExpertsScratch("cpu")
-    wire = combine_wire("fp8_blockwise_1x32")
-    out = torch.full((len(pairs), wire.row_bytes(H)), 0x7F, dtype=torch.uint8)
-    provider.forward_wire(rows, pairs, prepared, math, wire, out=out, scratch=scratch)
+    wire = combine_wire(wire_name)
+    out = torch.full((len(pairs), wire.row_bytes(hidden)), 0x7F, dtype=torch.uint8)
+    provider.forward_wire(x if block else rows, pairs, prepared, math, wire, out=out, scratch=scratch)
     allocated = scratch.allocations
     provider.forward_wire(rows, pairs, prepared, math, wire, out=out, scratch=scratch)
     assert scratch.allocations == allocated
     masked = pairs.slot < 0
     assert bool(masked.any()) and bool((out[masked] == 0x7F).all())
     live = ~masked
-    want = wire.encode(twin_forward(rows, pairs, weights, math))
-    got, ref = wire.decode_fp32(out[live], H), wire.decode_fp32(want[live], H)
-    assert_rows_near(got, ref)
+    assert torch.equal(out[live], wire.encode(provider.forward(rows, pairs, prepared, math))[live])
+    want = wire.encode((twin_block_forward if block else twin_forward)(rows, pairs, weights, math))
+    assert_rows_near(wire.decode_fp32(out[live], hidden), wire.decode_fp32(want[live], hidden))
 
 
 @pytest.mark.parametrize("rows_in,wire_name", [("bf16", "bf16"), ("mx", "fp8_blockwise_1x32")])
@@ -198,25 +205,6 @@ def test_block_fp8_rows_match_the_twin_and_the_reference(limit):
     assert_rows_near(got, twin_block_forward(rows, pairs, weights, math))
     ref = TorchReferenceExperts().forward(rows, pairs, weights, math)
     assert float(rel_l2(got, ref)) < 0.06  # the block-FP8 gate (the torch experts' own error to fp32 is ~0.04)
-
-
-@pytest.mark.parametrize("wire_name", ["bf16", "fp8_blockwise_1x32"])
-def test_block_fp8_wire_rows_and_bf16_rows_in(wire_name):
-    """Wire rows are the forward encoded; bf16 received rows are quantised to fp8_g128 on the receiver; a second
-    forward allocates nothing; pairs routed elsewhere are untouched."""
-    provider, prepared, weights, rows, x, pairs, math = block_problem(masked=0.3, seed=4)
-    wire = combine_wire(wire_name)
-    scratch = ExpertsScratch("cpu")
-    out = torch.full((len(pairs), wire.row_bytes(HB)), 0x7F, dtype=torch.uint8)
-    provider.forward_wire(x, pairs, prepared, math, wire, out=out, scratch=scratch)
-    allocated = scratch.allocations
-    provider.forward_wire(rows, pairs, prepared, math, wire, out=out, scratch=scratch)
-    assert scratch.allocations == allocated
-    masked = pairs.slot < 0
-    assert bool(masked.any()) and bool((out[masked] == 0x7F).all())
-    assert torch.equal(out[~masked], wire.encode(provider.forward(rows, pairs, prepared, math))[~masked])
-    want = wire.encode(twin_block_forward(rows, pairs, weights, math))
-    assert_rows_near(wire.decode_fp32(out[~masked], HB), wire.decode_fp32(want[~masked], HB))
 
 
 def test_block_fp8_scratch_is_what_megamoe_info_counts():
