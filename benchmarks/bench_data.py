@@ -46,10 +46,11 @@ def make_weights(n_exp: int, hidden: int, inter: int, device: torch.device, seed
     return fp4, bf16
 
 
-def make_block_fp8_weights(bf16: ExpertWeights):
+def make_block_fp8_weights(bf16: ExpertWeights, dequantised: bool = True):
     """The bench's bf16 weights (interleaved gate/up) -> block-FP8 over plain [gate; up] rows (128 x 128 blocks,
     as the checkpoints hold them), and their fp32 dequantisation as the references read weights (fmt "bf16":
-    references.LocalExperts widens w1 / w2 as they are)."""
+    references.LocalExperts widens w1 / w2 as they are), or None with ``dequantised=False`` (the emulated EP
+    bench holds every rank's experts and checks no values: 4 bytes a weight it need not hold)."""
     from types import SimpleNamespace
 
     from megamoe_backend.experts.weights import deinterleave_gate_up
@@ -60,15 +61,16 @@ def make_block_fp8_weights(bf16: ExpertWeights):
     e, two_i, h = bf16.w1.shape
     w1s = torch.empty(e, two_i // 128, h // 128, dtype=torch.float32, device=bf16.w1.device)
     w2s = torch.empty(e, h // 128, two_i // 2 // 128, dtype=torch.float32, device=bf16.w1.device)
-    w1d = torch.empty(bf16.w1.shape, dtype=torch.float32, device=bf16.w1.device)
-    w2d = torch.empty(bf16.w2.shape, dtype=torch.float32, device=bf16.w2.device)
+    w1d = torch.empty(bf16.w1.shape, dtype=torch.float32, device=bf16.w1.device) if dequantised else None
+    w2d = torch.empty(bf16.w2.shape, dtype=torch.float32, device=bf16.w2.device) if dequantised else None
     for i in range(e):  # per expert: the fp32 temporaries of one expert only
         for src, q, s, d in ((deinterleave_gate_up(bf16.w1[i]), w1q, w1s, w1d), (bf16.w2[i], w2q, w2s, w2d)):
             qi, si = quantize_weight_blocks(src.float())
             q[i].copy_(qi)
             s[i].copy_(si)
-            d[i].copy_(dequantize_weight_blocks(qi, si))
-    deq = SimpleNamespace(w1=w1d, w2=w2d, fmt="bf16", gate_up_layout="plain", hidden=h, num_experts=e)
+            if d is not None:
+                d[i].copy_(dequantize_weight_blocks(qi, si))
+    deq = SimpleNamespace(w1=w1d, w2=w2d, fmt="bf16", gate_up_layout="plain", hidden=h, num_experts=e) if dequantised else None
     return ExpertWeights(w1q, w2q, "fp8_block", "plain", w1s, w2s), deq
 
 

@@ -63,14 +63,16 @@ from .bench_experts import (
 from . import peers as peer_bench
 from .floor import datasheet_ceilings, experts_hit
 from .gpu_clock import ClockSampler
-from .layer_common import CHAIN_LAYERS, COMBINES, SCHEMES, Routes, bench_knobs, naive_torch_layer, replay_us, rms_norm  # noqa: F401 - re-exported
+from .layer_common import CHAIN_LAYERS, COMBINES, EMULATED_SCHEMES, SCHEMES, Routes, bench_knobs, naive_torch_layer, replay_us, rms_norm  # noqa: F401 - re-exported
 from .references import check_tokens, token_reference
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, nargs="+", default=[192, 48], help="local experts (ep_size 1 holds them all)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 128, 1024, 8192], help="tokens per rank")
-    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(EMULATED_SCHEMES),
+                        help="fp8_block (DeepSeek V3 / R1 FP8 experts) with --emulate only; at ep_size 1: bench experts "
+                        "--schemes fp8_block")
     parser.add_argument("--combine-wires", nargs="+", default=list(COMBINES), choices=list(COMBINES))
     parser.add_argument("--mtpr", type=int, default=8192, help="MEGA_MAX_TOKENS_PER_RANK of the layer")
     parser.add_argument("--no-chain", action="store_true", help="skip the 61-layer chain")
@@ -258,6 +260,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             plot([LayerCase(**c) for c in saved["cases"]], target, card_name(saved["meta"]))
         return 0
+    if not args.emulate and set(args.schemes) - set(SCHEMES):
+        print(f"--schemes {' '.join(sorted(set(args.schemes) - set(SCHEMES)))} runs with --emulate; at ep_size 1 "
+              "`megamoe bench experts --schemes fp8_block` times the block-FP8 experts", file=sys.stderr)
+        return 2
     if args.peers is not None and args.ep > 1 and not args.emulate:
         print("--peers runs with ep_size 1 and --emulate (one process); not with --ep N rank processes", file=sys.stderr)
         return 2

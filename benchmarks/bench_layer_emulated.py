@@ -226,25 +226,31 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
     from megamoe_backend.spec import preset
     from megamoe_backend.transport import clear_transport_cache
 
-    from .bench_experts import graph_or_eager, make_weights, measured_peaks, time_fn
+    from .bench_experts import graph_or_eager, make_block_fp8_weights, make_weights, measured_peaks, time_fn
     from .emulated_ep import EmulatedEP
     from .floor import datasheet_of, expert_floor, weight_bytes_per_expert
-    from .layer_common import SCHEMES, bench_knobs, naive_torch_layer
+    from .layer_common import EMULATED_SCHEMES, WEIGHT_FMT_OF, bench_knobs, naive_torch_layer
 
     device = torch.device("cuda")
     spec = preset("dsv4-pro").scaled(n_routed_experts=ep * experts)
     hidden, inter, topk = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok
     sheet = datasheet_of(meta.get("ceilings"))
-    weights, bf16_rank0 = [], None
+    rank_weights = {WEIGHT_FMT_OF[s]: [] for s in args.schemes}  # weight format -> every rank's experts
+    bf16_rank0 = None  # naive torch's weights (bf16 _grouped_mm, timing only)
     for r in range(ep):
         fp4, bf16 = make_weights(experts, hidden, inter, device, args.seed + r)
-        weights.append(fp4)
+        if "mxfp4" in rank_weights:
+            rank_weights["mxfp4"].append(fp4)
+        if "fp8_block" in rank_weights:  # the same values block-quantised, as DeepSeek V3 / R1 FP8 checkpoints hold them
+            rank_weights["fp8_block"].append(make_block_fp8_weights(bf16, dequantised=False)[0])
         bf16_rank0 = bf16 if r == 0 else bf16_rank0
-        del bf16
+        del fp4, bf16
     for scheme in args.schemes:
+        weight_fmt = WEIGHT_FMT_OF[scheme]
+        weights = rank_weights[weight_fmt]
         for combine in args.combine_wires:
-            knobs = bench_knobs(dispatch_wire=SCHEMES[scheme], combine_wire=combine, max_tokens_per_rank=args.mtpr,
-                               transport="ipc")
+            knobs = bench_knobs(dispatch_wire=EMULATED_SCHEMES[scheme], combine_wire=combine,
+                                max_tokens_per_rank=args.mtpr, transport="ipc")
             plans = [build_plan(spec, knobs, r, ep, quant=scheme, backends=("triton", "ipc")) for r in range(ep)]
             emu = EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device)
             meta.setdefault("experts_provider", {})[f"ep{ep}"] = emu.layers[0].provider.name  # who ran the GEMMs
@@ -260,7 +266,7 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
                             meta["not_run"].append({"ep": ep, "tokens": tokens, "scheme": scheme, "combine_wire": combine,
                                                     "routing": routing, "bounded": bounded})
                             continue
-                        c = EmulatedCase(ep, experts, tokens, scheme, SCHEMES[scheme], combine, routing, bounded,
+                        c = EmulatedCase(ep, experts, tokens, scheme, EMULATED_SCHEMES[scheme], combine, routing, bounded,
                                          tokens_by_rank=toks)
                         try:
                             bound = max(toks) if bounded else None
@@ -279,7 +285,7 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
                                 c.live_pairs_by_rank.append(int(lid.numel()))
                                 c.experts_hit_by_rank.append(int(torch.unique(lid).numel()))
                                 floors.append(expert_floor(experts_hit=int(torch.unique(lid).numel()), pairs=int(lid.numel()),
-                                                           hidden=hidden, intermediate=inter, weight_fmt="mxfp4",
+                                                           hidden=hidden, intermediate=inter, weight_fmt=weight_fmt,
                                                            a_fmt=plans[0].math.a_format,
                                                            hbm_bytes_per_s=sheet.hbm_bytes_per_s,
                                                            mma_flops_per_s=sheet.mma_flops_per_s))
@@ -287,17 +293,19 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
                             c.floor_us, c.floor_bound = worst.us, worst.bound
                             measured = measured_peaks(meta.get("ceilings", {}))
                             if measured is not None:
-                                c.weight_stream_us = (max(c.experts_hit_by_rank) * weight_bytes_per_expert(hidden, inter, "mxfp4")
+                                c.weight_stream_us = (max(c.experts_hit_by_rank) * weight_bytes_per_expert(hidden, inter, weight_fmt)
                                                       / measured[0] * 1e6)
                                 c.rank_x_weight_stream = c.rank_us / c.weight_stream_us
                                 if "fp8" in measured[1]:
                                     _, lid, _, _ = rank_share(routes, slowest, experts)
                                     c.floor_measured_us = expert_floor(
                                         experts_hit=c.experts_hit_by_rank[slowest], pairs=int(lid.numel()), hidden=hidden,
-                                        intermediate=inter, weight_fmt="mxfp4", a_fmt=plans[0].math.a_format,
+                                        intermediate=inter, weight_fmt=weight_fmt, a_fmt=plans[0].math.a_format,
                                         hbm_bytes_per_s=measured[0], mma_flops_per_s=measured[1]).us
                                     c.rank_x_floor_measured = c.rank_us / c.floor_measured_us
-                            if ready_peers:
+                            if ready_peers and weight_fmt != "mxfp4":
+                                c.peers_error = "the peers run the MXFP4 schemes (their MXFP4 weights); none here"
+                            elif ready_peers:
                                 try:
                                     link_peers(c, cases, ready_peers, routes, slowest, ep, experts, weights, spec, args,
                                                meta, peer_results)

@@ -17,6 +17,10 @@ from megamoe_backend.experts import ExpertWeights, swiglu
 from megamoe_backend.knobs import Knobs
 
 SCHEMES = {"a8w4": "fp8", "a4w4": "fp4"}  # quant -> its dispatch wire
+# --emulate also runs block-FP8 experts (DeepSeek V3 / R1 FP8 checkpoints) on the fp8_g128 wire, beside DeepGEMM's
+# published SM90 MegaMoE per-rank figures (issue 61); the ep_size-1 layer bench runs the MXFP4 schemes.
+EMULATED_SCHEMES = {**SCHEMES, "fp8_block": "fp8"}
+WEIGHT_FMT_OF = {"a8w4": "mxfp4", "a4w4": "mxfp4", "fp8_block": "fp8_block"}  # quant -> the experts' weight format
 COMBINES = ("bf16", "fp8_blockwise_1x32")
 CHAIN_LAYERS = 61
 

@@ -46,7 +46,7 @@ AUTO_HUMMING_FORWARDS: tuple[str, ...] = ("ep1", "ep")
 # on a GPU, so it keeps the Triton GEMMs (GPU-tested over the device P2P forward).
 AUTO_HUMMING_BLOCK_FP8_FORWARDS: tuple[str, ...] = ("ep1",)
 # auto never spends more than this share of the GPU's memory on humming's scratch (its GEMMs hold rows per pair of
-# capacity, experts/humming/footprint.py: 12.1 GB a rank at EP 8, MTPR 8192, DSV4-Pro, fp8 wire): that memory is the engine's
+# capacity, experts/humming/footprint.py: 7.3 GB a rank at EP 8, MTPR 8192, DSV4-Pro, fp8 wire): that memory is the engine's
 # KV cache. MEGA_EXPERTS_GEMM=humming runs it anyway (megamoe info counts it and warns).
 HUMMING_SCRATCH_SHARE = 0.05
 GEMMS = ("triton", "humming", "pending")

@@ -439,3 +439,14 @@ def test_bench_experts_on_cpu_lists_the_skipped_peers(tmp_path):
     res = saved["results"][0]
     assert res["error"] == "" and 0 < res["rel_l2_tokens"] < 0.1
     assert png.stat().st_size > 10_000
+
+
+def test_block_fp8_layer_bench_runs_emulated_only(capsys):
+    """`bench layer --schemes fp8_block` at ep_size 1 is refused with the command that times block-FP8 there; the
+    emulated bench takes it (its wire is the fp8_g128 rows, its weights block-FP8)."""
+    assert bench_layer.main(["--schemes", "fp8_block", "a8w4"]) == 2
+    assert "bench experts --schemes fp8_block" in capsys.readouterr().err
+    from benchmarks.layer_common import EMULATED_SCHEMES, WEIGHT_FMT_OF
+
+    assert EMULATED_SCHEMES["fp8_block"] == "fp8" and WEIGHT_FMT_OF["fp8_block"] == "fp8_block"
+    assert set(WEIGHT_FMT_OF) == set(EMULATED_SCHEMES)

@@ -9,6 +9,7 @@ the "humming.*" buffers of its scratch against this).
 Why it is large: humming's GEMMs index rows by pair, so GEMM1's bf16 gate/up rows, A2 and (where
 GEMM2 cannot write the combine rows in place) GEMM2's bf16 rows are held per pair of capacity
 (MEGA_MAX_TOKENS_PER_RANK x top-k x ep_size), where the Triton provider holds only A2 per layout row.
+GEMM1's and GEMM2's bf16 rows share one buffer (the provider's ``_gate_up_and_gemm2_rows``).
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ def humming_scratch_bytes(pairs: int, recv_rows: int, hidden: int, inter: int, *
     finalize kernel. ``block_fp8``: the experts are block-FP8 (A and A2 with one fp32 scale per 1 x 128 group)."""
     if block_fp8:
         per_row = hidden + 4 * (hidden // FP8_BLOCK)  # humming.a8 (e4m3) + humming.a_gs (fp32 group scales)
-        per_pair = 2 * (2 * inter) + inter + 4 * (inter // FP8_BLOCK)  # humming.h + humming.a2 + humming.a2_rs
+        per_pair = inter + 4 * (inter // FP8_BLOCK)  # humming.a2 + humming.a2_rs
     else:
         per_row = hidden + 4  # humming.a8 (e4m3) + humming.a_rs (fp32 row scale)
         if bf16_rows_in:
             per_row += hidden + hidden // MX_BLOCK  # humming.a_mx + humming.a_mx_scale
-        per_pair = 2 * (2 * inter) + inter + 4  # humming.h (bf16 gate/up) + humming.a2 (e4m3) + humming.a2_rs
-    if not gemm2_in_place:
-        per_pair += 2 * hidden  # humming.c (GEMM2's bf16 rows)
+        per_pair = inter + 4  # humming.a2 (e4m3) + humming.a2_rs
+    gate_up = 2 * (2 * inter)  # humming.h: GEMM1's bf16 gate/up rows
+    # GEMM2's bf16 rows (where it cannot write the combine rows in place) share humming.h's buffer: humming.h_c
+    per_pair += gate_up if gemm2_in_place else max(gate_up, 2 * hidden)
     return recv_rows * per_row + pairs * per_pair
 
 

@@ -152,7 +152,8 @@ class HummingExperts(ExpertsProvider):
         bm1 = w13.block_m(valid_m)
         lay1 = build_layout(pairs.slot, e, bm1, self.capacity, live=live, all_tiles=False, scratch=scratch)
         rows1 = self._padded_rows(lay1, bufs, "humming.rows1")
-        h = bufs.per_pair("humming.h", (p, 2 * inter), torch.bfloat16)
+        direct = dest is None and out_fmt == "bf16"  # GEMM2's rows are the bf16 wire rows, in pair order
+        h, c = self._gate_up_and_gemm2_rows(bufs, p, inter, hidden, direct)
         w13.gemm(a8, a_rs, weights.w1, weights.w1_scale, weights.w1_row_scale, h, lay1.sorted_pair, lay1.tile_expert,
                  rows1, locks, top_k, valid_m)
         a2 = bufs.per_pair("humming.a2", (p, inter), torch.uint8)
@@ -163,13 +164,24 @@ class HummingExperts(ExpertsProvider):
         lay2 = lay1 if bm2 == bm1 else build_layout(pairs.slot, e, bm2, self.capacity, live=live, all_tiles=False,
                                                     scratch=scratch)
         rows2 = rows1 if lay2 is lay1 else self._padded_rows(lay2, bufs, "humming.rows2")
-        direct = dest is None and out_fmt == "bf16"  # GEMM2's rows are the bf16 wire rows, in pair order
-        c = out if direct else bufs.per_pair("humming.c", (p, hidden), torch.bfloat16)
+        c = out if direct else c
         w2.gemm(a2.view(torch.float8_e4m3fn), a2_rs, weights.w2, weights.w2_scale, weights.w2_row_scale, c,
                 lay2.sorted_pair, lay2.tile_expert, rows2, locks, 1, valid_m)
         if not direct:
             self._finalize(lay2, c, out, out_fmt, dest)
         return out
+
+    @staticmethod
+    def _gate_up_and_gemm2_rows(bufs: ForwardBuffers, p: int, inter: int, hidden: int, direct: bool):
+        """(GEMM1's bf16 gate/up rows [p, 2I], GEMM2's bf16 rows [p, H] or None where GEMM2 writes the output
+        itself). Both index rows by pair, so at an EP rank's capacity (MTPR x top-k x ep_size pairs) they are
+        the bulk of the scratch; they share one buffer: h is dead once the SwiGLU kernel has read it, before
+        GEMM2 writes c (stream order, also inside a graph), so a pair of capacity holds max(4I, 2H) bytes, not
+        4I + 2H (footprint.py counts the same)."""
+        if direct:
+            return bufs.per_pair("humming.h", (p, 2 * inter), torch.bfloat16), None
+        shared = bufs.per_pair("humming.h_c", (p, max(2 * inter, hidden)), torch.bfloat16).view(-1)
+        return shared[: p * 2 * inter].view(p, 2 * inter), shared[: p * hidden].view(p, hidden)
 
     @staticmethod
     def _rows_per_pair(x, pairs: ExpertPairs, live: LiveRows | None):
