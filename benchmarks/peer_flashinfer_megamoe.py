@@ -53,9 +53,12 @@ its ``interleave_moe_weights_for_sm90_mixed_gemm`` op runs, at weight load), the
 cuda-bindings / numpy / nvidia-ml-py, a CUDA sm_90 GPU. The FlashInfer 0.7.2 peers (``flashinfer_humming``
 / ``flashinfer_w4a16``) import another ``flashinfer``: run this peer in its own process.
 
-On the GPU machine (no network; each ``.fi074/partN`` carried in its own call, they stay on the warm machine):
+On the GPU machine (no network): each ``.fi074/partN`` carried in a call of its own (with SHA256 in the first) and
+copied out of the tree there (``mkdir -p /tmp/fi074 && cp .fi074/* /tmp/fi074/``): a later call's carry replaces the
+whole ``.fi074`` folder, so a part left in the tree is gone by the next call; /tmp stays while the machine is warm.
+Then, on the same warm machine:
 
-    eval "$(bash benchmarks/research/flashinfer074_setup.sh .fi074)"
+    eval "$(bash benchmarks/research/flashinfer074_setup.sh /tmp/fi074)"
     python3 -m benchmarks.peer_flashinfer_megamoe --out $OUT/fi_megamoe_smoke.json --tokens 8 1024
     python3 -m benchmarks.bench_experts --experts 48 --tokens 8 128 1024 8192 --schemes a8w4 \\
         --peers flashinfer_megamoe_sm90 --json $OUT/h100_experts_fi_megamoe.json
@@ -75,7 +78,7 @@ from .peer_api import Peer, PeerUnavailable, weights_key
 
 PEER = "flashinfer_megamoe_sm90"
 KERNEL = "sm90_fp8_mxfp4_bf16_pull_cutedsl"
-BUNDLE_FIX = ("on the GPU machine: eval \"$(bash benchmarks/research/flashinfer074_setup.sh .fi074)\" "
+BUNDLE_FIX = ("on the GPU machine: eval \"$(bash benchmarks/research/flashinfer074_setup.sh /tmp/fi074)\" "
               "(FlashInfer 0.7.4 + CUTLASS DSL bundle: benchmarks/research/flashinfer074_bundle.py)")
 DROP = "flashinfer.moe_ep.kernel_src.sm90.pull_style_cutedsl_megakernel"
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Install the FlashInfer 0.7.4 bundle on the GPU machine (no network) for the flashinfer_megamoe_sm90 peer.
 #
-#     eval "$(bash benchmarks/research/flashinfer074_setup.sh .fi074)"      # BUNDLE_DIR [TARGET, default /tmp/fisite]
+#     eval "$(bash benchmarks/research/flashinfer074_setup.sh /tmp/fi074)"      # BUNDLE_DIR [TARGET, default /tmp/fisite]
+#
+# Each part reaches the device in a call of its own (.fi074/partN carried) and is copied to BUNDLE_DIR there
+# (`mkdir -p /tmp/fi074 && cp .fi074/* /tmp/fi074/`): a later call's carry replaces the whole .fi074 folder.
 #
 # BUNDLE_DIR holds part1 .. partN (benchmarks/research/flashinfer074_bundle.py cut one tar.xz into them, one per
 # device call) and, if carried, SHA256. The parts are put back together with cat, checked against SHA256 (the

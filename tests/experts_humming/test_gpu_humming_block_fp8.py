@@ -14,8 +14,9 @@ the Triton block-FP8 experts vs the twin 0.0142 / 0.035; humming vs Triton 0.017
 bit-identical. Block-FP8 A2 is re-quantised to e4m3 from GEMM1's rows, so a last-bit difference in a row (bf16 h here,
 fp32 in Triton's epilogue, the FP8 MMA's accumulation order) moves some A2 values by one e4m3 step (6-12 %): that, not
 a wrong step, is the spread (a wrong step fails the CPU tests far past it: test_humming_interpreter.py's planted
-mutations). The tolerances below are set from those figures; the test with them and the live-rows test's near-equality
-(stream-K sums in another order when fewer tiles are live) have not run on a GPU yet.
+mutations). The tolerances below are set from those figures. A second H100 run with them: every test passed but the
+rows test at clamp 0.5, on the gate against fp32 (0.0717 > 0.06), where the provider's CPU twin and the torch
+reference experts measure the same distance (``gate_for``); that test with ``gate_for`` has not run on a GPU.
 
 Timing is the bench's: ``python -m benchmarks.bench_experts --experts 32 --tokens 8 128 1024 8192 --schemes fp8_block
 --hidden 7168 --intermediate 2048 --topk 8 --humming``. Skips without CUDA, sm_90 or humming-kernels.
@@ -70,6 +71,21 @@ def problem(tokens=32, limit=10.0, seed=0):
     return prepared, provider, weights, quantize_groups(x), x, pairs, ExpertMath("fp8_block", swiglu_limit=limit)
 
 
+def gate_for(limit, rows, pairs, weights, math, ref) -> float:
+    """The block-FP8 gate (0.06) at the clamps checkpoints use (none; 10.0). A clamp that saturates most gate / up
+    values (0.5 here: h has a standard deviation near 2) magnifies A's e4m3 error in the values it leaves, so no path
+    of the scheme meets 0.06 there: on this problem the torch reference experts (fp32 GEMMs on the same fp8_g128 rows
+    and block-FP8 weights) are 0.0716 from fp32 and the provider's twin 0.0717 (an H100 run: humming 0.0717). There
+    the provider must stay within 5 % of the reference experts' own distance."""
+    if limit is None or limit >= 10.0:
+        return 0.06
+    from megamoe_backend.experts.reference import TorchReferenceExperts
+
+    n = ref.shape[0]
+    scheme = TorchReferenceExperts().forward(rows, pairs, weights.to("cpu"), math).view(n, K, H).sum(dim=1)
+    return 1.05 * float(rel_l2(scheme, ref))
+
+
 def worst_row(got, want) -> float:
     return max(float(rel_l2(got[q].float().cpu(), want[q].float().cpu())) for q in range(got.shape[0]))
 
@@ -87,7 +103,7 @@ def test_rows_match_the_twin_the_gate_and_triton(limit):
     ref = fp32_reference_moe(x.cpu(), pairs.slot.view(n, K).cpu(), pairs.weight.view(n, K).cpu(), w1.cpu(), w2.cpu(),
                              "plain", limit)
     mine = got.view(n, K, H).sum(dim=1).cpu()
-    assert float(rel_l2(mine, ref)) < 0.06
+    assert float(rel_l2(mine, ref)) < gate_for(limit, rows_cpu, pairs_cpu, weights, math, ref)
     tri = TritonExperts(capacity=256 * K).forward(rows, pairs, weights, math)
     assert float(rel_l2(got.cpu(), tri.cpu())) < BLOCK_TWIN_TOL
     # bf16 rows in: quantised on the receiver into the same fp8_g128 bits

@@ -2,7 +2,8 @@
 
 What is shown, per EP size and (dispatch wire, combine wire): the sender's fp8_g128 rows (quantised once by the
 dispatch kernel with the GPU's e4m3 conversion) reach the owners and the Triton experts (block_fp8 decoder) read
-them as views: the EP forward equals the ep_size-1 device forward on the same tokens bit for bit and stays inside
+them as views: the EP forward equals the ep_size-1 device forward on the same tokens bit for bit (both on the Triton
+GEMMs, MEGA_EXPERTS_GEMM=triton) and stays inside
 the scheme's gate (relL2 < 0.06 against fp32 on the dequantised weights); eager forwards issue no host
 synchronisation; one forward captured in a CUDA graph on every rank and replayed with new tokens and routing equals
 eager bit for bit. DeepSeek V3 widths (hidden 7168, intermediate 2048), 16 experts, top-8. The CPU twin of the bit
@@ -30,6 +31,10 @@ SPEC = preset("dsv4-pro").scaled(hidden_size=7168, moe_intermediate_size=2048, n
                                  num_experts_per_tok=8)
 MTPR, T = 64, 24
 CASES = [("fp8", "bf16"), ("bf16", "fp8_blockwise_1x32")]
+# One provider on both sides: bit equality across EP sizes holds for one provider's GEMMs, and MEGA_EXPERTS_GEMM=auto
+# runs humming-kernels at ep_size 1 on Hopper where the EP ranks keep Triton (an H100 run with auto compared humming's
+# ep_size-1 rows with Triton's EP rows and failed on bits, not on the gate).
+GEMM = "triton"
 
 
 def _problem(world):
@@ -47,11 +52,12 @@ def _worker(rank, world):
     x, ids, w = (t[lo : lo + T].cuda() for t in (problem.x, problem.topk_ids, problem.topk_weights))
     res = {}
     for wire, combine in CASES:
-        knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=MTPR, transport="ipc")
+        knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=MTPR, transport="ipc",
+                      experts_gemm=GEMM)
         plan = build_plan(SPEC, knobs, rank, world, quant="fp8_block", device_type="cuda")
         weights = local_weights(problem.expert_weights("fp8_block"), plan.placement, rank).to("cuda")
         layer = MegaMoELayer(plan, weights, group=dist.group.WORLD, device="cuda")
-        assert layer.workspace is not None and plan.backends.transport == "ipc"
+        assert layer.workspace is not None and plan.backends.transport == "ipc" and layer.provider.name == GEMM
         layer(x, ids, w, max_tokens_across_ranks=T)  # compiles
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -93,10 +99,11 @@ def test_block_fp8_p2p_equals_ep1_graphs_replay_and_meets_the_gate(ep_run, case)
     world, results = ep_run
     problem = _problem(world)
     clear_transport_cache()
-    plan = build_plan(SPEC, Knobs(dispatch_wire=case[0], combine_wire=case[1], max_tokens_per_rank=MTPR * world),
-                      quant="fp8_block", device_type="cuda")
+    plan = build_plan(SPEC, Knobs(dispatch_wire=case[0], combine_wire=case[1], max_tokens_per_rank=MTPR * world,
+                                  experts_gemm=GEMM), quant="fp8_block", device_type="cuda")
     weights = problem.expert_weights("fp8_block")
     layer = MegaMoELayer(plan, weights.to("cuda"), device="cuda")
+    assert layer.provider.name == GEMM
     n = world * T
     x, ids, w = (t[:n].cuda() for t in (problem.x, problem.topk_ids, problem.topk_weights))
     ep1 = layer(x, ids, w).cpu()
