@@ -236,14 +236,15 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
     hidden, inter, topk = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok
     sheet = datasheet_of(meta.get("ceilings"))
     rank_weights = {WEIGHT_FMT_OF[s]: [] for s in args.schemes}  # weight format -> every rank's experts
-    bf16_rank0 = None  # naive torch's weights (bf16 _grouped_mm, timing only)
+    bf16_rank0 = None  # naive torch's weights (bf16 _grouped_mm, timing only); not held with --no-baseline (6.3 GB at
+    # DSV4-Pro shapes: an EP 8 rank set with humming's scratch at MTPR 8192 needs ~82 GB of an 80 GB H100's 85.5 without it)
     for r in range(ep):
         fp4, bf16 = make_weights(experts, hidden, inter, device, args.seed + r)
         if "mxfp4" in rank_weights:
             rank_weights["mxfp4"].append(fp4)
         if "fp8_block" in rank_weights:  # the same values block-quantised, as DeepSeek V3 / R1 FP8 checkpoints hold them
             rank_weights["fp8_block"].append(make_block_fp8_weights(bf16, dequantised=False)[0])
-        bf16_rank0 = bf16 if r == 0 else bf16_rank0
+        bf16_rank0 = bf16 if r == 0 and not args.no_baseline else bf16_rank0
         del fp4, bf16
     for scheme in args.schemes:
         weight_fmt = WEIGHT_FMT_OF[scheme]
