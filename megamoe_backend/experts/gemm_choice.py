@@ -42,9 +42,12 @@ AUTO_HUMMING_FORWARDS: tuple[str, ...] = ("ep1", "ep")
 # The same for block-FP8 experts (DeepSeek V3 / R1 FP8). One H100, 32 DeepSeek V3 experts, the experts bench in one
 # run (benchmarks/results/h100_block_fp8_r2.json): humming 458 / 551 / 1188 / 7959 µs against the Triton experts'
 # 477 / 540 / 1596 / 11003 at 8 / 128 / 1024 / 8192 tokens (1.04 / 0.98 / 1.34 / 1.38x), relL2 to fp32 0.0437-0.0449
-# (Triton 0.0436-0.0450). That is the ep_size-1 forward's experts; an EP rank's humming block-FP8 forward has not run
-# on a GPU, so it keeps the Triton GEMMs (GPU-tested over the device P2P forward).
-AUTO_HUMMING_BLOCK_FP8_FORWARDS: tuple[str, ...] = ("ep1",)
+# (Triton 0.0436-0.0450). An emulated EP 8 rank (DSV4-Pro shapes, 48 local experts, bound passed), both providers on
+# one H100 in one call (h100_emulated_ep8_block_fp8_{humming,triton}.json): humming 784 / 1197 / 1974 µs against
+# Triton's 780 / 1158 / 2350 at 8 / 128 / 1024 tokens (1.00 / 1.03 / 0.84x). Under EP humming's rows stay within
+# 0.03 relL2 of its ep_size-1 rows, graph replay equal to eager (tests/kernels/test_gpu_block_fp8_ep.py, passed on
+# an H100). Prefill gains 16-28 %, decode is even to 3 % slower: both forwards listed, as for MXFP4.
+AUTO_HUMMING_BLOCK_FP8_FORWARDS: tuple[str, ...] = ("ep1", "ep")
 # auto never spends more than this share of the GPU's memory on humming's scratch (its GEMMs hold rows per pair of
 # capacity, experts/humming/footprint.py: 7.3 GB a rank at EP 8, MTPR 8192, DSV4-Pro, fp8 wire): that memory is the engine's
 # KV cache. MEGA_EXPERTS_GEMM=humming runs it anyway (megamoe info counts it and warns).

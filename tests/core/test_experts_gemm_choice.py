@@ -43,11 +43,16 @@ def test_auto_runs_humming_on_the_forwards_it_was_measured_faster_on(auto_policy
     assert ep.gemm == "triton" and "on an EP rank (ep_size 8)" in ep.why
 
 
-def test_block_fp8_auto_runs_humming_where_it_was_measured_and_keeps_triton_on_ep_ranks():
-    """Block-FP8 has its own measured forwards (AUTO_HUMMING_BLOCK_FP8_FORWARDS: the ep_size-1 forward); an EP rank
-    keeps Triton under auto, and runs humming when asked by name; MXFP4's list does not apply to it."""
-    assert gemm_choice.auto_forwards("fp8_block") == ("ep1",)
+def test_block_fp8_auto_runs_humming_on_the_forwards_measured_for_it(monkeypatch):
+    """Block-FP8 has its own measured forwards (AUTO_HUMMING_BLOCK_FP8_FORWARDS: the ep_size-1 forward and an EP
+    rank's, both measured on an H100); a forward missing from that list keeps Triton under auto and runs humming when
+    asked by name; MXFP4's list does not apply to it."""
+    assert gemm_choice.auto_forwards("fp8_block") == ("ep1", "ep")
     assert choose_experts_gemm(facts(quant="fp8_block")).gemm == "humming"
+    assert choose_experts_gemm(facts(quant="fp8_block", ep_size=8)).gemm == "humming"
+    monkeypatch.setattr(gemm_choice, "AUTO_HUMMING_FORWARDS", ())
+    assert choose_experts_gemm(facts(quant="fp8_block", ep_size=8)).gemm == "humming"
+    monkeypatch.setattr(gemm_choice, "AUTO_HUMMING_BLOCK_FP8_FORWARDS", ("ep1",))
     ep = choose_experts_gemm(facts(quant="fp8_block", ep_size=8))
     assert ep.gemm == "triton" and "on an EP rank (ep_size 8)" in ep.why
     assert choose_experts_gemm(facts(quant="fp8_block", ep_size=8, knob="humming")).gemm == "humming"
