@@ -166,14 +166,15 @@ def test_dp2_token_bound_reaches_the_layer_equal_on_both_ranks(dp2_server):
     _post(port, {"model": model, "prompt": PROMPTS[3], "max_tokens": 3, "temperature": 0, "ignore_eos": True}, dp_rank=1)
     # Both ranks serving in one step needs rank 1's request to reach its engine while rank 0's long one
     # decodes; vLLM's DP coordinator sometimes holds it until rank 0's wave ends (seen on the 2-core CI
-    # machine, with or without the padding mask), so the pair is sent again, at most 3 times, until it overlaps.
-    for _ in range(3):
+    # machine, with or without the padding mask, three tries in a row once), so the pair is sent again, at most 3
+    # times, until it overlaps; the later tries send both at once (one wave starts both ranks) and decode longer.
+    for lead_s, short_tokens in ((0.5, 4), (0.0, 12), (0.0, 12)):
         long = threading.Thread(target=_post, args=(port, {"model": model, "prompt": PROMPTS[2], "max_tokens": 24,
                                                            "temperature": 0, "ignore_eos": True}), kwargs={"dp_rank": 0})
         long.start()
-        time.sleep(0.5)  # rank 0's prefill first, so rank 1's request lands in its decode
-        _post(port, {"model": model, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "ignore_eos": True},
-              dp_rank=1)
+        time.sleep(lead_s)  # first try: rank 0's prefill first, so rank 1's request lands in its decode
+        _post(port, {"model": model, "prompt": PROMPTS[1], "max_tokens": short_tokens, "temperature": 0,
+                     "ignore_eos": True}, dp_rank=1)
         long.join(timeout=300)
         calls = _settled_calls(bound_dir)
         if any(not a["dummy_run"] and not b["dummy_run"] for a, b in zip(calls.get(0, []), calls.get(1, []))):
