@@ -22,7 +22,10 @@ For block-FP8 experts (``bench experts --schemes fp8_block``; weights_fmt "fp8_b
 
 - ``vllm_humming_block_fp8``: the same humming path on a DeepSeek V3 / R1 FP8 checkpoint's experts (128 x 128
   weight blocks x group-128 FP8 activations), vLLM's ``--moe-backend humming`` (not its Hopper default, which
-  is Triton at ep_size 1: peer_vllm_block_fp8.py, run beside every fp8_block case).
+  is Triton at ep_size 1: peer_vllm_block_fp8.py, run beside every fp8_block case);
+- ``deepgemm_block_fp8``: DeepGEMM's m-grouped FP8 GEMMs (SM90 1D2D) in the contiguous layout, built from source on
+  the GPU machine (benchmarks/peer_deepgemm_block_fp8.py): vLLM's ``--moe-backend deep_gemm`` and SGLang's DeepEP
+  normal-mode runner call these GEMMs; GEMM1 / GEMM2 alone in ``stages_us``.
 
 benchmarks/engine_ratios.py names them the same way in the table a user reads.
 
@@ -68,7 +71,7 @@ from .timing import time_fn
 
 PEER_NAMES = ("flashinfer_humming", "flashinfer_w4a16", "triton_kernels", "vllm_humming",  # MXFP4 experts
               "flashinfer_megamoe_sm90")
-BLOCK_FP8_PEER_NAMES = ("vllm_humming_block_fp8",)  # block-FP8 experts (bench experts --schemes fp8_block)
+BLOCK_FP8_PEER_NAMES = ("vllm_humming_block_fp8", "deepgemm_block_fp8")  # block-FP8 experts (bench experts --schemes fp8_block)
 PEERS_README = "../shared/peers/README.md"
 HUMMING_EPILOGUE_COMPENSATION = 64.0  # FlashInfer: residual x 2^6 into quant-scale slots 1 / 4 (prepare.py)
 PREPARE_CHUNK_EXPERTS = 8  # Humming's payload rewrite widens codes to int64: bound its temporaries
@@ -446,6 +449,10 @@ def make_peer(name: str, tune_cache: str | None = None) -> Peer:
         from .peer_vllm_humming import make_peer as make_vllm_humming
 
         return make_vllm_humming("mxfp4" if name == "vllm_humming" else "fp8_block")
+    if name == "deepgemm_block_fp8":  # DeepGEMM's m-grouped FP8 GEMMs: peer_deepgemm_block_fp8.py
+        from .peer_deepgemm_block_fp8 import make_peer as make_deepgemm
+
+        return make_deepgemm()
     if name == "flashinfer_megamoe_sm90":  # FlashInfer 0.7.4's fused SM90 MegaMoE: peer_flashinfer_megamoe.py
         from .peer_flashinfer_megamoe import make_peer as make_flashinfer_megamoe
 
