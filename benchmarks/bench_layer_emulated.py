@@ -237,7 +237,7 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
     sheet = datasheet_of(meta.get("ceilings"))
     rank_weights = {WEIGHT_FMT_OF[s]: [] for s in args.schemes}  # weight format -> every rank's experts
     bf16_rank0 = None  # naive torch's weights (bf16 _grouped_mm, timing only); not held with --no-baseline (6.3 GB at
-    # DSV4-Pro shapes: an EP 8 rank set with humming's scratch at MTPR 8192 needs ~82 GB of an 80 GB H100's 85.5 without it)
+    # DSV4-Pro shapes, room on a smaller GPU)
     for r in range(ep):
         fp4, bf16 = make_weights(experts, hidden, inter, device, args.seed + r)
         if "mxfp4" in rank_weights:
@@ -253,7 +253,8 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
             knobs = bench_knobs(dispatch_wire=EMULATED_SCHEMES[scheme], combine_wire=combine,
                                 max_tokens_per_rank=args.mtpr, transport="ipc")
             plans = [build_plan(spec, knobs, r, ep, quant=scheme, backends=("triton", "ipc")) for r in range(ep)]
-            emu = EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device)
+            emu = EmulatedEP(ep, plans.__getitem__, weights.__getitem__, device, share_scratch=True)
+            meta["experts_scratch"] = "one set, shared by the emulated ranks (their experts steps run in turn)"
             meta.setdefault("experts_provider", {})[f"ep{ep}"] = emu.layers[0].provider.name  # who ran the GEMMs
             ws0 = emu.layers[0].workspace
             for routing in args.routings:

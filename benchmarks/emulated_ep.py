@@ -109,11 +109,17 @@ class RankTimer:
 
 
 class EmulatedEP:
-    """``ep`` MegaMoELayers (rank r built from ``plan_for(r)`` and ``weights_for(r)``) on one device."""
+    """``ep`` MegaMoELayers (rank r built from ``plan_for(r)`` and ``weights_for(r)``) on one device.
+
+    ``share_scratch``: every rank's workspace takes rank 0's experts scratch (experts/scratch.py). Valid because
+    the scratch lives only inside a rank's experts step (P2PForward.steps: ``forward_wire``) and the ranks' steps
+    run in turn on one stream, as one set serves the 61 layers of one rank; on a GPU it holds one rank's
+    intermediates instead of ``ep`` sets (humming's at EP 8 and MTPR 8192: 7.3 GB, not 58.5), and changes no
+    rank's kernels or rows."""
 
     def __init__(self, ep: int, plan_for: Callable[[int], LayerPlan], weights_for: Callable[[int], ExpertWeights],
                  device: torch.device, provider_for: Callable[[int], ExpertsProvider] | None = None,
-                 name: str = "layer 0") -> None:
+                 name: str = "layer 0", share_scratch: bool = False) -> None:
         self.ep, self.device = ep, torch.device(device)
         self.ranks = EmulatedRanks(ep, self.device)
         self.layers = []
@@ -126,6 +132,9 @@ class EmulatedEP:
             if not isinstance(layer.path, P2PForward):
                 raise ValueError(f"rank {r} did not take the device P2P forward ({layer.transport_name})")
             self.layers.append(layer)
+        if share_scratch:
+            for layer in self.layers[1:]:
+                layer.workspace.scratch = self.layers[0].workspace.scratch
 
     def forward(self, inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                 max_tokens_across_ranks: int | None = None, output_scale: float = 1.0,

@@ -190,13 +190,14 @@ def test_persistent_gemms_claim_every_tile_once_and_leave_the_counters_zero():
 
 
 # ------------------------------------------------------------------------------ emulated EP
-def _emulated(world, quant, wire, combine, tokens, mtpr):
+def _emulated(world, quant, wire, combine, tokens, mtpr, share_scratch=False):
     problem = make_problem(ProblemConfig(SPEC, max(tokens), world, seed=3, masked_fraction=0.2))
     knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, transport="ipc")
     plans = [build_plan(SPEC, knobs, r, world, quant=quant, backends=("triton", "ipc")) for r in range(world)]
     emu = EmulatedEP(world, plans.__getitem__,
                      lambda r: local_weights(problem.expert_weights(quant), plans[r].placement, r),
-                     torch.device("cpu"), provider_for=lambda r: TritonExperts(capacity=mtpr * K * world))
+                     torch.device("cpu"), provider_for=lambda r: TritonExperts(capacity=mtpr * K * world),
+                     share_scratch=share_scratch)
     per = max(tokens)
     idx = [torch.arange(r * per, r * per + tokens[r]) for r in range(world)]
     inputs = [(problem.x[i], problem.topk_ids[i], problem.topk_weights[i]) for i in idx]
@@ -234,6 +235,24 @@ def test_emulated_ep_equals_the_ep1_device_forward(world, case, tokens):
     assert torch.equal(unbounded.view(torch.int16), ep1.view(torch.int16))
     assert torch.equal(bounded.view(torch.int16), ep1.view(torch.int16))
     assert rel_l2(unbounded.float(), fp32) < GATES[case[0]]
+
+
+def test_emulated_ranks_sharing_one_experts_scratch_give_the_same_rows_from_one_set():
+    """EmulatedEP(share_scratch=True), what the emulated bench runs so that 8 ranks' humming scratch fits one GPU:
+    every rank's output bit for bit the unshared emulator's (bound or not, an idle rank), and the ranks hold one
+    set of intermediates, a rank's own, not one each (without the sharing the ranks' sets add up)."""
+    world, case, tokens, mtpr = 4, ("a8w4", "fp8", "bf16"), (0, 2, 5, 5), 8
+    outs, scratches = {}, {}
+    for share in (False, True):
+        clear_transport_cache()
+        _, emu, inputs, _ = _emulated(world, *case, tokens, mtpr, share_scratch=share)
+        outs[share] = [torch.cat(emu.forward(inputs)), torch.cat(emu.forward(inputs, max_tokens_across_ranks=5))]
+        scratches[share] = [layer.workspace.scratch for layer in emu.layers]
+    for unshared, shared in zip(outs[False], outs[True]):
+        assert torch.equal(unshared.view(torch.int16), shared.view(torch.int16))
+    assert all(s is scratches[True][0] for s in scratches[True])
+    one_rank = max(s.bytes for s in scratches[False])
+    assert scratches[True][0].bytes == one_rank < sum(s.bytes for s in scratches[False])
 
 
 def test_a_bounded_forward_runs_persistent_grids_where_its_region_dwarfs_the_bound():
