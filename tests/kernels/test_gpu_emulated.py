@@ -9,6 +9,7 @@ What is shown, DSV4-Pro hidden / intermediate, 16 experts over EP 2 and 4, uneve
   one forward has run, allocate nothing but their outputs (CUDA allocator statistics);
 - the whole emulated step (every rank, in turn) captured in ONE CUDA graph and replayed with new
   tokens and routing equals eager bit for bit;
+- the ranks sharing one experts scratch (what the bench runs) give the same bits, eager and from one graph;
 - a bad expert id is raised on its rank only;
 - 1100 and 40 tokens per rank: the dispatch's wider pieces give the narrow pieces' bits.
 Per-rank speed: ``megamoe bench layer --ep N --emulate`` (benchmarks/results/h200_layer_ep_emulated.json).
@@ -66,12 +67,13 @@ def inputs_for(tokens, seed, masked=0.2):
     return out
 
 
-def emulated(world, case, weights, mtpr=MTPR):
+def emulated(world, case, weights, mtpr=MTPR, share_scratch=False):
     quant, wire, combine = case
     knobs = Knobs(dispatch_wire=wire, combine_wire=combine, max_tokens_per_rank=mtpr, transport="ipc")
     plans = [build_plan(SPEC, knobs, r, world, quant=quant, device_type="cuda") for r in range(world)]
     full = weights[1] if quant == "bf16" else weights[0]
-    return EmulatedEP(world, plans.__getitem__, lambda r: local_weights(full, plans[r].placement, r), torch.device("cuda"))
+    return EmulatedEP(world, plans.__getitem__, lambda r: local_weights(full, plans[r].placement, r), torch.device("cuda"),
+                      share_scratch=share_scratch)
 
 
 def ep1(case, weights, inputs):
@@ -85,15 +87,15 @@ def ep1(case, weights, inputs):
     return layer(x, ids, w), ref
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world,share", [(2, False), (4, False), (4, True)], ids=["ep2", "ep4", "ep4-shared-scratch"])
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
-def test_emulated_ep_equals_ep1_bound_or_not(world, case, weights):
+def test_emulated_ep_equals_ep1_bound_or_not(world, share, case, weights):
     """Bits against the ep_size-1 device forward with the same wires (the exact twin), the gate as the
     accuracy claim. Planted mutations of the P2P dispatch (layer/device/p2p.py: the route weights x 1.05 as dispatched, the first E8M0 block of every dispatched fp8 row one binade
     high, and the pair of (rank 0, token 1, k 0) sent with no slot)
     were run once (tree 2377c6c + issue 46) against this check's CPU twin,
     test_live_interpreter.py::test_emulated_ep_equals_the_ep1_device_forward: each failed its bit check."""
-    emu = emulated(world, case, weights)
+    emu = emulated(world, case, weights, share_scratch=share)  # shared: what bench layer --emulate runs
     inputs = inputs_for(TOKENS[world], seed=world)
     bound = max(TOKENS[world])
     emu.forward(inputs, bound)  # compiles
@@ -143,7 +145,7 @@ def test_prefill_sized_dispatch_in_wider_pieces_equals_narrow_pieces(case, weigh
 @pytest.mark.parametrize("bounded", [True, False], ids=["bound", "no-bound"])
 def test_one_graph_of_the_emulated_step_replays_like_eager(bounded, weights):
     world, case = 4, ("a8w4", "fp8", "fp8_blockwise_1x32")
-    emu = emulated(world, case, weights)
+    emu = emulated(world, case, weights, share_scratch=True)  # as the bench's step graph runs it
     static = inputs_for(TOKENS[world], seed=1)
     bound = max(TOKENS[world]) if bounded else None
     outs = []
