@@ -96,17 +96,16 @@ class DeepGemmBlockFp8(Peer):
         padded = (counts + self.align - 1) // self.align * self.align
         starts = torch.cumsum(padded, 0) - padded
         rows = int(padded.sum())
-        m_indices = torch.full((rows,), -1, dtype=torch.int32)
+        pairs = torch.nonzero(ok).view(-1)
+        order = torch.argsort(flat[pairs], stable=True)  # the local pairs by expert, in token order within one
+        by_expert, expert = pairs[order], flat[pairs][order]
+        first = torch.cumsum(counts, 0) - counts  # where each expert's pairs start in that order
         row_of_pair = torch.full((t * k,), -1, dtype=torch.int64)
-        fill = starts.clone()
-        for p in torch.nonzero(ok).view(-1).tolist():
-            e = int(flat[p])
-            row_of_pair[p] = fill[e]
-            fill[e] += 1
-        for e in range(self.experts):
-            m_indices[starts[e]:starts[e] + counts[e]] = e
+        row_of_pair[by_expert] = starts[expert] + torch.arange(by_expert.numel()) - first[expert]
+        m_indices = torch.full((rows,), -1, dtype=torch.int32)
+        m_indices[row_of_pair[pairs]] = flat[pairs].to(torch.int32)
         src = torch.zeros(rows, dtype=torch.int64)
-        src[row_of_pair[ok]] = torch.nonzero(ok).view(-1) // k
+        src[row_of_pair[pairs]] = pairs // k
         return rows, m_indices.to(self.device), row_of_pair.to(self.device), src.to(self.device)
 
     def bind(self, x, ids, weights):
