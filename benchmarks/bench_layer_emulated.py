@@ -305,11 +305,12 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
                                         intermediate=inter, weight_fmt=weight_fmt, a_fmt=plans[0].math.a_format,
                                         hbm_bytes_per_s=measured[0], mma_flops_per_s=measured[1]).us
                                     c.rank_x_floor_measured = c.rank_us / c.floor_measured_us
-                            if ready_peers and weight_fmt != "mxfp4":
-                                c.peers_error = "the peers run the MXFP4 schemes (their MXFP4 weights); none here"
-                            elif ready_peers:
+                            fmt_peers = [p for p in ready_peers if p.weights_fmt == weight_fmt]  # the scheme's weights
+                            if ready_peers and not fmt_peers:
+                                c.peers_error = f"no peer asked for takes {weight_fmt} weights"
+                            elif fmt_peers:
                                 try:
-                                    link_peers(c, cases, ready_peers, routes, slowest, ep, experts, weights, spec, args,
+                                    link_peers(c, cases, fmt_peers, routes, slowest, ep, experts, weights, spec, args,
                                                meta, peer_results)
                                 except Exception as exc:  # noqa: BLE001 - the project's figures of the case stand
                                     c.peers_error = f"{type(exc).__name__}: {str(exc)[:400]}"
@@ -333,14 +334,18 @@ def run_group(ep: int, experts: int, args, cases: list[EmulatedCase], meta: dict
 
 def link_peers(c: EmulatedCase, cases: list[EmulatedCase], ready, routes, slowest: int, ep: int, experts: int, weights,
                spec, args, meta: dict, peer_results: list) -> None:
-    """The peers' µs for ``c``: run on the slowest rank's share once per routes (ep, routing, tokens; the
-    first case of them picks the rank), reused by the other schemes / wires / bound of the same routes.
+    """The peers' µs for ``c``: run on the slowest rank's share once per routes and weight format (ep, routing,
+    tokens, MXFP4 or block-FP8; the first case of them picks the rank), reused by the other schemes / wires / bound
+    of the same routes on weights of that format.
     The peers' converted weights are dropped after their run: the emulated ranks hold every rank's
     experts, and the peers' copies of one rank's must not crowd out the cases that follow."""
     from .peers import release_all
 
-    key = (c.ep, c.routing, c.tokens)
-    done = next((o for o in cases if (o.ep, o.routing, o.tokens) == key and o.peer_rank >= 0), None)
+    from .layer_common import WEIGHT_FMT_OF
+
+    key = (c.ep, c.routing, c.tokens, WEIGHT_FMT_OF[c.scheme])
+    done = next((o for o in cases if (o.ep, o.routing, o.tokens, WEIGHT_FMT_OF[o.scheme]) == key and o.peer_rank >= 0),
+                None)
     if done is not None:
         c.peer_rank, c.peers_us = done.peer_rank, dict(done.peers_us)
     else:

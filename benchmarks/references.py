@@ -13,6 +13,7 @@ import torch
 
 from megamoe_backend.experts import ExpertMath, ExpertPairs, ExpertWeights, swiglu
 from megamoe_backend.formats import MXTensor, dequantize_mx, fake_quantize_a
+from megamoe_backend.formats.block_fp8 import dequantize_weight_blocks
 from megamoe_backend.layer.reference import fp32_reference_moe
 
 
@@ -44,7 +45,8 @@ def check_subset(pairs: ExpertPairs, limit: int, seed: int, n_experts: int = 8) 
 
 class LocalExperts:
     """W1 or W2 (``which``) of each local expert of ``wd`` in fp32, made when indexed: bf16 weights widened,
-    MXFP4 ones dequantised (the same values: an e2m1 code times a power of two is exact in bf16), so a
+    MXFP4 ones dequantised (the same values: an e2m1 code times a power of two is exact in bf16), block-FP8
+    ones dequantised per 128 x 128 block, so a
     reference needs no dequantised copy of all experts (``bench layer --emulate`` keeps one only for rank 0)."""
 
     def __init__(self, wd: ExpertWeights, which: str) -> None:
@@ -54,7 +56,10 @@ class LocalExperts:
         w = getattr(self.wd, self.which)[e]
         if self.wd.fmt == "bf16":
             return w.float()
-        return dequantize_mx(MXTensor(w, getattr(self.wd, f"{self.which}_scale")[e], "fp4"))
+        scale = getattr(self.wd, f"{self.which}_scale")[e]
+        if self.wd.fmt == "fp8_block":  # e4m3 values x one fp32 scale per 128 x 128 block
+            return dequantize_weight_blocks(w, scale)
+        return dequantize_mx(MXTensor(w, scale, "fp4"))
 
 
 def token_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, wd: ExpertWeights,

@@ -141,3 +141,39 @@ def test_a_pair_summed_into_the_wrong_token_fails():
     peer._layout = shifted
     y = peer.bind(x, ids, w)()
     assert rel_l2(y.float(), token_reference(x, ids, w, deq, None, torch.arange(6))) > 0.5
+
+
+def test_an_emulated_ep_rank_runs_the_peer_on_its_share_of_block_fp8_experts():
+    """bench layer --emulate --schemes fp8_block --peers deepgemm_block_fp8: the peer on one rank's share (the tokens
+    with a pair there, global ids), held to the fp32 reference of that rank's block-FP8 experts (references.LocalExperts
+    dequantises them per 128 x 128 block)."""
+    from benchmarks import bench_layer_emulated as emulated
+
+    ep, experts = 2, E // 2
+    blk, _, _, _, _ = _problem(4)
+    rank_weights = [ExpertWeights(blk.w1[r * experts:(r + 1) * experts], blk.w2[r * experts:(r + 1) * experts],
+                                  "fp8_block", "plain", blk.w1_scale[r * experts:(r + 1) * experts],
+                                  blk.w2_scale[r * experts:(r + 1) * experts]) for r in range(ep)]
+    routes = emulated.make_routes("uniform", [6] * ep, ep * experts, K, H, torch.device("cpu"), seed=3)
+    spec = types.SimpleNamespace(hidden_size=H, moe_intermediate_size=I, num_experts_per_tok=K, swiglu_limit=10.0)
+    (r,) = emulated.run_rank_peers([_peer([])], routes, 1, ep, experts, rank_weights, spec,
+                                   types.SimpleNamespace(seed=0), {})
+    assert r.peer == pdg.NAME and r.ep_rank == 1 and not r.error, r.error
+    assert r.relL2 < 0.06
+
+
+def test_the_emulated_bench_runs_each_weight_formats_peers_once_per_routes(monkeypatch):
+    """link_peers reuses a peer run across the cases of one routing only on weights of one format: an A8W4 case's
+    MXFP4 peers never stand for a block-FP8 case of the same tokens."""
+    from benchmarks import bench_layer_emulated as emulated
+
+    runs = []
+    monkeypatch.setattr(emulated, "run_rank_peers", lambda ready, *a, **k: runs.append(ready) or [])
+    monkeypatch.setattr(peers, "release_all", lambda ready: None)
+    cases = []
+    for scheme in ("a8w4", "a8w4", "fp8_block"):
+        c = emulated.EmulatedCase(8, 48, 128, scheme, "fp8", "bf16", "uniform", True, rank_us_by_rank=[1.0] * 8,
+                                  experts_us_by_rank=[1.0] * 8)
+        emulated.link_peers(c, cases, [object()], None, 3, 8, 48, None, None, None, {}, [])
+        cases.append(c)
+    assert len(runs) == 2 and [c.peer_rank for c in cases] == [3, 3, 3]
