@@ -5,15 +5,14 @@ FP8 GEMMs, the SM90 "1D2D" kernels (e4m3 A with one fp32 scale per 1 x 128 group
 Why this one: it is the grouped GEMM the engines reach for block-FP8 experts when DeepGEMM is installed. vLLM 0.34
 runs it as ``TritonOrDeepGemmExperts`` with ``VLLM_USE_DEEP_GEMM=1`` or ``--moe-backend deep_gemm``
 (``fused_moe/oracle/fp8.py``; its Hopper defaults are Triton at ep_size 1 and FlashInfer CUTLASS under EP),
-SGLang's DeepEP normal-mode runner feeds its received rows to ``m_grouped_fp8_gemm_nt_contiguous``, and DeepGEMM's
-SM90 FP8 MegaMoE (issue 61's published per-rank figures) is built on the same 1D2D GEMM. Neither engine's DeepGEMM
-build runs on the device (vLLM's vendored copy has no compiled extension there): this peer runs DeepGEMM built from
-source on the GPU machine (``benchmarks/research/deepgemm_bundle.py`` / ``deepgemm_setup.sh``).
+and SGLang's DeepEP normal-mode runner feeds its received rows to ``m_grouped_fp8_gemm_nt_contiguous``. Neither
+engine's DeepGEMM build runs on the device (vLLM's vendored copy has no compiled extension there): this peer runs
+DeepGEMM built from source on the GPU machine (``benchmarks/research/deepgemm_bundle.py`` / ``deepgemm_setup.sh``).
 
 What is DeepGEMM's and what is not: both GEMMs and DeepGEMM's own ``per_token_cast_to_fp8`` (1 x 128 groups, fp32
 scales) are the library's. The rest of the call is this peer's torch: the layout (computed on the host when a
 routing is bound, as DeepEP's normal dispatch hands its receiver per-expert counts on the host; each expert's rows
-padded to DeepGEMM's M alignment, pad rows marked -1, which the kernel skips), the row gather, SwiGLU with the clamp
+padded to DeepGEMM's M alignment, pad rows marked -1 and never read back), the row gather, SwiGLU with the clamp
 then the A2 quantisation (vLLM fuses those two in one Triton kernel), the route-weighted sum. So the whole call is
 an upper bound on an engine's glue around these GEMMs; ``stages_us`` times GEMM1 and GEMM2 alone on the bound
 rows (CUDA-graph replays), the figure to set beside the project's experts.
@@ -95,7 +94,7 @@ class DeepGemmBlockFp8(Peer):
         counts = torch.bincount(flat[ok], minlength=self.experts)
         padded = (counts + self.align - 1) // self.align * self.align
         starts = torch.cumsum(padded, 0) - padded
-        rows = int(padded.sum())
+        rows = max(int(padded.sum()), self.align)  # no pair here: one pad block, every row -1
         pairs = torch.nonzero(ok).view(-1)
         order = torch.argsort(flat[pairs], stable=True)  # the local pairs by expert, in token order within one
         by_expert, expert = pairs[order], flat[pairs][order]
@@ -115,10 +114,6 @@ class DeepGemmBlockFp8(Peer):
         hidden, inter = self.shape.hidden, self.shape.intermediate
         limit = self.shape.swiglu_limit
         rows, m_indices, row_of_pair, src = self._layout(ids)
-        rows = max(rows, self.align)  # no pair on this rank: one pad block, all rows -1
-        if m_indices.numel() < rows:
-            m_indices = torch.cat([m_indices, torch.full((rows - m_indices.numel(),), -1, dtype=torch.int32, device=dev)])
-            src = torch.cat([src, torch.zeros(rows - src.numel(), dtype=torch.int64, device=dev)])
         x = x.contiguous()
         route_w = weights.float().view(-1)
         live = row_of_pair >= 0
